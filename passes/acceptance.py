@@ -1,0 +1,222 @@
+"""Acceptance of a draft plan without a generation loop (DESIGN.md section 5).
+
+1. The target (full model) greedily continues each calibration prompt: these are the tokens a real
+   run would verify.
+2. One parallel forward of the full model over each sequence stores its K/V at every layer
+   (``Reference``) and the cosine similarity of every sublayer's input and output.
+3. One parallel forward of the draft plan over the sequence gives the draft's argmax and confidence
+   at every position. Its attention reads the *full model's* K/V for earlier positions and its own
+   K/V only on the diagonal: that is exactly what a real draft sees for the first token of a round
+   (earlier positions were written by the verifier). Later tokens of a round would see their own
+   round's draft K/V; the estimate treats them the same way, an approximation whose error the tests
+   measure against the real loop. For early-exit plans the prefix is the full model's own, so the
+   estimate is exact.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from speccompile.runtime.decoder import Decoder, KVCache
+from speccompile.runtime.manifest import DraftPlan
+from speccompile.runtime.speculative import DecodeRequest, Stats, decode
+from speccompile.runtime.torch_backend import TorchBackend
+
+
+@dataclass
+class Reference:
+    """One calibration sequence (prompt + the target's greedy continuation) and the full model's K/V."""
+
+    tokens: torch.Tensor  # [1, N]
+    prompt_len: int
+    cache: KVCache
+
+    @property
+    def targets(self) -> np.ndarray:
+        """The token each position should predict, for positions prompt_len..N-2."""
+        return self.tokens[0, self.prompt_len + 1 :].numpy()
+
+
+@dataclass
+class Profile:
+    """Per calibration sequence: did the draft's argmax match the target, and how sure was it."""
+
+    matches: list[np.ndarray]
+    confidences: list[np.ndarray]
+
+    @property
+    def match_rate(self) -> float:
+        total = sum(len(m) for m in self.matches)
+        return float(sum(m.sum() for m in self.matches) / total) if total else 0.0
+
+
+def greedy_continuations(decoder: Decoder, prompts: list[list[int]], new_tokens: int, progress=None) -> list[list[int]]:
+    """The target's own greedy continuation of each prompt, through the runtime's plain decoder."""
+    backend = TorchBackend(decoder)
+    outputs = []
+    for prompt in prompts:
+        backend.reserve(len(prompt) + new_tokens + 1)
+        produced: list[int] = []
+        for new in decode(backend, DecodeRequest(prompt, new_tokens), None, None, Stats()):
+            produced.extend(new)
+        outputs.append(produced)
+        if progress is not None:
+            progress.update(1)
+    return outputs
+
+
+@torch.inference_mode()
+def reference_pass(decoder: Decoder, tokens: list[int], prompt_len: int, cosine: np.ndarray | None = None) -> Reference:
+    """Full-model forward that keeps every layer's K/V; optionally accumulates sublayer cosines.
+
+    ``cosine`` is a ``[2, L]`` array (attention, MLP) to which this sequence's mean cos(h_in, h_out)
+    over its positions is added.
+    """
+    ids = torch.tensor([tokens])
+    cache = KVCache(decoder.config, len(tokens))
+    hooks = []
+    if cosine is not None:
+        inputs: dict = {}
+
+        def keep_input(key):
+            def hook(module, args):
+                inputs[key] = args[0]
+            return hook
+
+        def add_cosine(key, row, layer):
+            def hook(module, args, output):
+                h_in = inputs[key]
+                cosine[row, layer] += torch.nn.functional.cosine_similarity(h_in, h_in + output, dim=-1).mean().item()
+            return hook
+
+        for i, block in enumerate(decoder.layers):
+            hooks += [
+                block.attn_norm.register_forward_pre_hook(keep_input(("attn", i))),
+                block.attn.o.register_forward_hook(add_cosine(("attn", i), 0, i)),
+                block.mlp_norm.register_forward_pre_hook(keep_input(("mlp", i))),
+                block.mlp.register_forward_hook(add_cosine(("mlp", i), 1, i)),
+            ]
+    try:
+        decoder(ids, 0, cache)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return Reference(tokens=ids, prompt_len=prompt_len, cache=cache)
+
+
+def _mixed_attention(decoder: Decoder, ref: Reference):
+    """Attention whose queries see the reference K/V off the diagonal and their own K/V on it."""
+    config = decoder.config
+
+    def attend(i, h, pos, cache, rope, mask):
+        block = decoder.layers[i]
+        q, k_own, v_own = block.attn.project(block.attn_norm(h), rope)
+        n = h.shape[1]
+        keys, values = ref.cache.k[i, :, :, :n], ref.cache.v[i, :, :, :n]
+        repeat = config.num_heads // config.num_kv_heads
+        if repeat > 1:
+            keys, values, k_own, v_own = (x.repeat_interleave(repeat, dim=1) for x in (keys, values, k_own, v_own))
+        scores = (q @ keys.transpose(-1, -2)) * config.scale
+        q_pos = torch.arange(n)[:, None]
+        k_pos = torch.arange(n)[None, :]
+        allowed = k_pos < q_pos
+        if config.sliding_window is not None:
+            allowed &= k_pos > q_pos - config.sliding_window
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        scores.diagonal(dim1=-2, dim2=-1).copy_((q * k_own).sum(-1) * config.scale)
+        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+        p_diag = probs.diagonal(dim1=-2, dim2=-1)
+        out = (probs - torch.diag_embed(p_diag)) @ values + p_diag[..., None] * v_own
+        return block.attn.o(out.transpose(1, 2).reshape(1, n, -1))
+
+    return attend
+
+
+@torch.inference_mode()
+def draft_logits(decoder: Decoder, plan: DraftPlan, ref: Reference) -> torch.Tensor:
+    """The draft plan's logits at every position of the reference sequence, in one forward."""
+    h = decoder.embed_tokens(ref.tokens, 0)
+    if plan.is_early_exit:
+        h = decoder.run_blocks(h, 0, None, 0, plan.exit_layer)
+    else:
+        h = decoder.run_blocks(
+            h, 0, None, skip_attn=set(plan.skip_attn), skip_mlp=set(plan.skip_mlp),
+            attention=_mixed_attention(decoder, ref),
+        )
+    return decoder.head(h)[0]
+
+
+def profile_plan(decoder: Decoder, plan: DraftPlan, references: list[Reference]) -> Profile:
+    matches, confidences = [], []
+    for ref in references:
+        logits = draft_logits(decoder, plan, ref)[ref.prompt_len : -1]
+        probs = torch.softmax(logits.float(), dim=-1)
+        conf, top = probs.max(dim=-1)
+        matches.append(top.numpy() == ref.targets)
+        confidences.append(conf.numpy())
+    return Profile(matches=matches, confidences=confidences)
+
+
+@dataclass
+class RoundEstimate:
+    tokens_per_round: float
+    drafted_per_round: float
+    acceptance_rate: float
+    expected_speedup: float
+    max_draft: int
+    threshold: float
+
+
+def simulate_rounds(profile: Profile, max_draft: int, threshold: float) -> list[tuple[int, int]]:
+    """Replay draft-and-verify rounds along each calibration continuation: (drafted, accepted) per round.
+
+    A round starting at position i drafts while the draft is confident (and at most ``max_draft``
+    tokens); it accepts the run of matches from i; the next round starts after the verifier's token.
+    """
+    rounds = []
+    for matches, confidences in zip(profile.matches, profile.confidences):
+        n, i = len(matches), 0
+        while i < n:
+            drafted, accepted, alive = 0, 0, True
+            while drafted < max_draft and i + drafted < n:
+                j = i + drafted
+                drafted += 1
+                if alive and matches[j]:
+                    accepted += 1
+                else:
+                    alive = False
+                if confidences[j] < threshold:
+                    break
+            rounds.append((drafted, accepted))
+            i += accepted + 1
+    return rounds
+
+
+def estimate(profile: Profile, plan: DraftPlan, cost, max_draft: int, threshold: float) -> RoundEstimate:
+    """Expected speedup = E[tokens per round] / E[cost per round], relative to one plain decode step."""
+    rounds = simulate_rounds(profile, max_draft, threshold)
+    if not rounds:
+        return RoundEstimate(1.0, 0.0, 0.0, 0.0, max_draft, threshold)
+    drafted = np.array([d for d, _ in rounds], dtype=float)
+    accepted = np.array([a for _, a in rounds], dtype=float)
+    draft_step = cost.draft_step(plan)
+    round_cost = np.array([d * draft_step + cost.verify(plan, int(d) + 1) for d in drafted])
+    tokens = accepted + 1
+    speedup = tokens.sum() / round_cost.sum() * cost.plain_step()
+    return RoundEstimate(
+        tokens_per_round=float(tokens.mean()), drafted_per_round=float(drafted.mean()),
+        acceptance_rate=float(accepted.sum() / max(drafted.sum(), 1)), expected_speedup=float(speedup),
+        max_draft=max_draft, threshold=threshold,
+    )
+
+
+THRESHOLDS = (0.0, 0.2, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+def best_policy(profile: Profile, plan: DraftPlan, cost, max_draft: int) -> RoundEstimate:
+    """The draft-length policy (max draft, confidence threshold) that maximises expected speedup."""
+    candidates = (estimate(profile, plan, cost, k, th) for k in range(1, max_draft + 1) for th in THRESHOLDS)
+    return max(candidates, key=lambda e: e.expected_speedup)

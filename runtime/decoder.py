@@ -1,0 +1,275 @@
+"""The canonical decoder, written once (gpt-fast style), for every supported family.
+
+Families differ only through ``ArchConfig`` switches: RMSNorm or LayerNorm, gated or plain MLP,
+rotary (full or partial) or learned positions, sequential or parallel residual, q/k norm, embedding
+scale, biases, sliding window. Weights arrive already converted to the canonical names below, so this
+file knows nothing about Hugging Face layouts (fused qkv, Conv1D, Gemma's ``1 + w`` norms are all
+resolved by the converter).
+
+The forward pass is exposed in pieces the draft-and-verify loop needs: ``run_blocks`` over any range
+of blocks with any sublayers skipped, writing the static KV cache at absolute positions, and ``head``
+(final norm + lm_head, shared by every exit).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from .manifest import ArchConfig
+
+_ACTIVATIONS = {
+    "silu": F.silu,
+    "gelu": F.gelu,
+    "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+class KVCache:
+    """Static per-layer KV cache, preallocated once: ``[layers, batch, kv_heads, max_len, head_dim]``.
+
+    There is no length field to roll back: attention reads positions ``< pos + T`` of the call that is
+    running, so rejecting drafted tokens is just starting the next call at an earlier ``pos``; the stale
+    entries are overwritten when those positions are written again. Nothing is copied or cloned.
+    """
+
+    def __init__(self, config: ArchConfig, max_len: int, batch: int = 1, dtype=torch.float32, device="cpu"):
+        shape = (config.num_layers, batch, config.num_kv_heads, max_len, config.head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+
+
+class Norm(nn.Module):
+    def __init__(self, config: ArchConfig, dim: int):
+        super().__init__()
+        self.kind, self.eps = config.norm, config.norm_eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim)) if config.norm == "layer" else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.kind == "layer":
+            return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, config: ArchConfig):
+        super().__init__()
+        c = config
+        self.n_heads, self.n_kv, self.head_dim = c.num_heads, c.num_kv_heads, c.head_dim
+        self.q = nn.Linear(c.hidden_size, c.num_heads * c.head_dim, bias=c.attn_qkv_bias)
+        self.k = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attn_qkv_bias)
+        self.v = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attn_qkv_bias)
+        self.o = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attn_out_bias)
+        self.q_norm = Norm(c, c.head_dim) if c.qk_norm else None
+        self.k_norm = Norm(c, c.head_dim) if c.qk_norm else None
+
+    def project(self, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:
+        """q, k, v as ``[B, heads, T, head_dim]``, with q/k norm and rotary applied."""
+        b, t, _ = x.shape
+        q = self.q(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.k(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.v(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if rope is not None:
+            q, k = apply_rotary(q, rope), apply_rotary(k, rope)
+        return q, k, v
+
+
+class MLP(nn.Module):
+    def __init__(self, config: ArchConfig):
+        super().__init__()
+        c = config
+        self.gate = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias) if c.mlp == "gated" else None
+        self.up = nn.Linear(c.hidden_size, c.intermediate_size, bias=c.mlp_bias)
+        self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=c.mlp_bias)
+        self.act = _ACTIVATIONS[c.activation]
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.gate is not None:
+            return self.down(self.act(self.gate(x)) * self.up(x))
+        return self.down(self.act(self.up(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, config: ArchConfig):
+        super().__init__()
+        self.attn_norm = Norm(config, config.hidden_size)
+        self.attn = Attention(config)
+        self.mlp_norm = Norm(config, config.hidden_size)
+        self.mlp = MLP(config)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rotary(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
+    cos, sin = rope  # [T, rotary_dim]
+    rot = cos.shape[-1]
+    if rot == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    x_rot, x_pass = x[..., :rot], x[..., rot:]
+    return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
+
+
+class Decoder(nn.Module):
+    """Embedding, blocks, final norm and lm_head, with a static KV cache and sublayer skipping."""
+
+    def __init__(self, config: ArchConfig):
+        super().__init__()
+        c = self.config = config
+        self.embed = nn.Embedding(c.vocab_size, c.hidden_size)
+        self.pos_embed = (
+            nn.Embedding(c.max_position_embeddings + c.position_offset, c.hidden_size)
+            if c.positions == "learned"
+            else None
+        )
+        self.layers = nn.ModuleList(Block(c) for _ in range(c.num_layers))
+        self.norm = Norm(c, c.hidden_size)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        if c.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
+        if c.positions == "rotary":
+            self.register_buffer("rope_inv_freq", torch.zeros(c.rotary_dim // 2), persistent=True)
+        self._rope_cache: tuple[Tensor, Tensor] | None = None
+
+    # -- weights ---------------------------------------------------------------------------------
+    def load_canonical(self, weights: dict[str, Tensor]) -> "Decoder":
+        """Load canonical-name weights (tied lm_head may be absent) and precompute the rotary table."""
+        expected = set(self.state_dict())
+        if self.config.tie_word_embeddings:
+            expected.discard("lm_head.weight")
+        missing = expected - set(weights)
+        unexpected = set(weights) - expected
+        if missing or unexpected:
+            raise ValueError(f"weights do not fit the decoder: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}")
+        self.load_state_dict(weights, strict=False)
+        self._rope_cache = None
+        return self
+
+    def rope_table(self, length: int) -> tuple[Tensor, Tensor]:
+        """cos/sin for positions 0..length-1, computed once in float32 like transformers does."""
+        if self._rope_cache is None or self._rope_cache[0].shape[0] < length:
+            inv_freq = self.rope_inv_freq.float()
+            positions = torch.arange(max(length, 64), device=inv_freq.device, dtype=torch.float32)
+            freqs = torch.outer(positions, inv_freq)
+            emb = torch.cat((freqs, freqs), dim=-1)
+            scale = self.config.rope_attention_scaling
+            dtype = self.embed.weight.dtype
+            self._rope_cache = ((emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype))
+        return self._rope_cache
+
+    # -- forward pieces --------------------------------------------------------------------------
+    def embed_tokens(self, tokens: Tensor, pos: int) -> Tensor:
+        """tokens ``[B, T]`` at absolute positions pos..pos+T-1 -> hidden ``[B, T, d]``."""
+        h = self.embed(tokens)
+        c = self.config
+        if c.embed_scale is not None:
+            h = h * torch.tensor(c.embed_scale, dtype=h.dtype)
+        if self.pos_embed is not None:
+            t = tokens.shape[1]
+            ids = torch.arange(pos + c.position_offset, pos + c.position_offset + t, device=tokens.device)
+            h = h + self.pos_embed(ids)
+        return h
+
+    def rope_at(self, pos: int, t: int) -> tuple[Tensor, Tensor] | None:
+        if self.config.positions != "rotary":
+            return None
+        cos, sin = self.rope_table(pos + t)
+        return cos[pos : pos + t], sin[pos : pos + t]
+
+    def attention_mask(self, pos: int, t: int, total: int, device) -> Tensor | None:
+        """Boolean ``[t, total]`` mask (True = attend) for queries at pos..pos+t-1 over keys 0..total-1."""
+        window = self.config.sliding_window
+        if t == 1 and (window is None or total <= window):
+            return None
+        q_pos = torch.arange(pos, pos + t, device=device)[:, None]
+        k_pos = torch.arange(total, device=device)[None, :]
+        mask = k_pos <= q_pos
+        if window is not None:
+            mask &= k_pos > q_pos - window
+        return mask
+
+    def attention_sublayer(self, i: int, h: Tensor, pos: int, cache: KVCache | None, rope, mask) -> Tensor:
+        block = self.layers[i]
+        q, k, v = block.attn.project(block.attn_norm(h), rope)
+        t = h.shape[1]
+        if cache is not None:
+            cache.k[i, :, :, pos : pos + t] = k
+            cache.v[i, :, :, pos : pos + t] = v
+            k, v = cache.k[i, :, :, : pos + t], cache.v[i, :, :, : pos + t]
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, scale=self.config.scale, enable_gqa=block.attn.n_kv != block.attn.n_heads
+        )
+        b = h.shape[0]
+        return block.attn.o(out.transpose(1, 2).reshape(b, t, -1))
+
+    def mlp_sublayer(self, i: int, h: Tensor) -> Tensor:
+        block = self.layers[i]
+        return block.mlp(block.mlp_norm(h))
+
+    def run_blocks(
+        self,
+        h: Tensor,
+        pos: int,
+        cache: KVCache | None,
+        start: int = 0,
+        stop: int | None = None,
+        skip_attn: frozenset[int] | set[int] = frozenset(),
+        skip_mlp: frozenset[int] | set[int] = frozenset(),
+        attention=None,
+    ) -> Tensor:
+        """Blocks start..stop-1 on hidden ``[B, T, d]`` at positions pos..; a skipped sublayer passes
+        the residual stream through unchanged and writes no KV. ``attention`` replaces the attention
+        sublayer (same signature as ``attention_sublayer``); the acceptance estimator uses it."""
+        attend = attention or self.attention_sublayer
+        stop = self.config.num_layers if stop is None else stop
+        t = h.shape[1]
+        total = pos + t if cache is not None else t
+        rope = self.rope_at(pos, t)
+        mask = self.attention_mask(pos if cache is not None else 0, t, total, h.device)
+        for i in range(start, stop):
+            attn_out = None if i in skip_attn else attend(i, h, pos, cache, rope, mask)
+            if self.config.parallel_residual:
+                mlp_out = None if i in skip_mlp else self.mlp_sublayer(i, h)
+                if attn_out is not None:
+                    h = h + attn_out
+                if mlp_out is not None:
+                    h = h + mlp_out
+            else:
+                if attn_out is not None:
+                    h = h + attn_out
+                if i not in skip_mlp:
+                    h = h + self.mlp_sublayer(i, h)
+        return h
+
+    def head(self, h: Tensor) -> Tensor:
+        """Final norm + lm_head: the one head shared by the full model and every early exit."""
+        return self.lm_head(self.norm(h))
+
+    def forward(self, tokens: Tensor, pos: int = 0, cache: KVCache | None = None) -> Tensor:
+        """Full-model logits ``[B, T, vocab]`` for tokens at positions pos..pos+T-1."""
+        return self.head(self.run_blocks(self.embed_tokens(tokens, pos), pos, cache))
+
+
+def build_decoder(config: ArchConfig, weights: dict[str, Tensor], dtype=torch.float32, device="cpu") -> Decoder:
+    """A ready-to-run decoder from canonical weights, without paying for a random initialisation."""
+    with torch.device("meta"):
+        model = Decoder(config)
+    model = model.to_empty(device=device)
+    if config.tie_word_embeddings:
+        model.lm_head.weight = model.embed.weight
+    model.load_canonical(weights)
+    model = model.to(dtype)
+    if config.positions == "rotary":
+        # The rotary frequencies stay float32 whatever the weights' dtype, as in transformers.
+        model.rope_inv_freq.data = weights["rope_inv_freq"].float().to(device)
+    return model.eval()

@@ -1,0 +1,155 @@
+"""``load(path)``: an artifact on disk -> a model that generates, speculatively or not.
+
+This module imports neither torch nor transformers; the torch backend is imported only when an
+artifact is opened with it, so an ONNX/TensorRT artifact runs with numpy + tokenizers + its engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+from .errors import BackendUnavailableError, InputError
+from .manifest import DraftPlan, Manifest, read_manifest
+from .sampling import SamplingParams
+from .speculative import DecodeRequest, DraftPolicy, Stats, decode
+from .tokenizer import TextTokenizer
+
+TOKENIZER_FILE = "tokenizer/tokenizer.json"
+
+
+@dataclass
+class GenerationResult:
+    text: str
+    token_ids: list[int]
+    prompt_ids: list[int]
+    stats: Stats
+
+    def as_dict(self) -> dict:
+        return {"text": self.text, "token_ids": self.token_ids, **self.stats.as_dict()}
+
+
+@dataclass
+class Chunk:
+    """What one step (plain) or one verify round (speculative) added."""
+
+    text: str
+    token_ids: list[int]
+
+
+@dataclass
+class Stream:
+    """Iterate for chunks; ``result`` is filled in when the iteration ends."""
+
+    _chunks: Iterator[Chunk]
+    result: GenerationResult | None = field(default=None)
+
+    def __iter__(self) -> Iterator[Chunk]:
+        return self._chunks
+
+
+def _open_backend(root: Path, manifest: Manifest, backend: str | None, device: str):
+    available = list(manifest.backends)
+    name = backend or available[0]
+    if name not in manifest.backends:
+        raise BackendUnavailableError(
+            f"this artifact has no '{name}' backend (it has: {', '.join(available)}); rebuild with --backend {name}"
+        )
+    if name == "torch":
+        try:
+            from .torch_backend import TorchBackend
+        except ImportError:
+            raise BackendUnavailableError(
+                "the torch backend needs PyTorch; install it (pip install torch) or use an ONNX artifact"
+            ) from None
+        return TorchBackend.from_files(
+            root / manifest.backends["torch"]["weights"], manifest.config, dtype=manifest.dtype, device=device
+        )
+    raise BackendUnavailableError(f"backend '{name}' is not supported by this runtime")
+
+
+class SpeculativeModel:
+    """A loaded artifact: tokenizer, backend and draft plans."""
+
+    def __init__(self, root: Path, manifest: Manifest, backend, tokenizer: TextTokenizer):
+        self.root, self.manifest, self.backend, self.tokenizer = root, manifest, backend, tokenizer
+        self.context = manifest.config.max_position_embeddings
+        self.eos_ids = frozenset(manifest.tokens.get("eos_token_ids", []))
+
+    def plan(self, name: str | None = None) -> DraftPlan:
+        return self.manifest.plan(name)
+
+    def encode_prompt(self, prompt: str | list[int]) -> list[int]:
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
+        if not ids or (isinstance(prompt, str) and not prompt.strip()):
+            raise InputError("the prompt is empty; pass some text with --prompt")
+        vocab = self.manifest.config.vocab_size
+        if any(not 0 <= t < vocab for t in ids):
+            raise InputError(f"prompt token ids must be in 0..{vocab - 1}")
+        if len(ids) >= self.context:
+            raise InputError(
+                f"the prompt is {len(ids)} tokens but the model's context is {self.context}; shorten the prompt"
+            )
+        return ids
+
+    def stream(
+        self,
+        prompt: str | list[int],
+        max_new_tokens: int = 128,
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        seed: int | None = None,
+        speculate: bool = True,
+        plan: str | None = None,
+        max_draft: int | None = None,
+    ) -> Stream:
+        if max_new_tokens < 1:
+            raise InputError("max_new_tokens must be at least 1")
+        if not 0.0 < top_p <= 1.0:
+            raise InputError("top_p must be in (0, 1]")
+        prompt_ids = self.encode_prompt(prompt)
+        draft_plan = self.plan(plan) if speculate and self.manifest.plans else None
+        policy = DraftPolicy.from_plan(draft_plan, max_draft) if draft_plan else None
+        draft_room = (policy.max_draft + 1) if policy else 1
+        self.backend.reserve(min(self.context, len(prompt_ids) + max_new_tokens + draft_room))
+        request = DecodeRequest(
+            prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
+            params=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
+            eos_ids=self.eos_ids, seed=seed,
+        )
+        stats = Stats()
+        stream = Stream(iter(()))
+
+        def chunks() -> Iterator[Chunk]:
+            produced: list[int] = []
+            text = ""
+            for new in decode(self.backend, request, draft_plan, policy, stats):
+                produced.extend(new)
+                full = self.tokenizer.decode(produced)
+                # Hold back text that ends in an incomplete UTF-8 sequence until it completes.
+                delta = full[len(text):] if not full.endswith("\ufffd") else ""
+                text += delta
+                yield Chunk(text=delta, token_ids=new)
+            stream.result = GenerationResult(
+                text=self.tokenizer.decode(produced), token_ids=produced, prompt_ids=prompt_ids, stats=stats
+            )
+
+        stream._chunks = chunks()
+        return stream
+
+    def generate(self, prompt: str | list[int], **kwargs) -> GenerationResult:
+        """Generate to completion. Keyword arguments as for ``stream``."""
+        stream = self.stream(prompt, **kwargs)
+        for _ in stream:
+            pass
+        return stream.result
+
+
+def load(path: str | Path, backend: str | None = None, device: str = "cpu", verify: bool = True) -> SpeculativeModel:
+    """Open an artifact: check its manifest and file hashes, then load tokenizer and backend."""
+    root = Path(path)
+    manifest = read_manifest(root, verify_files=verify)
+    tokenizer = TextTokenizer(root / TOKENIZER_FILE)
+    return SpeculativeModel(root, manifest, _open_backend(root, manifest, backend, device), tokenizer)

@@ -1,0 +1,129 @@
+"""`speccompile bench`: the same prompts decoded plain and speculative by the runtime, and by
+transformers ``generate()`` (greedy) on the source model, with tokens/s, speedups, mean accepted tokens
+and whether the outputs are identical."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from speccompile.calibration import DEFAULT_CALIBRATION
+from speccompile.runtime import load
+from speccompile.runtime.errors import SpeccompileError
+
+
+def load_prompts(path: str | None, manifest) -> tuple[list[str], str]:
+    """Prompts from ``path`` (JSONL "prompt"/"text" or plain text, one prompt per blank-line block),
+    else the source model's own prompts.jsonl (the reference model ships one), else the built-in set."""
+    from speccompile.calibration import load_calibration
+
+    if path is not None:
+        return load_calibration(path), path
+    shipped = Path(manifest.source.get("path", "")) / "prompts.jsonl"
+    if manifest.source.get("path") and shipped.is_file():
+        return load_calibration(str(shipped)), str(shipped)
+    return list(DEFAULT_CALIBRATION), "built-in"
+
+
+def _transformers_generate(source_path: Path, prompt_ids: list[list[int]], max_new_tokens: int, eos: list[int],
+                           pad: int | None, progress: bool):
+    import torch
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = AutoModelForCausalLM.from_pretrained(source_path, dtype=torch.float32, use_safetensors=True).eval()
+    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
+                              eos_token_id=eos or None, pad_token_id=pad if pad is not None else (eos or [0])[0])
+    outputs, seconds = [], 0.0
+    with torch.inference_mode():
+        model.generate(torch.tensor([prompt_ids[0]]), generation_config=GenerationConfig(
+            max_new_tokens=4, do_sample=False, pad_token_id=config.pad_token_id))  # warm-up
+        for ids in tqdm(prompt_ids, desc="bench: transformers generate", disable=not progress):
+            start = time.perf_counter()
+            out = model.generate(torch.tensor([ids]), generation_config=config)
+            seconds += time.perf_counter() - start
+            outputs.append(out[0, len(ids):].tolist())
+    return outputs, seconds
+
+
+def run_bench(artifact: str, prompts_path: str | None = None, max_new_tokens: int = 128, plan: str | None = None,
+              with_transformers: bool = True, progress: bool = True) -> dict:
+    model = load(artifact)
+    texts, prompt_source = load_prompts(prompts_path, model.manifest)
+    prompt_ids = [model.encode_prompt(text) for text in texts]
+    model.generate(prompt_ids[0], max_new_tokens=8, speculate=False)  # warm-up
+    model.generate(prompt_ids[0], max_new_tokens=8, plan=plan)
+    plain, spec = [], []
+    for ids in tqdm(prompt_ids, desc="bench: runtime plain + speculative", disable=not progress):
+        plain.append(model.generate(ids, max_new_tokens=max_new_tokens, speculate=False))
+        spec.append(model.generate(ids, max_new_tokens=max_new_tokens, plan=plan))
+
+    def rate(results) -> float:
+        return sum(r.stats.new_tokens for r in results) / sum(r.stats.seconds for r in results)
+
+    rounds = sum(r.stats.rounds for r in spec)
+    accepted = sum(r.stats.accepted for r in spec)
+    drafted = sum(r.stats.drafted for r in spec)
+    spec_same = [a.token_ids == b.token_ids for a, b in zip(plain, spec)]
+    report = {
+        "artifact": str(artifact),
+        "plan": model.plan(plan).name,
+        "prompts": len(prompt_ids),
+        "prompt_source": prompt_source,
+        "max_new_tokens": max_new_tokens,
+        "autoregressive": {"tokens_per_s": round(rate(plain), 2),
+                           "new_tokens": sum(r.stats.new_tokens for r in plain)},
+        "speculative": {"tokens_per_s": round(rate(spec), 2), "new_tokens": sum(r.stats.new_tokens for r in spec),
+                        "mean_accepted": round((accepted + rounds) / max(rounds, 1), 3),
+                        "acceptance_rate": round(accepted / max(drafted, 1), 3), "rounds": rounds},
+        "transformers": None,
+        "speedup": {"speculative_vs_autoregressive": round(rate(spec) / rate(plain), 3)},
+        "identical_detail": {"speculative_vs_autoregressive": f"{sum(spec_same)}/{len(spec_same)}"},
+    }
+    identical = all(spec_same)
+    source_path = Path(model.manifest.source.get("path", ""))
+    if with_transformers and (source_path / "config.json").is_file():
+        outputs, seconds = _transformers_generate(
+            source_path, prompt_ids, max_new_tokens, sorted(model.eos_ids), model.manifest.tokens.get("pad_token_id"),
+            progress,
+        )
+        hf_rate = sum(len(o) for o in outputs) / seconds
+        hf_same = [o == r.token_ids for o, r in zip(outputs, plain)]
+        report["transformers"] = {"tokens_per_s": round(hf_rate, 2), "new_tokens": sum(len(o) for o in outputs)}
+        report["speedup"]["speculative_vs_transformers"] = round(rate(spec) / hf_rate, 3)
+        report["speedup"]["autoregressive_vs_transformers"] = round(rate(plain) / hf_rate, 3)
+        report["identical_detail"]["transformers_vs_autoregressive"] = f"{sum(hf_same)}/{len(hf_same)}"
+        identical = identical and all(hf_same)
+    elif with_transformers:
+        report["transformers_skipped"] = f"source model folder {str(source_path)!r} is not available"
+    report["identical"] = identical
+    return report
+
+
+def format_report(report: dict) -> str:
+    lines = [f"bench: {report['prompts']} prompts ({report['prompt_source']}), {report['max_new_tokens']} new tokens, "
+             f"plan '{report['plan']}'"]
+    rows = [("runtime plain (autoregressive)", report["autoregressive"]["tokens_per_s"]),
+            ("runtime speculative", report["speculative"]["tokens_per_s"])]
+    if report["transformers"]:
+        rows.append(("transformers generate()", report["transformers"]["tokens_per_s"]))
+    for name, value in rows:
+        lines.append(f"  {name:32s} {value:9.1f} tokens/s")
+    spec = report["speculative"]
+    lines.append(f"  mean accepted tokens per round {spec['mean_accepted']:.2f} "
+                 f"(acceptance rate {spec['acceptance_rate']:.2f}, {spec['rounds']} rounds)")
+    lines.append("  speedup: " + ", ".join(f"{k.replace('_', ' ')} {v:.2f}x" for k, v in report["speedup"].items()))
+    lines.append("  identical outputs: " + ("yes" if report["identical"] else "NO") + " ("
+                 + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in report["identical_detail"].items()) + ")")
+    if "transformers_skipped" in report:
+        lines.append(f"  transformers baseline skipped: {report['transformers_skipped']}")
+    return "\n".join(lines)
+
+
+def dumps(report: dict) -> str:
+    return json.dumps(report, indent=2)
+
+
+__all__ = ["SpeccompileError", "dumps", "format_report", "run_bench"]

@@ -1,0 +1,172 @@
+"""The `speccompile` command line: build, generate, bench, inspect."""
+
+from __future__ import annotations
+
+import json
+import sys
+from functools import wraps
+from pathlib import Path
+
+import click
+
+from speccompile.runtime.errors import SpeccompileError
+
+
+def friendly_errors(command):
+    """Print a user error as one line and exit 1; no traceback for problems the user can fix."""
+
+    @wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except SpeccompileError as exc:
+            click.echo(f"error: {exc}", err=True)
+            sys.exit(1)
+        except KeyboardInterrupt:
+            click.echo("interrupted; nothing was written", err=True)
+            sys.exit(130)
+
+    return wrapper
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="speccompile")
+def main():
+    """Compile a Hugging Face causal LM into a self-speculative model: it drafts tokens with a cheap
+    subgraph of itself (early exit or skipped sublayers) and verifies them with the full model, so the
+    output is exactly the full model's greedy output, only faster."""
+
+
+@main.command()
+@click.argument("model", required=False)
+@click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Artifact folder to write.")
+@click.option("--method", type=click.Choice(["cosine", "early-exit"]), default="cosine", show_default=True,
+              help="cosine: skip the sublayers whose input and output are most alike; early-exit: draft with the "
+                   "first E blocks and verify only the rest.")
+@click.option("--calibration", type=click.Path(), default=None,
+              help="Calibration text: .jsonl with a 'text' or 'prompt' field per line, or plain text split on "
+                   "blank lines. Default: a small built-in set.")
+@click.option("--max-draft", type=click.IntRange(1, 32), default=8, show_default=True,
+              help="Most tokens drafted per round; the tuner picks the best value up to this.")
+@click.option("--calibration-tokens", type=click.IntRange(4, 1024), default=64, show_default=True,
+              help="Tokens the full model generates after each calibration prompt (what drafts are scored on).")
+@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True)
+@click.option("--device", default="cpu", show_default=True, help="Device to tune and time on (cpu, cuda, cuda:1).")
+@click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
+@click.option("--trust-remote-code", is_flag=True, help="Allow model code from the model folder (off by default).")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+@friendly_errors
+def build(model, out, method, calibration, max_draft, calibration_tokens, dtype, device, force, trust_remote_code,
+          quiet):
+    """Build a self-speculative artifact from MODEL (a local folder, a cached hub id, or nothing for the
+    bundled reference model)."""
+    from speccompile.build import BuildOptions, build as run_build
+
+    options = BuildOptions(model=model, out=out, method=method, calibration=calibration, max_draft=max_draft,
+                           calibration_tokens=calibration_tokens, dtype=dtype, device=device, force=force, trust_remote_code=trust_remote_code,
+                           show_progress=not quiet)
+    path = run_build(options, log=lambda message: click.echo(message, err=True))
+    from speccompile.runtime import read_manifest
+
+    manifest = read_manifest(path)
+    plan = manifest.plan()
+    m = plan.measured
+    click.echo(f"wrote {path}: plan '{plan.name}' ({plan.describe()}), expected speedup "
+               f"{m.get('expected_speedup', 0):.2f}x, confirmed {m.get('confirmed_speedup', 0):.2f}x, "
+               f"mean accepted {m.get('confirmed_mean_accepted', 0):.2f} tokens/round")
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--prompt", required=True, help="Text to continue.")
+@click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
+@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0 = no top-k cut.")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--seed", type=int, default=None, help="Seed for sampling.")
+@click.option("--no-speculate", is_flag=True, help="Plain decoding with the full model (the reference).")
+@click.option("--plan", default=None, help="Draft plan to use (default: the manifest's default plan).")
+@click.option("--backend", default=None, help="Backend to run (default: the artifact's first).")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, token_ids and stats.")
+@friendly_errors
+def generate(artifact, prompt, max_new_tokens, temperature, top_k, top_p, seed, no_speculate, plan, backend, device,
+             as_json):
+    """Continue PROMPT with the artifact, speculatively unless --no-speculate."""
+    from speccompile.runtime import load
+
+    model = load(artifact, backend=backend, device=device)
+    kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
+                  speculate=not no_speculate, plan=plan)
+    if as_json:
+        result = model.generate(prompt, **kwargs)
+        click.echo(json.dumps(result.as_dict()))
+        return
+    stream = model.stream(prompt, **kwargs)
+    for chunk in stream:
+        click.echo(chunk.text, nl=False)
+    click.echo()
+    s = stream.result.stats
+    accepted = f", mean accepted {s.mean_accepted:.2f} tokens/round" if s.mean_accepted is not None else ""
+    click.echo(f"[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tokens/s{accepted}, stop: {s.stop_reason}]", err=True)
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--prompts", type=click.Path(), default=None,
+              help="Prompts (.jsonl with 'prompt' or 'text', or plain text split on blank lines). Default: the "
+                   "source model's prompts.jsonl if it has one, else a built-in set.")
+@click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
+@click.option("--plan", default=None, help="Draft plan to bench (default: the manifest's default plan).")
+@click.option("--no-transformers", is_flag=True, help="Skip the transformers generate() baseline.")
+@click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+@friendly_errors
+def bench(artifact, prompts, max_new_tokens, plan, no_transformers, as_json, quiet):
+    """Time plain vs speculative decoding of the same prompts (and transformers generate()), and check
+    the outputs are identical."""
+    from speccompile.bench import dumps, format_report, run_bench
+
+    report = run_bench(str(artifact), prompts, max_new_tokens, plan, not no_transformers, progress=not quiet)
+    click.echo(dumps(report) if as_json else format_report(report))
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the whole manifest.")
+@friendly_errors
+def inspect(artifact, as_json):
+    """Summarise an artifact: source, geometry, draft plans and their measured figures."""
+    from speccompile.runtime import read_manifest
+
+    manifest = read_manifest(artifact)
+    if as_json:
+        click.echo(json.dumps(manifest.to_dict(), indent=2))
+        return
+    c = manifest.config
+    src = manifest.source
+    click.echo(f"artifact {artifact} (schema {manifest.schema_version}, speccompile {manifest.toolkit_version})")
+    click.echo(f"  source      {src.get('model')} ({src.get('architecture')}) from {src.get('path')}")
+    click.echo(f"  geometry    {c.num_layers} blocks, hidden {c.hidden_size}, {c.num_heads} heads "
+               f"({c.num_kv_heads} kv, head_dim {c.head_dim}), vocab {c.vocab_size}, context "
+               f"{c.max_position_embeddings}, {manifest.dtype}")
+    click.echo(f"  backends    {', '.join(manifest.backends)}; tuned on {manifest.tuning.get('device', '?')} "
+               f"by {manifest.tuning.get('method', '?')}")
+    total = sum(f["bytes"] for f in manifest.files.values())
+    click.echo(f"  files       {len(manifest.files)} ({total / 1e6:.1f} MB), sha256 verified")
+    for name, plan in manifest.plans.items():
+        m = plan.measured
+        default = " (default)" if name == manifest.default_plan else ""
+        click.echo(f"  plan {name}{default}: {plan.describe()}; max draft {plan.max_draft}, threshold "
+                   f"{plan.threshold:.2f}{', adaptive' if plan.adaptive else ''}")
+        if plan.skip_attn or plan.skip_mlp:
+            click.echo(f"      skip attention {plan.skip_attn}, skip MLP {plan.skip_mlp}")
+        if m:
+            click.echo(f"      acceptance {m.get('acceptance_rate', 0):.2f}, mean accepted "
+                       f"{m.get('mean_accepted', 0):.2f} (confirmed {m.get('confirmed_mean_accepted', 0):.2f}), "
+                       f"expected speedup {m.get('expected_speedup', 0):.2f}x (confirmed "
+                       f"{m.get('confirmed_speedup', 0):.2f}x)")
+
+
+if __name__ == "__main__":
+    main()

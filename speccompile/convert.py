@@ -1,0 +1,250 @@
+"""Convert a transformers causal LM into the canonical decoder's config and weights.
+
+Each supported family is described by a ``Layout`` (where its tensors live and how they are fused), so
+adding a family is adding data, not code. Everything family-specific is resolved here, once, at build
+time: fused qkv / gate-up projections are split, GPT-2's Conv1D weights are transposed, Gemma's
+``(1 + w)`` norms are folded, and the rotary frequencies are taken from the model's own rotary module
+(so every rope scaling transformers computes statically is reproduced exactly).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from speccompile.runtime.errors import SpeccompileError
+from speccompile.runtime.manifest import ArchConfig
+
+_LLAMA_LAYER = {
+    "attn_norm": "input_layernorm",
+    "attn.q": "self_attn.q_proj",
+    "attn.k": "self_attn.k_proj",
+    "attn.v": "self_attn.v_proj",
+    "attn.o": "self_attn.o_proj",
+    "attn.q_norm": "self_attn.q_norm",
+    "attn.k_norm": "self_attn.k_norm",
+    "mlp_norm": "post_attention_layernorm",
+    "mlp.gate": "mlp.gate_proj",
+    "mlp.up": "mlp.up_proj",
+    "mlp.down": "mlp.down_proj",
+}
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where a family keeps its tensors. ``layer`` maps canonical sublayer names to HF names."""
+
+    base: str
+    embed: str
+    layers: str
+    final_norm: str
+    layer: dict[str, str]
+    lm_head: str = "lm_head"
+    pos_embed: str | None = None
+    fused_qkv: str | None = None  # "concat" [q; k; v] rows | "per_head" [heads, 3, head_dim] rows
+    fused_gate_up: bool = False  # Phi-3: gate_up_proj = [gate; up]
+    conv1d: bool = False  # GPT-2: weights stored [in, out]
+    norm_plus_one: bool = False  # Gemma: RMSNorm scales by (1 + w)
+    notes: dict[str, str] = field(default_factory=dict)
+
+
+LAYOUTS: dict[str, Layout] = {
+    "llama": Layout("model", "embed_tokens", "layers", "norm", _LLAMA_LAYER),
+    "mistral": Layout("model", "embed_tokens", "layers", "norm", _LLAMA_LAYER),
+    "qwen2": Layout("model", "embed_tokens", "layers", "norm", _LLAMA_LAYER),
+    "qwen3": Layout("model", "embed_tokens", "layers", "norm", _LLAMA_LAYER),
+    "gemma": Layout("model", "embed_tokens", "layers", "norm", _LLAMA_LAYER, norm_plus_one=True),
+    "phi3": Layout(
+        "model", "embed_tokens", "layers", "norm",
+        {**_LLAMA_LAYER, "attn.qkv": "self_attn.qkv_proj", "mlp.gate_up": "mlp.gate_up_proj"},
+        fused_qkv="concat", fused_gate_up=True,
+    ),
+    "gpt2": Layout(
+        "transformer", "wte", "h", "ln_f",
+        {"attn_norm": "ln_1", "attn.qkv": "attn.c_attn", "attn.o": "attn.c_proj", "mlp_norm": "ln_2",
+         "mlp.up": "mlp.c_fc", "mlp.down": "mlp.c_proj"},
+        pos_embed="wpe", fused_qkv="concat", conv1d=True,
+    ),
+    "gpt_neox": Layout(
+        "gpt_neox", "embed_in", "layers", "final_layer_norm",
+        {"attn_norm": "input_layernorm", "attn.qkv": "attention.query_key_value", "attn.o": "attention.dense",
+         "mlp_norm": "post_attention_layernorm", "mlp.up": "mlp.dense_h_to_4h", "mlp.down": "mlp.dense_4h_to_h"},
+        lm_head="embed_out", fused_qkv="per_head",
+    ),
+    "opt": Layout(
+        "model.decoder", "embed_tokens", "layers", "final_layer_norm",
+        {"attn_norm": "self_attn_layer_norm", "attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj",
+         "attn.v": "self_attn.v_proj", "attn.o": "self_attn.out_proj", "mlp_norm": "final_layer_norm",
+         "mlp.up": "fc1", "mlp.down": "fc2"},
+        pos_embed="embed_positions",
+    ),
+}
+SUPPORTED_MODEL_TYPES = tuple(LAYOUTS)
+
+_ACTIVATIONS = {
+    "silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
+    "gelu_pytorch_tanh": "gelu_tanh", "gelu_fast": "gelu_tanh", "relu": "relu",
+}
+_STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
+
+
+class UnsupportedModelError(SpeccompileError):
+    pass
+
+
+def check_supported(model_type: str) -> None:
+    if model_type not in LAYOUTS:
+        raise UnsupportedModelError(
+            f"architecture '{model_type}' is not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
+        )
+
+
+def _refuse(condition: bool, message: str) -> None:
+    if condition:
+        raise UnsupportedModelError(message)
+
+
+def _activation(name: str) -> str:
+    if name not in _ACTIVATIONS:
+        raise UnsupportedModelError(f"activation '{name}' is not supported; supported: {', '.join(sorted(_ACTIVATIONS))}")
+    return _ACTIVATIONS[name]
+
+
+def _rotary_module(model) -> torch.nn.Module | None:
+    for name, module in model.named_modules():
+        if name.endswith("rotary_emb") and hasattr(module, "inv_freq"):
+            return module
+    return None
+
+
+def arch_config(model) -> ArchConfig:
+    """The canonical decoder's options for a loaded transformers model (config + rotary module)."""
+    hf = model.config
+    mt = hf.model_type
+    check_supported(mt)
+    tie = bool(getattr(hf, "tie_word_embeddings", False))
+    if mt == "gpt2":
+        _refuse(hf.scale_attn_by_inverse_layer_idx, "gpt2 with scale_attn_by_inverse_layer_idx is not supported")
+        hidden = hf.n_embd
+        return ArchConfig(
+            model_type=mt, vocab_size=hf.vocab_size, hidden_size=hidden, num_layers=hf.n_layer,
+            num_heads=hf.n_head, num_kv_heads=hf.n_head, head_dim=hidden // hf.n_head,
+            intermediate_size=hf.n_inner or 4 * hidden, norm="layer", norm_eps=hf.layer_norm_epsilon,
+            mlp="plain", activation=_activation(hf.activation_function), positions="learned",
+            attn_qkv_bias=True, attn_out_bias=True, mlp_bias=True, tie_word_embeddings=tie,
+            max_position_embeddings=hf.n_positions, attn_scale=None if hf.scale_attn_weights else 1.0,
+        )
+    if mt == "opt":
+        _refuse(not hf.do_layer_norm_before, "OPT with post-layer-norm (do_layer_norm_before=False, e.g. opt-350m) is not supported")
+        _refuse(hf.word_embed_proj_dim != hf.hidden_size, "OPT with word_embed_proj_dim != hidden_size is not supported")
+        _refuse(not hf.layer_norm_elementwise_affine, "OPT without layer-norm affine weights is not supported")
+        _refuse(getattr(hf, "_remove_final_layer_norm", False), "OPT without a final layer norm is not supported")
+        return ArchConfig(
+            model_type=mt, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_layers=hf.num_hidden_layers,
+            num_heads=hf.num_attention_heads, num_kv_heads=hf.num_attention_heads,
+            head_dim=hf.hidden_size // hf.num_attention_heads, intermediate_size=hf.ffn_dim, norm="layer",
+            norm_eps=1e-5, mlp="plain", activation=_activation(hf.activation_function), positions="learned",
+            position_offset=2, attn_qkv_bias=hf.enable_bias, attn_out_bias=hf.enable_bias, mlp_bias=hf.enable_bias,
+            tie_word_embeddings=tie, max_position_embeddings=hf.max_position_embeddings,
+        )
+
+    rotary = _rotary_module(model)
+    _refuse(rotary is None, f"{mt} model has no rotary embedding module; cannot convert")
+    rope_type = getattr(rotary, "rope_type", "default")
+    _refuse(
+        rope_type not in _STATIC_ROPE_TYPES,
+        f"rope scaling '{rope_type}' changes with sequence length and is not supported; supported: {', '.join(sorted(_STATIC_ROPE_TYPES))}",
+    )
+    rotary_dim = 2 * rotary.inv_freq.shape[0]
+    common = dict(
+        model_type=mt, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size, num_layers=hf.num_hidden_layers,
+        num_heads=hf.num_attention_heads, rotary_dim=rotary_dim,
+        rope_attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
+        tie_word_embeddings=tie, max_position_embeddings=hf.max_position_embeddings,
+    )
+    if mt == "gpt_neox":
+        return ArchConfig(
+            **common, num_kv_heads=hf.num_attention_heads, head_dim=hf.hidden_size // hf.num_attention_heads,
+            intermediate_size=hf.intermediate_size, norm="layer", norm_eps=hf.layer_norm_eps, mlp="plain",
+            activation=_activation(hf.hidden_act), parallel_residual=hf.use_parallel_residual,
+            attn_qkv_bias=hf.attention_bias, attn_out_bias=hf.attention_bias, mlp_bias=True,
+        )
+
+    # Llama-like families: llama, mistral, qwen2, qwen3, gemma, phi3.
+    if mt in ("qwen2", "qwen3"):
+        _refuse(bool(getattr(hf, "use_sliding_window", False)), f"{mt} with use_sliding_window=True is not supported")
+        window = None
+    else:
+        window = getattr(hf, "sliding_window", None)
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    attention_bias = bool(getattr(hf, "attention_bias", False))
+    act = getattr(hf, "hidden_activation", None) or hf.hidden_act if mt == "gemma" else hf.hidden_act
+    return ArchConfig(
+        **common, num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
+        head_dim=head_dim, intermediate_size=hf.intermediate_size, norm="rms", norm_eps=hf.rms_norm_eps,
+        mlp="gated", activation=_activation(act), qk_norm=mt == "qwen3",
+        embed_scale=float(hf.hidden_size**0.5) if mt == "gemma" else None,
+        attn_qkv_bias=attention_bias or mt == "qwen2", attn_out_bias=attention_bias,
+        mlp_bias=bool(getattr(hf, "mlp_bias", False)), sliding_window=window,
+    )
+
+
+def _split_qkv(weight: Tensor, config: ArchConfig, how: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Split a fused qkv weight ``[rows, in]`` (or bias ``[rows]``) into q, k, v."""
+    q_rows = config.num_heads * config.head_dim
+    kv_rows = config.num_kv_heads * config.head_dim
+    if how == "concat":
+        return weight[:q_rows], weight[q_rows : q_rows + kv_rows], weight[q_rows + kv_rows :]
+    # GPT-NeoX: rows are laid out per head as [q_h, k_h, v_h].
+    per_head = weight.reshape(config.num_heads, 3, config.head_dim, *weight.shape[1:])
+    return tuple(per_head[:, j].reshape(q_rows, *weight.shape[1:]) for j in range(3))
+
+
+def canonical_weights(model, config: ArchConfig) -> dict[str, Tensor]:
+    """The model's weights under canonical names (see runtime/decoder.py), float32, contiguous."""
+    layout = LAYOUTS[config.model_type]
+    state = {k: v.detach().float() for k, v in model.state_dict().items()}
+    base = layout.base + "."
+
+    def take(name: str) -> Tensor:
+        # GPT-2's Conv1D stores [in, out]; the canonical decoder uses nn.Linear's [out, in].
+        return state[name].t() if layout.conv1d and state[name].dim() == 2 else state[name]
+
+    out: dict[str, Tensor] = {"embed.weight": state[base + layout.embed + ".weight"]}
+    if layout.pos_embed:
+        out["pos_embed.weight"] = state[base + layout.pos_embed + ".weight"]
+
+    def put_norm(canonical: str, hf_name: str) -> None:
+        weight = state[hf_name + ".weight"]
+        out[canonical + ".weight"] = weight + 1.0 if layout.norm_plus_one else weight
+        if config.norm == "layer":
+            out[canonical + ".bias"] = state[hf_name + ".bias"]
+
+    for i in range(config.num_layers):
+        prefix = f"{base}{layout.layers}.{i}."
+        for canonical, hf_name in layout.layer.items():
+            full = prefix + hf_name
+            if canonical.endswith("norm"):
+                if full + ".weight" in state:
+                    put_norm(f"layers.{i}.{canonical}", full)
+                continue
+            for kind in ("weight", "bias"):
+                if f"{full}.{kind}" not in state:
+                    continue
+                tensor = take(f"{full}.{kind}")
+                if canonical == "attn.qkv":
+                    for name, part in zip("qkv", _split_qkv(tensor, config, layout.fused_qkv)):
+                        out[f"layers.{i}.attn.{name}.{kind}"] = part
+                elif canonical == "mlp.gate_up":
+                    gate, up = tensor.chunk(2, dim=0)
+                    out[f"layers.{i}.mlp.gate.{kind}"], out[f"layers.{i}.mlp.up.{kind}"] = gate, up
+                else:
+                    out[f"layers.{i}.{canonical}.{kind}"] = tensor
+    put_norm("norm", base + layout.final_norm)
+    if not config.tie_word_embeddings:
+        out["lm_head.weight"] = state[layout.lm_head + ".weight"]
+    if config.positions == "rotary":
+        out["rope_inv_freq"] = _rotary_module(model).inv_freq.detach().float()
+    return {k: v.contiguous().clone() for k, v in out.items()}

@@ -1,0 +1,76 @@
+"""Tiny random-weight transformers models of every supported family, built from configs.
+
+Each is a real ``*ForCausalLM`` saved with ``save_pretrained`` (safetensors) next to a real byte-level
+BPE tokenizer trained here on a few lines of text, so the whole pipeline (load -> convert -> passes ->
+artifact -> runtime) runs on it exactly as on a hub model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+VOCAB = 320
+TOKENIZER_TEXT = [
+    "def add(a, b):\n    return a + b\n",
+    "The quick brown fox jumps over the lazy dog.",
+    "for i in range(10):\n    print(i * i)\n",
+    "class Point:\n    def __init__(self, x, y):\n        self.x = x\n        self.y = y\n",
+    "import os\nimport sys\n\nif __name__ == '__main__':\n    main()\n",
+] * 20
+
+_COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
+    num_key_value_heads=2, max_position_embeddings=256, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+    initializer_range=0.08, tie_word_embeddings=False,
+)
+
+CONFIGS: dict[str, dict] = {
+    "llama": dict(_COMMON),
+    "mistral": dict(_COMMON, sliding_window=24),  # window shorter than the test sequences: exercised
+    "qwen2": dict(_COMMON),
+    "qwen3": dict(_COMMON, head_dim=24),  # head_dim decoupled from hidden/heads, q/k norm
+    "gemma": dict(_COMMON, head_dim=16, tie_word_embeddings=True),
+    "phi3": dict(_COMMON),
+    "gpt2": dict(vocab_size=VOCAB, n_embd=64, n_layer=4, n_head=4, n_positions=256, bos_token_id=1,
+                 eos_token_id=2, initializer_range=0.08),
+    "gpt_neox": dict(_COMMON, rotary_pct=0.5, partial_rotary_factor=0.5, use_parallel_residual=True),
+    "opt": dict(vocab_size=VOCAB, hidden_size=64, ffn_dim=128, num_hidden_layers=4, num_attention_heads=4,
+                max_position_embeddings=256, word_embed_proj_dim=64, bos_token_id=1, eos_token_id=2,
+                pad_token_id=0, init_std=0.08),
+}
+FAMILIES = tuple(CONFIGS)
+
+
+def make_tokenizer(folder: Path):
+    """A byte-level BPE tokenizer (transformers format) with VOCAB entries; ids 0/1/2 are pad/bos/eos."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=VOCAB, special_tokens=["<pad>", "<s>", "</s>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+    )
+    tok.train_from_iterator(TOKENIZER_TEXT, trainer)
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>")
+    fast.save_pretrained(folder)
+    return fast
+
+
+def make_model(family: str, folder: Path, seed: int = 0, **overrides) -> Path:
+    """Build, randomly initialise and save a tiny model of ``family`` (plus tokenizer) into ``folder``."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(family, **{**CONFIGS[family], **overrides})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    make_tokenizer(folder)
+    return folder
