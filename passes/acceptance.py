@@ -173,15 +173,21 @@ class RoundEstimate:
 def simulate_rounds(profile: Profile, max_draft: int, threshold: float) -> list[tuple[int, int]]:
     """Replay draft-and-verify rounds along each calibration continuation: (drafted, accepted) per round.
 
-    A round starting at position i drafts while the draft is confident (and at most ``max_draft``
-    tokens); it accepts the run of matches from i; the next round starts after the verifier's token.
+    Mirrors ``runtime.speculative.decode`` step for step: a round starting at position i drafts while
+    the draft is confident, at most ``max_draft`` tokens and never past the token budget (one slot is
+    kept for the verifier's token); it accepts the run of matches from i; the next round starts after
+    the verifier's token. With a budget of one token left, the loop takes a plain step instead.
     """
     rounds = []
     for matches, confidences in zip(profile.matches, profile.confidences):
         n, i = len(matches), 0
         while i < n:
+            limit = min(max_draft, n - i - 1)
+            if limit <= 0:
+                i += 1
+                continue
             drafted, accepted, alive = 0, 0, True
-            while drafted < max_draft and i + drafted < n:
+            while drafted < limit:
                 j = i + drafted
                 drafted += 1
                 if alive and matches[j]:

@@ -67,6 +67,7 @@ class Stats:
     prefill_seconds: float = 0.0
     stop_reason: str = "length"
     speculative: bool = True
+    round_log: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) per round
 
     @property
     def mean_accepted(self) -> float | None:
@@ -203,5 +204,6 @@ def _speculative_round(backend, plan, policy, params, rng, token, pos, budget, s
     stats.rounds += 1
     stats.drafted += len(drafted)
     stats.accepted += n
+    stats.round_log.append((len(drafted), n))
     policy.update(len(drafted), n)
     return committed
