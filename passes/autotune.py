@@ -47,6 +47,7 @@ class CosineAutotune(Pass):
         best_n, best = 0, None
         for n in tqdm(range(1, len(ranking)), desc="cosine: scoring skip counts", disable=not self.show_progress):
             estimate = self.context.score(skip_plan(ranking, n))
+            self.context.cosine_scores[n] = estimate.expected_speedup
             if best is None or estimate.expected_speedup > best.expected_speedup:
                 best_n, best = n, estimate
         plan = skip_plan(ranking, best_n, self.plan_name)

@@ -6,7 +6,7 @@ score plans with the same acceptance estimator and the same measured costs, and 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -26,10 +26,13 @@ class TuningContext:
     cost: CostModel
     max_draft: int
     device: str
+    confirm_prompts: list[list[int]] = field(default_factory=list)
+    confirm_tokens: int = 48
+    cosine_scores: dict[int, float] = field(default_factory=dict)  # skip count -> expected speedup
 
     @classmethod
     def prepare(cls, ir: DecoderIR, prompts: list[list[int]], new_tokens: int, max_draft: int,
-                show_progress: bool = True) -> "TuningContext":
+                show_progress: bool = True, confirm_prompts: int = 4, confirm_tokens: int = 48) -> "TuningContext":
         """Greedy-decode the calibration prompts with the full model, store its K/V, time the sublayers."""
         decoder = ir.decoder()
         with tqdm(total=len(prompts), desc="calibration: target continuations", disable=not show_progress) as bar:
@@ -42,7 +45,8 @@ class TuningContext:
         cosine /= max(len(references), 1)
         cost = measure_costs(decoder, max_draft + 1)
         return cls(ir=ir, references=references, cosine=cosine, cost=cost, max_draft=max_draft,
-                   device=device_name(cost.device))
+                   device=device_name(cost.device), confirm_prompts=prompts[:confirm_prompts],
+                   confirm_tokens=confirm_tokens)
 
     def score(self, plan: DraftPlan) -> RoundEstimate:
         """Best draft-length policy for ``plan`` and its expected speedup over plain decoding."""

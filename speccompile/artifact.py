@@ -6,6 +6,7 @@ the new one is complete.
 
 from __future__ import annotations
 
+import os
 import shutil
 import tempfile
 from pathlib import Path
@@ -14,7 +15,7 @@ from safetensors.torch import save_file
 
 import speccompile
 from speccompile.runtime.errors import SpeccompileError
-from speccompile.runtime.manifest import MANIFEST_NAME, Manifest, file_record, write_manifest
+from speccompile.runtime.manifest import MANIFEST_NAME, Manifest, file_record, read_manifest, write_manifest
 
 WEIGHTS_FILE = "weights/model.safetensors"
 
@@ -49,17 +50,39 @@ def write_artifact(out: Path, ir, tokenizer, source: dict, tokens: dict, force: 
             toolkit_version=speccompile.__version__,
         )
         write_manifest(tmp, manifest)
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{tmp.name[-8:]}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
+        _swap_into_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
 
 
-__all__ = ["MANIFEST_NAME", "WEIGHTS_FILE", "check_output", "write_artifact"]
+def _swap_into_place(tmp: Path, out: Path) -> None:
+    """Rename the finished temp folder to ``out``, replacing an existing one only at the very end."""
+    if out.exists():
+        old = out.with_name(f".{out.name}.old-{tmp.name[-8:]}")
+        out.rename(old)
+        tmp.rename(out)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        tmp.rename(out)
+
+
+def rewrite_manifest(root: Path, update) -> Path:
+    """Apply ``update(manifest)`` to an artifact's manifest atomically (weights are hard-linked, not copied)."""
+    root = Path(root)
+    manifest = read_manifest(root)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
+    try:
+        shutil.copytree(root, tmp, dirs_exist_ok=True, copy_function=os.link)
+        (tmp / MANIFEST_NAME).unlink()
+        update(manifest)
+        write_manifest(tmp, manifest)
+        _swap_into_place(tmp, root)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return root
+
+
+__all__ = ["MANIFEST_NAME", "WEIGHTS_FILE", "check_output", "rewrite_manifest", "write_artifact"]

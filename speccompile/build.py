@@ -14,30 +14,44 @@ from speccompile.convert import arch_config, canonical_weights
 from speccompile.loading import SourceModel, load_source
 from speccompile.passes.autotune import CosineAutotune, ExitLayerAutotune
 from speccompile.passes.base import PassManager
-from speccompile.passes.confirm import ConfirmPlans
+from speccompile.passes.bayes_autotune import BayesAutotune
+from speccompile.passes.confirm import ChooseDefaultPlan, ConfirmPlans
 from speccompile.passes.ir import DecoderIR
 from speccompile.passes.tuning import TuningContext
 from speccompile.runtime.errors import SpeccompileError
 
-METHODS = ("cosine", "early-exit")
+METHODS = ("cosine", "early-exit", "bayes")
 CONVERSION_TOLERANCE = 1e-3  # fp32 logits; conversions that are right agree to ~1e-6
 
 
 @dataclass
-class BuildOptions:
-    model: str | None
-    out: Path
+class TuningOptions:
     method: str = "cosine"
     calibration: str | None = None
     max_draft: int = 8
-    dtype: str = "float32"
     device: str = "cpu"
-    force: bool = False
-    trust_remote_code: bool = False
     calibration_tokens: int = 64
     confirm_prompts: int = 4
     confirm_tokens: int = 48
+    trials: int = 200
+    time_budget: float | None = None
+    study: str | None = None
+    plot: str | None = None
     show_progress: bool = True
+
+
+@dataclass
+class BuildOptions(TuningOptions):
+    model: str | None = None
+    out: Path = Path("artifact")
+    dtype: str = "float32"
+    force: bool = False
+    trust_remote_code: bool = False
+
+
+@dataclass
+class TuneOptions(TuningOptions):
+    artifact: Path = Path("artifact")
 
 
 def eos_ids(source: SourceModel) -> list[int]:
@@ -81,11 +95,44 @@ def calibration_prompts(texts: list[str], tokenizer, context: int, room: int) ->
     return prompts
 
 
+def tune_ir(ir: DecoderIR, prompts: list[list[int]], options, log: Callable[[str], None] = print):
+    """Calibrate, autotune by ``options.method``, confirm by timed runs, pick the default plan.
+
+    Shared by ``build`` and ``tune``; returns the IR and the Bayesian pass (for its search trace) or None.
+    """
+    context = TuningContext.prepare(ir, prompts, options.calibration_tokens, options.max_draft, options.show_progress,
+                                    options.confirm_prompts, options.confirm_tokens)
+    bayes = None
+    if options.method == "early-exit":
+        passes = [ExitLayerAutotune(context, show_progress=options.show_progress)]
+    else:
+        passes = [CosineAutotune(context, show_progress=options.show_progress)]
+        if options.method == "bayes":
+            bayes = BayesAutotune(context, trials=options.trials, time_budget=options.time_budget,
+                                  study_path=options.study, show_progress=options.show_progress)
+            passes.append(bayes)
+    passes += [ConfirmPlans(context.confirm_prompts, options.confirm_tokens, options.show_progress), ChooseDefaultPlan()]
+    ir = PassManager(passes, log)(ir)
+    best = ir.plans[ir.default_plan].measured.get("confirmed_speedup", 0.0)
+    if best < 1.0:
+        log(f"warning: no draft plan beat plain decoding on {context.device} (best confirmed {best:.2f}x); "
+            "use --no-speculate there, or a larger model, where drafting pays off")
+    ir.tuning.update(
+        method=options.method, device=context.device,
+        calibration={"source": options.calibration or "built-in", "prompts": len(prompts),
+                     "new_tokens": options.calibration_tokens},
+        cost_model=context.cost.as_dict(),
+    )
+    if bayes is not None and options.plot:
+        from speccompile.plots import plot_search
+
+        plot_search(options.plot, bayes.trace, ir)
+        log(f"wrote {options.plot}")
+    return ir
+
+
 def build(options: BuildOptions, log: Callable[[str], None] = print) -> Path:
-    if options.method not in METHODS:
-        raise SpeccompileError(f"unknown --method '{options.method}'; choose one of {', '.join(METHODS)}")
-    if options.max_draft < 1:
-        raise SpeccompileError("--max-draft must be at least 1")
+    check_options(options)
     check_output(Path(options.out), options.force)  # fail before the slow part
     texts = load_calibration(options.calibration)
     source = load_source(options.model, trust_remote_code=options.trust_remote_code)
@@ -96,20 +143,11 @@ def build(options: BuildOptions, log: Callable[[str], None] = print) -> Path:
     ir = DecoderIR(config, canonical_weights(source.model, config), dtype=options.dtype, device=options.device)
     diff = check_conversion(ir, source)
     log(f"canonical decoder matches transformers: max |logit diff| = {diff:.1e}")
+    ir.tuning["conversion_max_abs_diff"] = diff
 
     room = options.calibration_tokens + options.max_draft + 2
     prompts = calibration_prompts(texts, source.tokenizer, config.max_position_embeddings, room)
-    context = TuningContext.prepare(ir, prompts, options.calibration_tokens, options.max_draft, options.show_progress)
-    tune = CosineAutotune if options.method == "cosine" else ExitLayerAutotune
-    passes = [tune(context, show_progress=options.show_progress),
-              ConfirmPlans(prompts[: options.confirm_prompts], options.confirm_tokens, options.show_progress)]
-    ir = PassManager(passes, log)(ir)
-    ir.tuning.update(
-        method=options.method, device=context.device, conversion_max_abs_diff=diff,
-        calibration={"source": options.calibration or "built-in", "prompts": len(prompts),
-                     "new_tokens": options.calibration_tokens},
-        cost_model=context.cost.as_dict(),
-    )
+    ir = tune_ir(ir, prompts, options, log)
     source_record = {
         "model": source.name, "path": str(source.path.resolve()), "revision": source.revision,
         "architecture": type(source.model).__name__, "model_type": config.model_type,
@@ -117,3 +155,45 @@ def build(options: BuildOptions, log: Callable[[str], None] = print) -> Path:
     tokens = {"eos_token_ids": eos_ids(source), "bos_token_id": source.tokenizer.bos_token_id,
               "pad_token_id": source.tokenizer.pad_token_id}
     return write_artifact(Path(options.out), ir, source.tokenizer, source_record, tokens, options.force)
+
+
+def check_options(options) -> None:
+    if options.method not in METHODS:
+        raise SpeccompileError(f"unknown --method '{options.method}'; choose one of {', '.join(METHODS)}")
+    if options.max_draft < 1:
+        raise SpeccompileError("--max-draft must be at least 1")
+    if options.plot and options.method != "bayes":
+        raise SpeccompileError("--plot draws the Bayesian search; use it with --method bayes")
+    if options.plot and not str(options.plot).lower().endswith(".png"):
+        raise SpeccompileError(f"--plot needs a .png file name, got '{options.plot}'")
+
+
+def tune(options: TuneOptions, log: Callable[[str], None] = print) -> Path:
+    """Retune an existing artifact (another device or calibration set) without the source model."""
+    from safetensors.torch import load_file
+
+    from speccompile.artifact import rewrite_manifest
+    from speccompile.runtime.manifest import read_manifest
+    from speccompile.runtime.model import TOKENIZER_FILE
+    from speccompile.runtime.tokenizer import TextTokenizer
+
+    check_options(options)
+    root = Path(options.artifact)
+    manifest = read_manifest(root)
+    if "torch" not in manifest.backends:
+        raise SpeccompileError("tune needs the artifact's torch weights; rebuild it with the torch backend")
+    weights = load_file(str(root / manifest.backends["torch"]["weights"]))
+    ir = DecoderIR(manifest.config, weights, dtype=manifest.dtype, device=options.device,
+                   tuning={"conversion_max_abs_diff": manifest.tuning.get("conversion_max_abs_diff")})
+    tokenizer = TextTokenizer(root / TOKENIZER_FILE)
+    room = options.calibration_tokens + options.max_draft + 2
+    texts = load_calibration(options.calibration)
+    prompts = [ids[: max(1, manifest.config.max_position_embeddings - room)] for ids in map(tokenizer.encode, texts) if ids]
+    ir = tune_ir(ir, prompts, options, log)
+
+    def update(m):
+        m.plans.update(ir.plans)
+        m.default_plan = ir.default_plan
+        m.tuning = {**m.tuning, **ir.tuning, "retuned": True}
+
+    return rewrite_manifest(root, update)

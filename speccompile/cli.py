@@ -29,6 +29,23 @@ def friendly_errors(command):
     return wrapper
 
 
+def bayes_options(command):
+    """The Bayesian search's options, shared by build and tune."""
+    options = [
+        click.option("--trials", type=click.IntRange(1), default=200, show_default=True,
+                     help="Bayesian search: total trials in the study (a resumed study runs only the rest)."),
+        click.option("--time-budget", type=click.FloatRange(min=1), default=None,
+                     help="Bayesian search: stop after this many seconds."),
+        click.option("--study", type=click.Path(), default=None,
+                     help="Bayesian search: SQLite file for the optuna study; rerun with it to continue."),
+        click.option("--plot", type=click.Path(), default=None,
+                     help="Bayesian search: write the search trace and chosen skip pattern to this PNG."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="speccompile")
 def main():
@@ -40,9 +57,10 @@ def main():
 @main.command()
 @click.argument("model", required=False)
 @click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Artifact folder to write.")
-@click.option("--method", type=click.Choice(["cosine", "early-exit"]), default="cosine", show_default=True,
+@click.option("--method", type=click.Choice(["cosine", "early-exit", "bayes"]), default="cosine", show_default=True,
               help="cosine: skip the sublayers whose input and output are most alike; early-exit: draft with the "
-                   "first E blocks and verify only the rest.")
+                   "first E blocks and verify only the rest; bayes: Bayesian search over skipped sublayers, seeded "
+                   "with the cosine plans (keeps both).")
 @click.option("--calibration", type=click.Path(), default=None,
               help="Calibration text: .jsonl with a 'text' or 'prompt' field per line, or plain text split on "
                    "blank lines. Default: a small built-in set.")
@@ -51,29 +69,57 @@ def main():
 @click.option("--calibration-tokens", type=click.IntRange(4, 1024), default=64, show_default=True,
               help="Tokens the full model generates after each calibration prompt (what drafts are scored on).")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True)
+@bayes_options
 @click.option("--device", default="cpu", show_default=True, help="Device to tune and time on (cpu, cuda, cuda:1).")
 @click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow model code from the model folder (off by default).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @friendly_errors
-def build(model, out, method, calibration, max_draft, calibration_tokens, dtype, device, force, trust_remote_code,
-          quiet):
+def build(model, out, method, calibration, max_draft, calibration_tokens, dtype, trials, time_budget, study, plot,
+          device, force, trust_remote_code, quiet):
     """Build a self-speculative artifact from MODEL (a local folder, a cached hub id, or nothing for the
     bundled reference model)."""
     from speccompile.build import BuildOptions, build as run_build
 
     options = BuildOptions(model=model, out=out, method=method, calibration=calibration, max_draft=max_draft,
-                           calibration_tokens=calibration_tokens, dtype=dtype, device=device, force=force, trust_remote_code=trust_remote_code,
-                           show_progress=not quiet)
+                           calibration_tokens=calibration_tokens, dtype=dtype, device=device, force=force,
+                           trust_remote_code=trust_remote_code, trials=trials, time_budget=time_budget, study=study,
+                           plot=plot, show_progress=not quiet)
     path = run_build(options, log=lambda message: click.echo(message, err=True))
+    report_plans(path, "wrote")
+
+
+def report_plans(path: Path, verb: str) -> None:
     from speccompile.runtime import read_manifest
 
     manifest = read_manifest(path)
-    plan = manifest.plan()
-    m = plan.measured
-    click.echo(f"wrote {path}: plan '{plan.name}' ({plan.describe()}), expected speedup "
-               f"{m.get('expected_speedup', 0):.2f}x, confirmed {m.get('confirmed_speedup', 0):.2f}x, "
-               f"mean accepted {m.get('confirmed_mean_accepted', 0):.2f} tokens/round")
+    for name, plan in manifest.plans.items():
+        m = plan.measured
+        default = ", default" if name == manifest.default_plan else ""
+        click.echo(f"{verb} {path}: plan '{name}' ({plan.describe()}{default}), expected speedup "
+                   f"{m.get('expected_speedup', 0):.2f}x, confirmed {m.get('confirmed_speedup', 0):.2f}x, "
+                   f"mean accepted {m.get('confirmed_mean_accepted', 0):.2f} tokens/round")
+
+
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--method", type=click.Choice(["cosine", "early-exit", "bayes"]), default="bayes", show_default=True)
+@click.option("--calibration", type=click.Path(), default=None, help="Calibration text (as for build).")
+@click.option("--calibration-tokens", type=click.IntRange(4, 1024), default=64, show_default=True)
+@click.option("--max-draft", type=click.IntRange(1, 32), default=8, show_default=True)
+@bayes_options
+@click.option("--device", default="cpu", show_default=True, help="Device to tune and time on.")
+@click.option("--quiet", is_flag=True, help="No progress bars.")
+@friendly_errors
+def tune(artifact, method, calibration, calibration_tokens, max_draft, trials, time_budget, study, plot, device, quiet):
+    """Retune an existing ARTIFACT's draft plans for another device or calibration set, without rebuilding.
+    Plans of the same name are replaced; the manifest is rewritten atomically."""
+    from speccompile.build import TuneOptions, tune as run_tune
+
+    options = TuneOptions(artifact=artifact, method=method, calibration=calibration, max_draft=max_draft,
+                          calibration_tokens=calibration_tokens, device=device, trials=trials,
+                          time_budget=time_budget, study=study, plot=plot, show_progress=not quiet)
+    report_plans(run_tune(options, log=lambda message: click.echo(message, err=True)), "tuned")
 
 
 @main.command()

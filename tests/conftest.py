@@ -59,7 +59,7 @@ def tiny_artifact(tiny_model_dir, tmp_path_factory):
     from speccompile.build import BuildOptions, build
 
     out = tmp_path_factory.mktemp("artifacts") / "llama"
-    options = BuildOptions(str(tiny_model_dir("llama")), out, method="cosine", max_draft=4, calibration_tokens=16,
+    options = BuildOptions(model=str(tiny_model_dir("llama")), out=out, method="cosine", max_draft=4, calibration_tokens=16,
                            confirm_prompts=2, confirm_tokens=16, show_progress=False)
     return build(options, log=lambda message: None)
 
