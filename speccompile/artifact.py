@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 from safetensors.torch import save_file
@@ -25,15 +26,33 @@ def check_output(out: Path, force: bool) -> None:
         raise SpeccompileError(f"output folder '{out}' already exists; pass --force to replace it or choose another -o")
 
 
+@contextmanager
+def atomic_folder(out: Path):
+    """Yield a temp sibling of ``out`` to fill; on success it replaces ``out`` (an existing one only at the
+    very end), on any error it is removed, so no half-written artifact is ever left."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        yield tmp
+        if out.exists():
+            old = out.with_name(f".{out.name}.old-{tmp.name[-8:]}")
+            out.rename(old)
+            tmp.rename(out)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
 def write_artifact(out: Path, ir, tokenizer, source: dict, tokens: dict, force: bool = False) -> Path:
     """Write weights, tokenizer and manifest for ``ir`` to ``out`` (atomically)."""
     import torch
 
     out = Path(out)
     check_output(out, force)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_folder(out) as tmp:
         (tmp / "weights").mkdir()
         dtype = getattr(torch, ir.dtype)
         weights = {k: (v if k == "rope_inv_freq" else v.to(dtype)).contiguous() for k, v in ir.weights.items()}
@@ -50,38 +69,18 @@ def write_artifact(out: Path, ir, tokenizer, source: dict, tokens: dict, force: 
             toolkit_version=speccompile.__version__,
         )
         write_manifest(tmp, manifest)
-        _swap_into_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
-
-
-def _swap_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished temp folder to ``out``, replacing an existing one only at the very end."""
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{tmp.name[-8:]}")
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        tmp.rename(out)
 
 
 def rewrite_manifest(root: Path, update) -> Path:
     """Apply ``update(manifest)`` to an artifact's manifest atomically (weights are hard-linked, not copied)."""
     root = Path(root)
     manifest = read_manifest(root)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{root.name}.tmp-", dir=root.parent))
-    try:
+    with atomic_folder(root) as tmp:
         shutil.copytree(root, tmp, dirs_exist_ok=True, copy_function=os.link)
         (tmp / MANIFEST_NAME).unlink()
         update(manifest)
         write_manifest(tmp, manifest)
-        _swap_into_place(tmp, root)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return root
 
 
