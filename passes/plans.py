@@ -12,6 +12,13 @@ from .base import Pass
 from .ir import DecoderIR
 
 
+def tuned_target(measured: dict) -> float:
+    """Steer the adaptive threshold toward the acceptance rate the tuner measured at its chosen threshold,
+    so that on traffic like the calibration set the runtime stays at the tuned operating point."""
+    rate = measured.get("acceptance_rate")
+    return round(min(max(rate, 0.05), 0.95), 4) if rate is not None else DraftPlan.target_acceptance
+
+
 class EarlyExitHeads(Pass):
     """Attach an exit head after block ``exit_layer`` (zero new weights)."""
 
@@ -26,6 +33,7 @@ class EarlyExitHeads(Pass):
         ir.add_plan(DraftPlan(
             name=self.plan_name, exit_layer=self.exit_layer, head=f"exit:{self.exit_layer}",
             max_draft=self.max_draft, threshold=self.threshold, measured=dict(self.measured),
+            target_acceptance=tuned_target(self.measured),
         ))
         return ir
 
@@ -44,6 +52,6 @@ class LayerSkip(Pass):
     def run(self, ir: DecoderIR) -> DecoderIR:
         ir.add_plan(DraftPlan(
             name=self.plan_name, skip_attn=self.skip_attn, skip_mlp=self.skip_mlp, max_draft=self.max_draft,
-            threshold=self.threshold, measured=dict(self.measured),
+            threshold=self.threshold, measured=dict(self.measured), target_acceptance=tuned_target(self.measured),
         ))
         return ir

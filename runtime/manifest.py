@@ -88,6 +88,7 @@ class DraftPlan:
     max_draft: int = 6
     threshold: float = 0.0
     adaptive: bool = True
+    target_acceptance: float = 0.6  # the adaptive threshold steers the acceptance rate toward this
     measured: dict[str, Any] = field(default_factory=dict)
 
     @property

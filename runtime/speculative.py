@@ -46,7 +46,8 @@ class DraftPolicy:
 
     @classmethod
     def from_plan(cls, plan: DraftPlan, max_draft: int | None = None) -> "DraftPolicy":
-        return cls(max_draft=max_draft or plan.max_draft, threshold=plan.threshold, adaptive=plan.adaptive)
+        return cls(max_draft=max_draft or plan.max_draft, threshold=plan.threshold, adaptive=plan.adaptive,
+                   target_acceptance=plan.target_acceptance)
 
     def update(self, drafted: int, accepted: int) -> None:
         if not self.adaptive or drafted == 0:

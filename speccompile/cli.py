@@ -211,7 +211,9 @@ def inspect(artifact, as_json):
             click.echo(f"      acceptance {m.get('acceptance_rate', 0):.2f}, mean accepted "
                        f"{m.get('mean_accepted', 0):.2f} (confirmed {m.get('confirmed_mean_accepted', 0):.2f}), "
                        f"expected speedup {m.get('expected_speedup', 0):.2f}x (confirmed "
-                       f"{m.get('confirmed_speedup', 0):.2f}x)")
+                       f"{m.get('confirmed_speedup', 0):.2f}x, prediction error "
+                       f"{100 * m.get('prediction_error', 0):+.0f}%), tuned by {m.get('method', '?')} in "
+                       f"{m.get('tuning_seconds', 0):.0f}s" + (f" over {m['trials']} trials" if "trials" in m else ""))
 
 
 if __name__ == "__main__":
