@@ -9,10 +9,10 @@ candidate plans free.
 from __future__ import annotations
 
 import platform
-import statistics
 import time
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 
 from speccompile.runtime.decoder import Decoder, KVCache
@@ -56,14 +56,10 @@ class CostModel:
         return {k: v for k, v in asdict(self).items()}
 
 
-def _median_seconds(fn, reps: int) -> float:
-    fn()  # warm-up
-    samples = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        fn()
-        samples.append(time.perf_counter() - start)
-    return statistics.median(samples)
+def _best_seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 def device_name(device: str = "cpu") -> str:
@@ -82,33 +78,43 @@ def device_name(device: str = "cpu") -> str:
 
 
 @torch.inference_mode()
-def measure_costs(decoder: Decoder, max_tokens: int, context: int = 128, reps: int = 5) -> CostModel:
-    """Time each kind of sublayer for 1..max_tokens tokens after ``context`` cached positions."""
+def measure_costs(decoder: Decoder, max_tokens: int, context: int = 128, rounds: int = 9) -> CostModel:
+    """Time each kind of sublayer for 1..max_tokens tokens after ``context`` cached positions.
+
+    Timings on a shared machine are noisy upwards only (interference adds time, never removes it), so
+    every measurement is repeated in ``rounds`` interleaved passes over all token counts and the minimum
+    is kept. A step over more tokens can never be cheaper than one over fewer, so the costs are finally
+    made non-decreasing in the token count.
+    """
     config = decoder.config
     device = decoder.embed.weight.device
-    dtype = decoder.embed.weight.dtype
-    cache = KVCache(config, context + max_tokens, dtype=dtype, device=device)
+    cache = KVCache(config, context + max_tokens, dtype=decoder.embed.weight.dtype, device=device)
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, config.vocab_size, (1, context), generator=generator).to(device)
     decoder(prefix, 0, cache)
-    embed, attn, mlp, head = [], [], [], []
     L = config.num_layers
+    jobs = []  # per token count: (embed, attention, mlp, head) callables
     for t in range(1, max_tokens + 1):
         ids = torch.randint(0, config.vocab_size, (1, t), generator=generator).to(device)
         h = decoder.embed_tokens(ids, context)
         rope = decoder.rope_at(context, t)
         mask = decoder.attention_mask(context, t, context + t, device)
-
-        def all_attention():
-            for i in range(L):
-                decoder.attention_sublayer(i, h, context, cache, rope, mask)
-
-        def all_mlp():
-            for i in range(L):
-                decoder.mlp_sublayer(i, h)
-
-        embed.append(_median_seconds(lambda: decoder.embed_tokens(ids, context), reps))
-        attn.append(_median_seconds(all_attention, reps) / L)
-        mlp.append(_median_seconds(all_mlp, reps) / L)
-        head.append(_median_seconds(lambda: decoder.head(h), reps))
+        jobs.append((
+            lambda ids=ids: decoder.embed_tokens(ids, context),
+            lambda h=h, rope=rope, mask=mask: [decoder.attention_sublayer(i, h, context, cache, rope, mask)
+                                                for i in range(L)],
+            lambda h=h: [decoder.mlp_sublayer(i, h) for i in range(L)],
+            lambda h=h: decoder.head(h),
+        ))
+    for job in jobs:  # warm-up
+        for fn in job:
+            fn()
+    best = np.full((max_tokens, 4), np.inf)
+    for _ in range(rounds):
+        for t, job in enumerate(jobs):
+            for k, fn in enumerate(job):
+                best[t, k] = min(best[t, k], _best_seconds(fn))
+    best[:, 1:3] /= L  # attention and MLP were timed over all blocks
+    best = np.maximum.accumulate(best, axis=0)
+    embed, attn, mlp, head = (best[:, k].tolist() for k in range(4))
     return CostModel(embed=embed, attn=attn, mlp=mlp, head=head, num_layers=L, device=str(device))
