@@ -66,7 +66,15 @@ def _open_backend(root: Path, manifest: Manifest, backend: str | None, device: s
         return TorchBackend.from_files(
             root / manifest.backends["torch"]["weights"], manifest.config, dtype=manifest.dtype, device=device
         )
-    raise BackendUnavailableError(f"backend '{name}' is not supported by this runtime")
+    if name == "onnx":
+        try:
+            from .onnx_backend import OnnxBackend
+        except ImportError:
+            raise BackendUnavailableError(
+                "the onnx backend needs onnxruntime; install it (pip install onnxruntime, or onnxruntime-gpu)"
+            ) from None
+        return OnnxBackend.from_artifact(root, manifest, device=device)
+    raise BackendUnavailableError(f"backend '{name}' is not supported by this runtime (supported: torch, onnx)")
 
 
 class SpeculativeModel:

@@ -46,42 +46,84 @@ def atomic_folder(out: Path):
         raise
 
 
-def write_artifact(out: Path, ir, tokenizer, source: dict, tokens: dict, force: bool = False) -> Path:
-    """Write weights, tokenizer and manifest for ``ir`` to ``out`` (atomically)."""
+BACKENDS = ("torch", "onnx")
+
+
+def write_backend_files(root: Path, ir, backends: list[str]) -> dict:
+    """Write each backend's files for ``ir`` under ``root``; returns the manifest's ``backends`` record."""
     import torch
 
+    records = {}
+    if "torch" in backends:
+        (root / "weights").mkdir(exist_ok=True)
+        dtype = getattr(torch, ir.dtype)
+        weights = {k: (v if k == "rope_inv_freq" else v.to(dtype)).contiguous() for k, v in ir.weights.items()}
+        save_file(weights, str(root / WEIGHTS_FILE), metadata={"format": "pt", "producer": "speccompile"})
+        records["torch"] = {"weights": WEIGHTS_FILE}
+    if "onnx" in backends:
+        from speccompile.export_onnx import export_onnx_weights
+
+        onnx_dtype = "float16" if ir.dtype == "float16" else "float32"
+        records["onnx"] = export_onnx_weights(ir.config, ir.weights, ir.plans, root / "onnx", onnx_dtype)
+    return records
+
+
+def hash_files(root: Path) -> dict:
+    """sha256 and size of every file under ``root`` (the manifest itself excluded)."""
+    names = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file() and p.name != MANIFEST_NAME)
+    return {name: file_record(root, name) for name in names}
+
+
+def write_artifact(out: Path, ir, tokenizer, source: dict, tokens: dict, force: bool = False,
+                   backends: list[str] = ("torch",)) -> Path:
+    """Write the backends' files, tokenizer and manifest for ``ir`` to ``out`` (atomically)."""
     out = Path(out)
     check_output(out, force)
     with atomic_folder(out) as tmp:
-        (tmp / "weights").mkdir()
-        dtype = getattr(torch, ir.dtype)
-        weights = {k: (v if k == "rope_inv_freq" else v.to(dtype)).contiguous() for k, v in ir.weights.items()}
-        save_file(weights, str(tmp / WEIGHTS_FILE), metadata={"format": "pt", "producer": "speccompile"})
+        records = write_backend_files(tmp, ir, list(backends))
         tokenizer.save_pretrained(tmp / "tokenizer")
         if not (tmp / "tokenizer" / "tokenizer.json").is_file():
             raise SpeccompileError("the tokenizer did not save a tokenizer.json; the runtime needs a fast tokenizer")
-        files = sorted(str(p.relative_to(tmp)) for p in tmp.rglob("*") if p.is_file())
         manifest = Manifest(
-            config=ir.config, plans=ir.plans, default_plan=ir.default_plan,
-            files={name: file_record(tmp, name) for name in files},
-            backends={"torch": {"weights": WEIGHTS_FILE}},
-            dtype=ir.dtype, source=source, tokens=tokens, tuning=ir.tuning,
+            config=ir.config, plans=ir.plans, default_plan=ir.default_plan, files=hash_files(tmp),
+            backends=records, dtype=ir.dtype, source=source, tokens=tokens, tuning=ir.tuning,
             toolkit_version=speccompile.__version__,
         )
         write_manifest(tmp, manifest)
     return out
 
 
-def rewrite_manifest(root: Path, update) -> Path:
-    """Apply ``update(manifest)`` to an artifact's manifest atomically (weights are hard-linked, not copied)."""
+def read_canonical_weights(root: Path, manifest) -> dict:
+    """The canonical weights of an artifact as torch tensors, from its torch or its ONNX files."""
+    import numpy as np
+    import torch
+    from safetensors.torch import load_file
+
+    if "torch" in manifest.backends:
+        return load_file(str(root / manifest.backends["torch"]["weights"]))
+    record = manifest.backends["onnx"]
+    data = np.memmap(root / record["weights"], dtype=np.uint8, mode="r")
+    weights = {}
+    for name, t in record["tensors"].items():
+        raw = data[t["offset"] : t["offset"] + t["nbytes"]]
+        array = np.frombuffer(raw.tobytes(), dtype=t["dtype"]).reshape(t["shape"])
+        weights[name] = torch.from_numpy(array.copy()).float()
+    return weights
+
+
+def rewrite_artifact(root: Path, ir, update) -> Path:
+    """Apply ``update(manifest)`` and re-write the backends' files for ``ir`` (whose plans may have
+    changed: ONNX draft graphs are per plan), atomically. Tokenizer files are hard-linked, not copied."""
     root = Path(root)
     manifest = read_manifest(root)
     with atomic_folder(root) as tmp:
-        shutil.copytree(root, tmp, dirs_exist_ok=True, copy_function=os.link)
-        (tmp / MANIFEST_NAME).unlink()
+        shutil.copytree(root / "tokenizer", tmp / "tokenizer", copy_function=os.link)
         update(manifest)
+        manifest.backends = write_backend_files(tmp, ir, list(manifest.backends))
+        manifest.files = hash_files(tmp)
         write_manifest(tmp, manifest)
     return root
 
 
-__all__ = ["MANIFEST_NAME", "WEIGHTS_FILE", "check_output", "rewrite_manifest", "write_artifact"]
+__all__ = ["BACKENDS", "MANIFEST_NAME", "WEIGHTS_FILE", "check_output", "read_canonical_weights", "rewrite_artifact",
+           "write_artifact"]

@@ -28,19 +28,19 @@ def load_prompts(path: str | None, manifest) -> tuple[list[str], str]:
     return list(DEFAULT_CALIBRATION), "built-in"
 
 
-def _transformers_generate(source_path: Path, prompt_ids: list[list[int]], max_new_tokens: int, eos: list[int],
-                           pad: int | None, progress: bool):
+def _generate_all(model, prompt_ids, max_new_tokens, eos, pad, desc, progress):
+    """Greedy ``generate()`` of a transformers-API model (transformers or optimum) on every prompt."""
     import torch
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
-    model = AutoModelForCausalLM.from_pretrained(source_path, dtype=torch.float32, use_safetensors=True).eval()
+    pad = pad if pad is not None else (eos or [0])[0]
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                              eos_token_id=eos or None, pad_token_id=pad if pad is not None else (eos or [0])[0])
+                              eos_token_id=eos or None, pad_token_id=pad)
+    warmup = GenerationConfig(max_new_tokens=4, do_sample=False, num_beams=1, pad_token_id=pad)
     outputs, seconds = [], 0.0
     with torch.inference_mode():
-        model.generate(torch.tensor([prompt_ids[0]]), generation_config=GenerationConfig(
-            max_new_tokens=4, do_sample=False, pad_token_id=config.pad_token_id))  # warm-up
-        for ids in tqdm(prompt_ids, desc="bench: transformers generate", disable=not progress):
+        model.generate(torch.tensor([prompt_ids[0]]), generation_config=warmup)
+        for ids in tqdm(prompt_ids, desc=desc, disable=not progress):
             start = time.perf_counter()
             out = model.generate(torch.tensor([ids]), generation_config=config)
             seconds += time.perf_counter() - start
@@ -48,9 +48,25 @@ def _transformers_generate(source_path: Path, prompt_ids: list[list[int]], max_n
     return outputs, seconds
 
 
+def _transformers_model(source_path: Path):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(source_path, dtype=torch.float32, use_safetensors=True).eval()
+
+
+def _optimum_model(source_path: Path):
+    """optimum's own ONNX export of the source model, run by its ORTModelForCausalLM (KV cache on)."""
+    try:
+        from optimum.onnxruntime import ORTModelForCausalLM
+    except ImportError:
+        raise SpeccompileError("the optimum baseline needs optimum-onnx; pip install 'optimum-onnx[onnxruntime]'") from None
+    return ORTModelForCausalLM.from_pretrained(source_path, export=True, use_cache=True)
+
+
 def run_bench(artifact: str, prompts_path: str | None = None, max_new_tokens: int = 128, plan: str | None = None,
-              with_transformers: bool = True, progress: bool = True) -> dict:
-    model = load(artifact)
+              with_transformers: bool = True, progress: bool = True, backend: str | None = None) -> dict:
+    model = load(artifact, backend=backend)
     texts, prompt_source = load_prompts(prompts_path, model.manifest)
     prompt_ids = [model.encode_prompt(text) for text in texts]
     model.generate(prompt_ids[0], max_new_tokens=8, speculate=False)  # warm-up
@@ -78,37 +94,52 @@ def run_bench(artifact: str, prompts_path: str | None = None, max_new_tokens: in
         "speculative": {"tokens_per_s": round(rate(spec), 2), "new_tokens": sum(r.stats.new_tokens for r in spec),
                         "mean_accepted": round((accepted + rounds) / max(rounds, 1), 3),
                         "acceptance_rate": round(accepted / max(drafted, 1), 3), "rounds": rounds},
+        "backend": model.backend.name,
         "transformers": None,
         "speedup": {"speculative_vs_autoregressive": round(rate(spec) / rate(plain), 3)},
         "identical_detail": {"speculative_vs_autoregressive": f"{sum(spec_same)}/{len(spec_same)}"},
     }
     identical = all(spec_same)
     source_path = Path(model.manifest.source.get("path", ""))
-    if with_transformers and (source_path / "config.json").is_file():
-        outputs, seconds = _transformers_generate(
-            source_path, prompt_ids, max_new_tokens, sorted(model.eos_ids), model.manifest.tokens.get("pad_token_id"),
-            progress,
-        )
-        hf_rate = sum(len(o) for o in outputs) / seconds
-        hf_same = [o == r.token_ids for o, r in zip(outputs, plain)]
-        report["transformers"] = {"tokens_per_s": round(hf_rate, 2), "new_tokens": sum(len(o) for o in outputs)}
-        report["speedup"]["speculative_vs_transformers"] = round(rate(spec) / hf_rate, 3)
-        report["speedup"]["autoregressive_vs_transformers"] = round(rate(plain) / hf_rate, 3)
-        report["identical_detail"]["transformers_vs_autoregressive"] = f"{sum(hf_same)}/{len(hf_same)}"
-        identical = identical and all(hf_same)
-    elif with_transformers:
-        report["transformers_skipped"] = f"source model folder {str(source_path)!r} is not available"
+    baselines = []
+    if with_transformers:
+        baselines.append(("transformers", _transformers_model, "bench: transformers generate"))
+        if model.backend.name == "onnx":
+            baselines.append(("optimum", _optimum_model, "bench: optimum ORTModelForCausalLM"))
+    for key, make, desc in baselines:
+        if not (source_path / "config.json").is_file():
+            report[f"{key}_skipped"] = f"source model folder {str(source_path)!r} is not available"
+            continue
+        try:
+            outputs, seconds = _generate_all(make(source_path), prompt_ids, max_new_tokens, sorted(model.eos_ids),
+                                             model.manifest.tokens.get("pad_token_id"), desc, progress)
+        except SpeccompileError:
+            raise
+        except Exception as exc:  # an external baseline failing must not hide our own figures
+            if key == "transformers":
+                raise
+            report[f"{key}_skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+            continue
+        base_rate = sum(len(o) for o in outputs) / seconds
+        same = [o == r.token_ids for o, r in zip(outputs, plain)]
+        report[key] = {"tokens_per_s": round(base_rate, 2), "new_tokens": sum(len(o) for o in outputs)}
+        report["speedup"][f"speculative_vs_{key}"] = round(rate(spec) / base_rate, 3)
+        report["speedup"][f"autoregressive_vs_{key}"] = round(rate(plain) / base_rate, 3)
+        report["identical_detail"][f"{key}_vs_autoregressive"] = f"{sum(same)}/{len(same)}"
+        identical = identical and all(same)
     report["identical"] = identical
     return report
 
 
 def format_report(report: dict) -> str:
     lines = [f"bench: {report['prompts']} prompts ({report['prompt_source']}), {report['max_new_tokens']} new tokens, "
-             f"plan '{report['plan']}'"]
-    rows = [("runtime plain (autoregressive)", report["autoregressive"]["tokens_per_s"]),
-            ("runtime speculative", report["speculative"]["tokens_per_s"])]
+             f"plan '{report['plan']}', backend {report['backend']}"]
+    rows = [(f"runtime {report['backend']} plain (autoregressive)", report["autoregressive"]["tokens_per_s"]),
+            (f"runtime {report['backend']} speculative", report["speculative"]["tokens_per_s"])]
     if report["transformers"]:
         rows.append(("transformers generate()", report["transformers"]["tokens_per_s"]))
+    if report.get("optimum"):
+        rows.append(("optimum ORTModelForCausalLM", report["optimum"]["tokens_per_s"]))
     for name, value in rows:
         lines.append(f"  {name:32s} {value:9.1f} tokens/s")
     spec = report["speculative"]
@@ -117,8 +148,9 @@ def format_report(report: dict) -> str:
     lines.append("  speedup: " + ", ".join(f"{k.replace('_', ' ')} {v:.2f}x" for k, v in report["speedup"].items()))
     lines.append("  identical outputs: " + ("yes" if report["identical"] else "NO") + " ("
                  + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in report["identical_detail"].items()) + ")")
-    if "transformers_skipped" in report:
-        lines.append(f"  transformers baseline skipped: {report['transformers_skipped']}")
+    for key in ("transformers", "optimum"):
+        if f"{key}_skipped" in report:
+            lines.append(f"  {key} baseline skipped: {report[key + '_skipped']}")
     return "\n".join(lines)
 
 

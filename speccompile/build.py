@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from speccompile.artifact import check_output, write_artifact
+from speccompile.artifact import BACKENDS, check_output, write_artifact
 from speccompile.calibration import load_calibration
 from speccompile.convert import arch_config, canonical_weights
 from speccompile.loading import SourceModel, load_source
@@ -44,6 +44,7 @@ class TuningOptions:
 class BuildOptions(TuningOptions):
     model: str | None = None
     out: Path = Path("artifact")
+    backends: tuple[str, ...] = ("torch",)
     dtype: str = "float32"
     force: bool = False
     trust_remote_code: bool = False
@@ -154,7 +155,8 @@ def build(options: BuildOptions, log: Callable[[str], None] = print) -> Path:
     }
     tokens = {"eos_token_ids": eos_ids(source), "bos_token_id": source.tokenizer.bos_token_id,
               "pad_token_id": source.tokenizer.pad_token_id}
-    return write_artifact(Path(options.out), ir, source.tokenizer, source_record, tokens, options.force)
+    return write_artifact(Path(options.out), ir, source.tokenizer, source_record, tokens, options.force,
+                          options.backends)
 
 
 def check_options(options) -> None:
@@ -164,15 +166,17 @@ def check_options(options) -> None:
         raise SpeccompileError("--max-draft must be at least 1")
     if options.plot and options.method != "bayes":
         raise SpeccompileError("--plot draws the Bayesian search; use it with --method bayes")
+    unknown = [b for b in getattr(options, "backends", ()) if b not in BACKENDS]
+    if unknown or not getattr(options, "backends", ("torch",)):
+        raise SpeccompileError(f"unknown --backend {','.join(unknown)!r}; choose from {', '.join(BACKENDS)} "
+                               "(comma-separated for several)")
     if options.plot and not str(options.plot).lower().endswith(".png"):
         raise SpeccompileError(f"--plot needs a .png file name, got '{options.plot}'")
 
 
 def tune(options: TuneOptions, log: Callable[[str], None] = print) -> Path:
     """Retune an existing artifact (another device or calibration set) without the source model."""
-    from safetensors.torch import load_file
-
-    from speccompile.artifact import rewrite_manifest
+    from speccompile.artifact import read_canonical_weights, rewrite_artifact
     from speccompile.runtime.manifest import read_manifest
     from speccompile.runtime.model import TOKENIZER_FILE
     from speccompile.runtime.tokenizer import TextTokenizer
@@ -180,11 +184,12 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> Path:
     check_options(options)
     root = Path(options.artifact)
     manifest = read_manifest(root)
-    if "torch" not in manifest.backends:
-        raise SpeccompileError("tune needs the artifact's torch weights; rebuild it with the torch backend")
-    weights = load_file(str(root / manifest.backends["torch"]["weights"]))
-    ir = DecoderIR(manifest.config, weights, dtype=manifest.dtype, device=options.device,
+    ir = DecoderIR(manifest.config, read_canonical_weights(root, manifest), dtype=manifest.dtype,
+                   device=options.device, plans=dict(manifest.plans), default_plan=manifest.default_plan,
                    tuning={"conversion_max_abs_diff": manifest.tuning.get("conversion_max_abs_diff")})
+    for plan in ir.plans.values():  # figures measured elsewhere are re-measured here
+        for key in [k for k in plan.measured if k.startswith("confirmed_") or k == "plain_tokens_per_s"]:
+            del plan.measured[key]
     tokenizer = TextTokenizer(root / TOKENIZER_FILE)
     room = options.calibration_tokens + options.max_draft + 2
     texts = load_calibration(options.calibration)
@@ -192,8 +197,8 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> Path:
     ir = tune_ir(ir, prompts, options, log)
 
     def update(m):
-        m.plans.update(ir.plans)
+        m.plans = ir.plans
         m.default_plan = ir.default_plan
         m.tuning = {**m.tuning, **ir.tuning, "retuned": True}
 
-    return rewrite_manifest(root, update)
+    return rewrite_artifact(root, ir, update)

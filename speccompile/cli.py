@@ -68,6 +68,9 @@ def main():
               help="Most tokens drafted per round; the tuner picks the best value up to this.")
 @click.option("--calibration-tokens", type=click.IntRange(4, 1024), default=64, show_default=True,
               help="Tokens the full model generates after each calibration prompt (what drafts are scored on).")
+@click.option("--backend", "backends", default="torch", show_default=True,
+              help="Backends to write, comma-separated: torch (safetensors), onnx (graphs + one shared weights "
+                   "file, runs with numpy + onnxruntime + tokenizers only), or torch,onnx.")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True)
 @bayes_options
 @click.option("--device", default="cpu", show_default=True, help="Device to tune and time on (cpu, cuda, cuda:1).")
@@ -75,7 +78,7 @@ def main():
 @click.option("--trust-remote-code", is_flag=True, help="Allow model code from the model folder (off by default).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @friendly_errors
-def build(model, out, method, calibration, max_draft, calibration_tokens, dtype, trials, time_budget, study, plot,
+def build(model, out, method, calibration, max_draft, calibration_tokens, backends, dtype, trials, time_budget, study, plot,
           device, force, trust_remote_code, quiet):
     """Build a self-speculative artifact from MODEL (a local folder, a cached hub id, or nothing for the
     bundled reference model)."""
@@ -83,6 +86,7 @@ def build(model, out, method, calibration, max_draft, calibration_tokens, dtype,
 
     options = BuildOptions(model=model, out=out, method=method, calibration=calibration, max_draft=max_draft,
                            calibration_tokens=calibration_tokens, dtype=dtype, device=device, force=force,
+                           backends=tuple(b.strip() for b in backends.split(",") if b.strip()),
                            trust_remote_code=trust_remote_code, trials=trials, time_budget=time_budget, study=study,
                            plot=plot, show_progress=not quiet)
     path = run_build(options, log=lambda message: click.echo(message, err=True))
@@ -164,16 +168,20 @@ def generate(artifact, prompt, max_new_tokens, temperature, top_k, top_p, seed, 
                    "source model's prompts.jsonl if it has one, else a built-in set.")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
 @click.option("--plan", default=None, help="Draft plan to bench (default: the manifest's default plan).")
-@click.option("--no-transformers", is_flag=True, help="Skip the transformers generate() baseline.")
+@click.option("--backend", default=None, help="Runtime backend to bench (torch or onnx; default: the artifact's "
+              "first). With onnx, optimum's ORTModelForCausalLM (exported by optimum from the same source model) is "
+              "added as a baseline.")
+@click.option("--no-transformers", is_flag=True, help="Skip the transformers (and optimum) baselines.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @friendly_errors
-def bench(artifact, prompts, max_new_tokens, plan, no_transformers, as_json, quiet):
+def bench(artifact, prompts, max_new_tokens, plan, backend, no_transformers, as_json, quiet):
     """Time plain vs speculative decoding of the same prompts (and transformers generate()), and check
     the outputs are identical."""
     from speccompile.bench import dumps, format_report, run_bench
 
-    report = run_bench(str(artifact), prompts, max_new_tokens, plan, not no_transformers, progress=not quiet)
+    report = run_bench(str(artifact), prompts, max_new_tokens, plan, not no_transformers, progress=not quiet,
+                       backend=backend)
     click.echo(dumps(report) if as_json else format_report(report))
 
 

@@ -1,0 +1,267 @@
+"""ONNX Runtime backend: the exported graphs on a preallocated numpy KV cache (onnxruntime + numpy only).
+
+Mirrors ``runtime/torch_backend.py`` call for call. The KV cache is one numpy buffer per layer,
+``[1, kv_heads, max_len, head_dim]``, plus a hidden-state buffer ``[1, max_len, d]`` for early exits.
+Each call feeds a graph the past slice ``[:, :, :pos]`` of the layers it runs and writes the new
+entries of ``present`` back at ``pos .. pos+T-1``; rollback is only a smaller ``pos`` next time.
+
+Weights are shared in memory by every session: ``weights.bin`` is read once, each unique tensor
+becomes one ``OrtValue`` over that buffer, and every session receives it through
+``SessionOptions.add_initializer`` under its own initializer names (with ORT weight prepacking
+disabled, so sessions do not make packed copies). The graphs' external-data references are therefore
+never read by ONNX Runtime.
+
+This module must not import torch or transformers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+
+from .errors import ArtifactError, BackendUnavailableError
+from .manifest import ArchConfig, DraftPlan
+
+_NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64}
+
+
+def _ort():
+    try:
+        import onnxruntime
+    except ImportError:
+        raise BackendUnavailableError(
+            "the ONNX backend needs onnxruntime; install it (pip install onnxruntime) or use a torch artifact"
+        ) from None
+    return onnxruntime
+
+
+class OnnxBackend:
+    name = "onnx"
+
+    def __init__(self, root: Path, record: dict[str, Any], config: ArchConfig, device: str = "cpu",
+                 providers: list | None = None, threads: int = 0, roles: Sequence[str] | None = None,
+                 mmap: bool = False):
+        """``record`` is the manifest's ``backends["onnx"]``. ``providers`` overrides the execution
+        providers chosen from ``device`` ("cpu" or "cuda"); ``threads`` is ORT's intra-op thread count
+        (0: ORT's default); ``roles`` limits the sessions created to those graph keys (default: every
+        graph in the record); ``mmap=True`` maps weights.bin read-only instead of reading it into
+        private memory (pages then shared with the page cache and other processes)."""
+        ort = _ort()
+        self.root = Path(root)
+        self.record = record
+        self.config = config
+        try:
+            self.dtype = np.dtype(_NP[record.get("dtype", "float32")])
+            graphs: dict[str, dict] = record["graphs"]
+            tensors: dict[str, dict] = record["tensors"]
+            weights_rel: str = record["weights"]
+            plan_records: dict[str, dict] = record.get("plans", {})
+        except (KeyError, TypeError) as exc:
+            raise ArtifactError(f"manifest backends['onnx'] is malformed ({exc}); rebuild the artifact with --backend onnx") from None
+        self.plan_records = plan_records
+        if providers is None:
+            if device == "cpu":
+                providers = ["CPUExecutionProvider"]
+            elif device.startswith("cuda"):
+                if "CUDAExecutionProvider" not in ort.get_available_providers():
+                    raise BackendUnavailableError(
+                        "device 'cuda' needs onnxruntime-gpu with the CUDA execution provider; install "
+                        "onnxruntime-gpu or use --device cpu"
+                    )
+                providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+            else:
+                raise BackendUnavailableError(f"unknown device {device!r} for the ONNX backend; use cpu or cuda")
+        self.providers = providers
+
+        # -- the shared weights, read once ---------------------------------------------------------
+        wpath = self.root / weights_rel
+        if not wpath.is_file():
+            raise ArtifactError(
+                f"ONNX weights file {weights_rel!r} is missing from {str(self.root)!r}; restore it or rebuild the "
+                "artifact with --backend onnx"
+            )
+        need = max([int(record.get("weights_bytes", 0))] + [t["offset"] + t["nbytes"] for t in tensors.values()])
+        size = wpath.stat().st_size
+        if size < need:
+            raise ArtifactError(
+                f"ONNX weights file {weights_rel!r} is truncated ({size} bytes, the graphs need {need}); restore it "
+                "or rebuild the artifact with --backend onnx"
+            )
+        if mmap:
+            self._blob = np.memmap(wpath, dtype=np.uint8, mode="r", shape=(need,))
+        else:
+            self._blob = np.fromfile(wpath, dtype=np.uint8, count=need)
+        self._arrays: dict[tuple, np.ndarray] = {}
+        self._ortvalues: dict[str, Any] = {}
+        by_slot: dict[tuple, Any] = {}
+        for name, t in tensors.items():
+            slot = (t["offset"], t["nbytes"], t["dtype"], tuple(t["shape"]))
+            if slot not in by_slot:
+                arr = self._blob[t["offset"]: t["offset"] + t["nbytes"]].view(_NP[t["dtype"]]).reshape(t["shape"])
+                self._arrays[slot] = arr
+                by_slot[slot] = ort.OrtValue.ortvalue_from_numpy(arr)
+            self._ortvalues[name] = by_slot[slot]
+
+        # -- one session per graph, all on the same OrtValues ---------------------------------------
+        self.sessions: dict[str, Any] = {}
+        self.inputs: dict[str, list[str]] = {}
+        self.outputs: dict[str, list[str]] = {}
+        for key, g in graphs.items():
+            if roles is not None and key not in roles:
+                continue
+            self.sessions[key] = self._session(ort, key, g, threads)
+        self.max_len = 0
+        self.k: list[np.ndarray] = []
+        self.v: list[np.ndarray] = []
+        self.exit_hidden: np.ndarray | None = None
+
+    def _session(self, ort, key: str, g: dict, threads: int):
+        path = self.root / g["file"]
+        if not path.is_file():
+            raise ArtifactError(f"ONNX graph {g['file']!r} is missing from {str(self.root)!r}; restore it or rebuild the "
+                                "artifact with --backend onnx")
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        options.add_session_config_entry("session.disable_prepacking", "1")
+        options.log_severity_level = 3
+        for name in g.get("initializers", []):
+            if name not in self._ortvalues:
+                raise ArtifactError(f"ONNX graph {g['file']!r} needs tensor {name!r}, which the manifest's tensor table "
+                                    "lacks; rebuild the artifact with --backend onnx")
+            options.add_initializer(name, self._ortvalues[name])
+        try:
+            session = ort.InferenceSession(str(path), sess_options=options, providers=self.providers)
+        except Exception as exc:  # onnxruntime raises its own exception types (InvalidProtobuf, Fail, ...)
+            first = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else type(exc).__name__
+            raise ArtifactError(
+                f"ONNX graph {g['file']!r} could not be loaded (corrupted or truncated: {first}); restore it or rebuild "
+                "the artifact with --backend onnx"
+            ) from None
+        got = [(i.name, len(i.shape)) for i in session.get_inputs()]
+        want = [(i["name"], len(i["shape"])) for i in g["inputs"]]
+        got_out = [o.name for o in session.get_outputs()]
+        want_out = [o["name"] for o in g["outputs"]]
+        if sorted(got) != sorted(want) or sorted(got_out) != sorted(want_out):
+            g_set, w_set = dict(got), dict(want)
+            diffs = [f"graph input {n!r} not in the manifest" for n in g_set if n not in w_set]
+            diffs += [f"manifest input {n!r} not in the graph" for n in w_set if n not in g_set]
+            diffs += [f"input {n!r} has rank {g_set[n]} in the graph, {w_set[n]} in the manifest"
+                      for n in g_set if n in w_set and g_set[n] != w_set[n]]
+            diffs += [f"output {n!r} differs" for n in sorted(set(got_out) ^ set(want_out))]
+            shown = "; ".join(diffs[:3]) + (f"; and {len(diffs) - 3} more" if len(diffs) > 3 else "")
+            raise ArtifactError(
+                f"ONNX graph {g['file']!r} does not match the manifest ({shown}); the graph and manifest are from "
+                "different builds: rebuild the artifact with --backend onnx"
+            )
+        self.inputs[key] = [i.name for i in session.get_inputs()]
+        self.outputs[key] = got_out
+        return session
+
+    @classmethod
+    def from_artifact(cls, root: Path, manifest, device: str = "cpu", **kwargs) -> "OnnxBackend":
+        if "onnx" not in manifest.backends:
+            raise BackendUnavailableError("this artifact has no 'onnx' backend; rebuild with --backend onnx")
+        backend = cls(Path(root), manifest.backends["onnx"], manifest.config, device=device, **kwargs)
+        backend.check_plans(manifest.plans)
+        return backend
+
+    def check_plans(self, plans: dict[str, DraftPlan]) -> None:
+        """Every plan must have graphs exported for exactly its subgraph (skip sets / exit layer)."""
+        L = self.config.num_layers
+        for name, plan in plans.items():
+            rec = self.plan_records.get(name)
+            if rec is None:
+                raise ArtifactError(f"plan {name!r} has no ONNX graphs (exported plans: {sorted(self.plan_records)}); "
+                                    "re-export with --backend onnx after changing plans")
+            if plan.is_early_exit:
+                ok = rec.get("kind") == "early_exit" and rec.get("exit_layer") == plan.exit_layer
+                graph, layers = rec.get("prefix"), set(range(plan.exit_layer))
+            else:
+                ok = rec.get("kind") == "layer_skip"
+                graph, layers = rec.get("draft"), set(range(L)) - set(plan.skip_attn)
+            if ok and graph in self.inputs:
+                kv = {int(n.split(".")[1]) for n in self.inputs[graph] if n.startswith("past_key_values.")}
+                ok = kv == layers
+            if not ok:
+                raise ArtifactError(f"plan {name!r} does not match its exported ONNX graphs ({plan.describe()}); "
+                                    "re-export with --backend onnx after changing plans")
+
+    # -- cache -------------------------------------------------------------------------------------
+    def reserve(self, max_len: int) -> None:
+        """Make sure the KV buffers hold ``max_len`` positions; reuse them across requests."""
+        c = self.config
+        if not self.k or self.k[0].shape[2] < max_len:
+            shape = (1, c.num_kv_heads, max_len, c.head_dim)
+            self.k = [np.zeros(shape, self.dtype) for _ in range(c.num_layers)]
+            self.v = [np.zeros(shape, self.dtype) for _ in range(c.num_layers)]
+            self.exit_hidden = np.zeros((1, max_len, c.hidden_size), self.dtype)
+        self.max_len = max_len
+
+    def _run(self, key: str, pos: int, ids: Sequence[int] | None = None, hidden: np.ndarray | None = None):
+        """Run graph ``key`` at position ``pos`` (past = cache[:pos]); write presents back; return outputs."""
+        feed: dict[str, np.ndarray] = {}
+        t = len(ids) if ids is not None else hidden.shape[1]
+        for name in self.inputs[key]:
+            if name == "input_ids":
+                feed[name] = np.asarray([list(ids)], dtype=np.int64)
+            elif name == "hidden":
+                feed[name] = np.ascontiguousarray(hidden, dtype=self.dtype)
+            elif name == "position_ids":
+                feed[name] = np.arange(pos, pos + t, dtype=np.int64)[None]
+            elif name.startswith("past_key_values."):
+                _, layer, kind = name.split(".")
+                buf = self.k[int(layer)] if kind == "key" else self.v[int(layer)]
+                feed[name] = np.ascontiguousarray(buf[:, :, :pos])
+        outs = dict(zip(self.outputs[key], self.sessions[key].run(self.outputs[key], feed)))
+        for name, value in outs.items():
+            if name.startswith("present."):
+                _, layer, kind = name.split(".")
+                buf = self.k[int(layer)] if kind == "key" else self.v[int(layer)]
+                buf[:, :, pos: pos + t] = value[:, :, pos: pos + t]
+        return outs
+
+    def _plan(self, plan: DraftPlan) -> dict:
+        rec = self.plan_records.get(plan.name)
+        if rec is None:
+            raise ArtifactError(f"the ONNX export has no graphs for plan {plan.name!r} (it has {sorted(self.plan_records)}); "
+                                "rebuild the artifact with --backend onnx")
+        return rec
+
+    @staticmethod
+    def _logits(x: np.ndarray) -> np.ndarray:
+        return x[0].astype(np.float32, copy=False)
+
+    # -- the backend protocol ----------------------------------------------------------------------
+    def forward(self, tokens: Sequence[int], pos: int) -> np.ndarray:
+        return self._logits(self._run("verify", pos, ids=tokens)["logits"])
+
+    def draft(self, plan: DraftPlan, token: int, pos: int) -> np.ndarray:
+        rec = self._plan(plan)
+        if rec["kind"] == "early_exit":
+            h = self._run(rec["prefix"], pos, ids=[token])["hidden"]
+            self.exit_hidden[:, pos: pos + 1] = h
+            return self._logits(self._run(rec["head"], pos, hidden=h)["logits"])[-1]
+        return self._logits(self._run(rec["draft"], pos, ids=[token])["logits"])[-1]
+
+    def verify(self, plan: DraftPlan, tokens: Sequence[int], pos: int, n_reuse: int) -> np.ndarray:
+        rec = self._plan(plan)
+        if rec["kind"] != "early_exit":
+            return self.forward(tokens, pos)
+        fresh = list(tokens[n_reuse:])
+        if fresh:
+            h_new = self._run(rec["prefix"], pos + n_reuse, ids=fresh)["hidden"]
+            self.exit_hidden[:, pos + n_reuse: pos + len(tokens)] = h_new
+        h = self.exit_hidden[:, pos: pos + len(tokens)]
+        return self._logits(self._run(rec["suffix"], pos, hidden=h)["logits"])
+
+
+def read_onnx_record(root: Path) -> dict:
+    """The ``backends["onnx"]`` record of an artifact's manifest.json (convenience for tools)."""
+    return json.loads((Path(root) / "manifest.json").read_text())["backends"]["onnx"]
+
+
+__all__ = ["OnnxBackend", "read_onnx_record"]

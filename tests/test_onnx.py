@@ -1,0 +1,458 @@
+"""The ONNX export and the ONNX Runtime backend.
+
+- ORT logits (full model, layer-skip drafts, early-exit prefix/head/suffix) match the torch decoder;
+- ORT speculative greedy == ORT plain greedy == torch greedy, all nine families, both plan kinds;
+- ORT speculative sampling has the target distribution (chi-square, with a negative control);
+- one shared weights file on disk; sessions share weights in memory (RSS, in subprocesses);
+- the runtime runs an ONNX artifact with torch and transformers unimportable;
+- bad artifacts fail with one-line ArtifactErrors.
+
+Run: OMP_NUM_THREADS=1 python -m pytest -q tests/test_onnx.py
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("onnxruntime")
+onnx = pytest.importorskip("onnx")
+
+from lossless import assert_same_greedy, run  # noqa: E402
+from speccompile.export_onnx import export_onnx, export_onnx_weights  # noqa: E402
+from speccompile.runtime.errors import ArtifactError  # noqa: E402
+from speccompile.runtime.manifest import Manifest, DraftPlan, file_record, read_manifest, write_manifest  # noqa: E402
+from speccompile.runtime.onnx_backend import OnnxBackend  # noqa: E402
+from speccompile.runtime.sampling import SamplingParams, probabilities  # noqa: E402
+from speccompile.runtime.torch_backend import TorchBackend  # noqa: E402
+from tiny_models import FAMILIES, make_model  # noqa: E402
+
+TESTS = Path(__file__).parent
+PROMPTS = 6
+NEW_TOKENS = 40
+TOL = 1e-4
+
+
+def plans(num_layers: int) -> dict[str, DraftPlan]:
+    out = []
+    for k, threshold in ((1, 0.0), (3, 0.0), (5, 0.3)):
+        out.append(DraftPlan(name=f"skip-k{k}", skip_attn=[1], skip_mlp=[num_layers - 2], max_draft=k,
+                             threshold=threshold))
+        out.append(DraftPlan(name=f"exit-k{k}", exit_layer=num_layers // 2, max_draft=k, threshold=threshold))
+    out.append(DraftPlan(name="exit-last", exit_layer=num_layers - 1, max_draft=6, adaptive=False))
+    out.append(DraftPlan(name="skip-all-attn", skip_attn=list(range(num_layers)), max_draft=4, adaptive=False))
+    return {p.name: p for p in out}
+
+
+def make_artifact(decoder, plan_map: dict[str, DraftPlan], root: Path) -> Path:
+    """A minimal ONNX-only artifact folder: onnx/ + manifest.json (no tokenizer, no torch weights)."""
+    root.mkdir(parents=True, exist_ok=True)
+    record = export_onnx(decoder, plan_map, root / "onnx")
+    files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    manifest = Manifest(config=decoder.config, plans=plan_map, default_plan=next(iter(plan_map)),
+                        files={f: file_record(root, f) for f in files}, backends={"onnx": record})
+    write_manifest(root, manifest)
+    return root
+
+
+def ort_backend(root: Path, **kwargs) -> OnnxBackend:
+    return OnnxBackend.from_artifact(root, read_manifest(root), threads=1, **kwargs)
+
+
+@pytest.fixture(scope="session")
+def onnx_artifact(tiny_decoder, tmp_path_factory):
+    """family -> (decoder, artifact root, plans, OnnxBackend), built once per family."""
+    base = tmp_path_factory.mktemp("onnx_artifacts")
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            _, decoder = tiny_decoder(family)
+            plan_map = plans(decoder.config.num_layers)
+            root = make_artifact(decoder, plan_map, base / family)
+            cache[family] = (decoder, root, plan_map, ort_backend(root))
+        return cache[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_logits_match_torch(family, onnx_artifact):
+    """Every graph, through the backend protocol: prefill, incremental steps with past, drafts of both
+    plan kinds and early-exit verifies with reuse, all within 1e-4 of the torch backend."""
+    decoder, root, plan_map, ort = onnx_artifact(family)
+    ref = TorchBackend(decoder)
+    for b in (ort, ref):
+        b.reserve(64)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, decoder.config.vocab_size, (48,), generator=gen).tolist()
+
+    def same(a, b, what):
+        err = float(np.abs(a - b).max())
+        assert a.shape == b.shape and err < TOL, f"{family} {what}: max |ORT - torch| = {err:.2e}"
+
+    # full model: prefill of 30 (past the mistral window of 24), then steps of 1 and 3 tokens
+    same(ort.forward(tokens[:30], 0), ref.forward(tokens[:30], 0), "prefill")
+    same(ort.forward(tokens[30:31], 30), ref.forward(tokens[30:31], 30), "1-token step")
+    same(ort.forward(tokens[31:34], 31), ref.forward(tokens[31:34], 31), "3-token step")
+    with torch.inference_mode():
+        full = decoder(torch.tensor([tokens[:34]]))[0].numpy()
+    same(ort.forward(tokens[33:34], 33), full[33:34], "step vs one-shot full forward")
+    # drafts then verifies, on the same cache state in both backends
+    for name in ("skip-k3", "exit-k3", "exit-last", "skip-all-attn"):
+        plan = plan_map[name]
+        pos = 34
+        for j in range(3):
+            same(ort.draft(plan, tokens[pos + j], pos + j), ref.draft(plan, tokens[pos + j], pos + j), f"{name} draft {j}")
+        round_tokens = tokens[pos: pos + 4]
+        same(ort.verify(plan, round_tokens, pos, 3), ref.verify(plan, round_tokens, pos, 3), f"{name} verify")
+        same(ort.forward(tokens[pos + 1: pos + 2], pos + 1), ref.forward(tokens[pos + 1: pos + 2], pos + 1),
+             f"{name} rollback step")
+
+
+def test_graphs_have_dynamic_axes_and_opset(onnx_artifact):
+    _, root, _, _ = onnx_artifact("llama")
+    record = read_manifest(root).backends["onnx"]
+    assert record["opset"] >= 18
+    for key, g in record["graphs"].items():
+        model = onnx.load(str(root / g["file"]), load_external_data=False)
+        assert model.opset_import[0].version >= 18
+        for vi in model.graph.input:
+            dims = vi.type.tensor_type.shape.dim
+            assert dims[0].dim_param == "batch", (key, vi.name)
+            if vi.name.startswith("past_key_values."):
+                assert dims[2].dim_param == "past_len"
+            else:
+                assert dims[1].dim_param == "seq"
+    # batch 2 with a past: each row equals the same row run alone
+    _, ort = onnx_artifact("llama")[0], onnx_artifact("llama")[3]
+    session, config = ort.sessions["verify"], ort.config
+    rng = np.random.default_rng(0)
+    ids = rng.integers(3, config.vocab_size, (2, 7))
+    past = {n: rng.standard_normal((2, config.num_kv_heads, 5, config.head_dim)).astype(np.float32)
+            for n in ort.inputs["verify"] if n.startswith("past_key_values.")}
+    both = session.run(["logits"], {"input_ids": ids, **past})[0]
+    for row in range(2):
+        alone = session.run(["logits"], {"input_ids": ids[row:row + 1], **{n: v[row:row + 1] for n, v in past.items()}})[0]
+        np.testing.assert_allclose(both[row:row + 1], alone, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_speculative_greedy_equals_plain(family, onnx_artifact):
+    decoder, _, plan_map, ort = onnx_artifact(family)
+    ref = TorchBackend(decoder)
+    gen = torch.Generator().manual_seed(3)
+    near_ties = accepted = 0
+    kinds = set()
+    for p in range(PROMPTS):
+        prompt = torch.randint(3, decoder.config.vocab_size, (3 + 9 * p,), generator=gen).tolist()
+        plain, _ = run(ort, prompt, NEW_TOKENS)
+        assert len(plain) == NEW_TOKENS
+        near_ties += assert_same_greedy(decoder, prompt, run(ref, prompt, NEW_TOKENS)[0], plain)  # ORT == torch
+        for plan in plan_map.values():
+            spec, stats = run(ort, prompt, NEW_TOKENS, plan)
+            near_ties += assert_same_greedy(decoder, prompt, plain, spec)
+            accepted += stats.accepted
+            kinds.add(plan.is_early_exit)
+    assert kinds == {True, False}
+    assert near_ties <= 1, f"{near_ties} near-tie divergences: too many to be rounding"
+    assert accepted > 0, "no drafted token was ever accepted: the accept path was not exercised"
+
+
+def test_export_from_canonical_numpy_weights(onnx_artifact, tmp_path):
+    """export_onnx_weights takes the artifact's canonical weights (tied lm_head absent) as numpy arrays."""
+    decoder, root, plan_map, ort = onnx_artifact("gemma")
+    weights = {k: v.numpy() for k, v in decoder.state_dict().items() if k != "lm_head.weight"}
+    record = export_onnx_weights(decoder.config, weights, plan_map, tmp_path / "onnx")
+    assert record["tensors"].keys() == read_manifest(root).backends["onnx"]["tensors"].keys()
+    other = OnnxBackend(tmp_path, record, decoder.config, threads=1, mmap=True)  # memory-mapped weights
+    for b in (ort, other):
+        b.reserve(16)
+    np.testing.assert_array_equal(other.forward([5, 6, 7], 0), ort.forward([5, 6, 7], 0))
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt_neox"])
+def test_float16_export(family, tiny_decoder, tmp_path):
+    """dtype="float16" (meant for CUDA) passes the checker and runs on the CPU EP: logits close to the fp32
+    torch decoder, speculative greedy == plain greedy."""
+    _, decoder = tiny_decoder(family)
+    plan_map = {k: v for k, v in plans(decoder.config.num_layers).items() if k in ("skip-k3", "exit-k3")}
+    record = export_onnx(decoder, plan_map, tmp_path / "onnx", dtype="float16")
+    assert record["dtype"] == "float16"
+    assert {t["dtype"] for n, t in record["tensors"].items() if n != "rope_inv_freq"} == {"float16"}
+    ort = OnnxBackend(tmp_path, record, decoder.config, threads=1)
+    ort.reserve(80)
+    prompt = list(range(5, 35))
+    with torch.inference_mode():
+        ref = decoder(torch.tensor([prompt]))[0].numpy()
+    assert np.abs(ort.forward(prompt, 0) - ref).max() < 2e-2
+    plain, _ = run(ort, prompt, 30)
+    for plan in plan_map.values():
+        spec, _ = run(ort, prompt, 30, plan)
+        assert spec == plain, plan.name
+
+
+# -- sampling -----------------------------------------------------------------------------------------
+VOCAB = 12
+PROMPT = [1, 5, 7, 3]
+SAMPLES = 1500
+ALPHA = 1e-3
+
+
+def _gof(samples, expected) -> float:
+    from scipy.stats import chisquare
+
+    observed = np.bincount(samples, minlength=VOCAB).astype(float)
+    exp = expected * len(samples)
+    big = exp >= 5
+    obs_cells = np.append(observed[big], observed[~big].sum())
+    exp_cells = np.append(exp[big], exp[~big].sum())
+    if exp_cells[-1] == 0:
+        obs_cells, exp_cells = obs_cells[:-1], exp_cells[:-1]
+    return float(chisquare(obs_cells, exp_cells * obs_cells.sum() / exp_cells.sum()).pvalue)
+
+
+@torch.inference_mode()
+def _third_token_marginal(step_logits, params) -> np.ndarray:
+    p1 = probabilities(step_logits([PROMPT])[0], params)
+    p2 = np.stack([probabilities(l, params) for l in step_logits([PROMPT + [a] for a in range(VOCAB)])])
+    seqs3 = [PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)]
+    p3 = np.stack([probabilities(l, params) for l in step_logits(seqs3)]).reshape(VOCAB, VOCAB, VOCAB)
+    return ((p1[:, None] * p2)[:, :, None] * p3).sum((0, 1))
+
+
+def test_speculative_sampling_matches_target_distribution(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from speccompile.convert import arch_config, canonical_weights
+    from speccompile.runtime.decoder import build_decoder
+
+    folder = make_model("llama", tmp_path / "small_vocab", seed=4, vocab_size=VOCAB, initializer_range=0.15)
+    hf = AutoModelForCausalLM.from_pretrained(folder).eval()
+    config = arch_config(hf)
+    decoder = build_decoder(config, canonical_weights(hf, config))
+    plan = DraftPlan(name="skip", skip_attn=[1, 2], skip_mlp=[1, 2], max_draft=2, adaptive=False)
+    root = make_artifact(decoder, {"skip": plan}, tmp_path / "artifact")
+    ort = ort_backend(root)
+    params = SamplingParams(temperature=1.0)
+
+    def full(seqs):
+        return decoder(torch.tensor(seqs))[:, -1].float().numpy()
+
+    def draft_only(seqs):
+        h = decoder.run_blocks(decoder.embed_tokens(torch.tensor(seqs), 0), 0, None,
+                               skip_attn=set(plan.skip_attn), skip_mlp=set(plan.skip_mlp))
+        return decoder.head(h)[:, -1].float().numpy()
+
+    target3, draft3 = _third_token_marginal(full, params), _third_token_marginal(draft_only, params)
+    assert 0.5 * np.abs(target3 - draft3).sum() > 0.1, "draft too close to the target for the control to mean anything"
+    spec3, accepted = [], 0
+    for seed in range(SAMPLES):
+        tokens, stats = run(ort, PROMPT, 3, plan, params, seed=seed)
+        spec3.append(tokens[2])
+        accepted += stats.accepted
+    assert 0 < accepted < 2 * SAMPLES, "both the accept and the reject path must be exercised"
+    plain3 = [run(ort, PROMPT, 3, None, params, seed=seed)[0][2] for seed in range(SAMPLES // 2)]
+    assert _gof(spec3, target3) > ALPHA
+    assert _gof(plain3, target3) > ALPHA
+    assert _gof(spec3, draft3) < ALPHA  # negative control: the test can tell the draft apart
+
+
+# -- one weights file -------------------------------------------------------------------------------
+def test_one_shared_weights_file(onnx_artifact):
+    decoder, root, _, _ = onnx_artifact("gemma")  # tied embeddings: lm_head must not be stored twice
+    record = read_manifest(root).backends["onnx"]
+    onnx_dir = root / "onnx"
+    files = sorted(onnx_dir.iterdir())
+    data_files = [p for p in files if p.suffix != ".onnx"]
+    assert [p.name for p in data_files] == ["weights.bin"]
+    assert record["weights"] == "onnx/weights.bin"
+    unique = {id(t.untyped_storage()): t.numel() * t.element_size() for t in decoder.state_dict().values()}
+    weight_bytes = sum(unique.values())
+    bin_size = (onnx_dir / "weights.bin").stat().st_size
+    assert bin_size <= 1.02 * weight_bytes + 64 * len(unique), (bin_size, weight_bytes)
+    graph_bytes = sum(p.stat().st_size for p in files if p.suffix == ".onnx")
+    assert graph_bytes < 0.25 * bin_size, "graphs carry weights inline"
+    assert len(record["graphs"]) >= 5
+    for g in record["graphs"].values():
+        path = root / g["file"]
+        onnx.checker.check_model(str(path))
+        model = onnx.load(str(path), load_external_data=False)
+        assert model.graph.initializer, g["file"]
+        for init in model.graph.initializer:
+            assert init.data_location == onnx.TensorProto.EXTERNAL and not init.raw_data
+            location = {e.key: e.value for e in init.external_data}["location"]
+            assert location == "weights.bin"
+
+
+# -- memory -----------------------------------------------------------------------------------------
+_RSS_SCRIPT = r"""
+import json, sys
+def rss():
+    for line in open('/proc/self/status'):
+        if line.startswith('VmRSS:'):
+            return int(line.split()[1]) * 1024
+import numpy, onnxruntime
+from speccompile.runtime.manifest import read_manifest
+from speccompile.runtime.onnx_backend import OnnxBackend
+root, roles = sys.argv[1], sys.argv[2]
+manifest = read_manifest(root, verify_files=False)
+base = rss()
+b = OnnxBackend.from_artifact(root, manifest, threads=1, roles=None if roles == 'all' else roles.split(','))
+b.reserve(32)
+b.forward([5, 6, 7, 8], 0)
+for plan in (manifest.plans.values() if roles == 'all' else ()):
+    b.draft(plan, 9, 4)
+    b.verify(plan, [9, 10], 4, 1)
+print(json.dumps({'base': base, 'after': rss(), 'sessions': len(b.sessions)}))
+"""
+
+
+def test_sessions_share_weights_in_memory(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from speccompile.convert import arch_config, canonical_weights
+    from speccompile.runtime.decoder import build_decoder
+
+    folder = make_model("llama", tmp_path / "big", vocab_size=8192, hidden_size=512, intermediate_size=1536,
+                        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2)
+    hf = AutoModelForCausalLM.from_pretrained(folder).eval()
+    config = arch_config(hf)
+    decoder = build_decoder(config, canonical_weights(hf, config))
+    plan_map = {"skip": DraftPlan(name="skip", skip_attn=[2, 5], skip_mlp=[3]), "exit": DraftPlan(name="exit", exit_layer=4)}
+    root = make_artifact(decoder, plan_map, tmp_path / "artifact")
+    del hf, decoder
+    weights = (root / "onnx" / "weights.bin").stat().st_size
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+
+    def measure(roles: str) -> dict:
+        out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(root), roles], capture_output=True, text=True,
+                             env=env, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
+    verify_only, everything = measure("verify"), measure("all")
+    assert everything["sessions"] == 5 and verify_only["sessions"] == 1
+    alone = verify_only["after"] - verify_only["base"]
+    shared = everything["after"] - everything["base"]
+    print(f"\nweights {weights / 2**20:.1f} MiB; RSS over baseline: verify alone {alone / 2**20:.1f} MiB, "
+          f"verify + skip + prefix + suffix + head {shared / 2**20:.1f} MiB ({shared / alone:.3f}x)")
+    assert alone >= 0.9 * weights, "the weights do not dominate the measurement"
+    assert shared <= 1.1 * alone, f"5 sessions use {shared / alone:.2f}x the RSS of the verify session alone"
+
+
+# -- torch-free runtime -----------------------------------------------------------------------------
+def test_runtime_runs_onnx_artifact_without_torch(onnx_artifact):
+    decoder, root, plan_map, _ = onnx_artifact("gpt2")
+    prompt = [5, 17, 33, 8, 90]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    results = {}
+    for plan_name in ("exit-k3", "skip-k3"):
+        out = subprocess.run([sys.executable, str(TESTS / "torch_blocker.py"), str(root), json.dumps(prompt), "20", plan_name],
+                             capture_output=True, text=True, env=env, timeout=300)
+        assert out.returncode == 0, out.stderr[-3000:]
+        results[plan_name] = json.loads(out.stdout.strip().splitlines()[-1])
+    expected, _ = run(TorchBackend(decoder), prompt, 20)
+    for plan_name, got in results.items():
+        assert got["torch_blocked"] and not got["torch_loaded"]
+        assert got["plain"] == expected and got["spec"] == expected, plan_name
+        assert got["spec_accepted"] > 0
+
+
+# -- bad inputs -------------------------------------------------------------------------------------
+@pytest.fixture
+def broken(onnx_artifact, tmp_path):
+    _, root, _, _ = onnx_artifact("llama")
+    copy = tmp_path / "copy"
+    shutil.copytree(root, copy)
+    return copy
+
+
+def _load(root: Path, mutate=None) -> OnnxBackend:
+    manifest = read_manifest(root, verify_files=False)
+    if mutate:
+        mutate(manifest.backends["onnx"])
+    return OnnxBackend.from_artifact(root, manifest, threads=1)
+
+
+def _one_line(exc) -> str:
+    message = str(exc.value)
+    assert "\n" not in message and ("rebuild" in message or "re-export" in message)
+    return message
+
+
+def test_truncated_graph(broken):
+    path = broken / "onnx" / "verify.onnx"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(ArtifactError) as exc:
+        _load(broken)
+    assert "onnx/verify.onnx" in _one_line(exc)
+
+
+def test_garbage_graph(broken):
+    (broken / "onnx" / "head.onnx").write_bytes(b"\x00not an onnx model" * 10)
+    with pytest.raises(ArtifactError) as exc:
+        _load(broken)
+    assert "onnx/head.onnx" in _one_line(exc)
+
+
+def test_truncated_weights(broken):
+    path = broken / "onnx" / "weights.bin"
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 1000)
+    with pytest.raises(ArtifactError) as exc:
+        _load(broken)
+    assert "truncated" in _one_line(exc) and "weights.bin" in str(exc.value)
+
+
+def test_missing_weights(broken):
+    (broken / "onnx" / "weights.bin").unlink()
+    with pytest.raises(ArtifactError) as exc:
+        _load(broken)
+    assert "missing" in _one_line(exc) and "weights.bin" in str(exc.value)
+
+
+def test_manifest_inputs_not_matching_graph(broken):
+    def rename(record):
+        record["graphs"]["verify"]["inputs"][0]["name"] = "tokens"
+
+    with pytest.raises(ArtifactError) as exc:
+        _load(broken, rename)
+    assert "does not match the manifest" in _one_line(exc)
+
+
+def test_graph_swapped_for_another(broken):
+    shutil.copy(broken / "onnx" / "head.onnx", broken / "onnx" / "verify.onnx")
+    with pytest.raises(ArtifactError) as exc:
+        _load(broken)
+    assert "onnx/verify.onnx" in _one_line(exc)
+
+
+def test_sha256_check_catches_edits_first(broken):
+    path = broken / "onnx" / "weights.bin"
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(ArtifactError, match="sha256"):
+        read_manifest(broken)
+
+
+def test_plan_changed_after_export(broken):
+    manifest = read_manifest(broken, verify_files=False)
+    manifest.plans["skip-k3"].skip_attn = [0, 2]
+    with pytest.raises(ArtifactError) as exc:
+        OnnxBackend.from_artifact(broken, manifest, threads=1)
+    assert "skip-k3" in _one_line(exc) and "re-export" in str(exc.value)
+    manifest = read_manifest(broken, verify_files=False)
+    manifest.plans["new"] = DraftPlan(name="new", exit_layer=1)
+    with pytest.raises(ArtifactError, match="'new' has no ONNX graphs"):
+        OnnxBackend.from_artifact(broken, manifest, threads=1)

@@ -1,0 +1,59 @@
+"""Run an ONNX artifact with torch and transformers made unimportable (used by tests/test_onnx.py).
+
+    python tests/torch_blocker.py ARTIFACT PROMPT_JSON NEW_TOKENS PLAN
+
+installs a ``sys.meta_path`` finder that raises ImportError for torch / transformers *before anything
+else is imported*, loads the artifact through ``speccompile.runtime`` + ``speccompile.runtime.onnx_backend``,
+decodes greedily (plain and speculatively with PLAN) and prints one JSON line.
+"""
+
+import sys
+
+BLOCKED = ("torch", "transformers")
+
+
+class _Blocker:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] in BLOCKED:
+            raise ImportError(f"{name} is blocked in this process (torch-free runtime test)")
+        return None
+
+
+sys.meta_path.insert(0, _Blocker())
+
+import json  # noqa: E402
+import os  # noqa: E402
+
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def main() -> None:
+    root, prompt, new_tokens, plan_name = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    import speccompile.runtime as rt
+    from speccompile.runtime.onnx_backend import OnnxBackend
+    from speccompile.runtime.speculative import DecodeRequest, DraftPolicy, Stats, decode
+
+    try:
+        import torch  # noqa: F401
+        blocked = False
+    except ImportError:
+        blocked = True
+    manifest = rt.read_manifest(root)
+    backend = OnnxBackend.from_artifact(root, manifest, threads=1)
+    out = {}
+    for mode, plan in (("plain", None), ("spec", manifest.plan(plan_name))):
+        stats = Stats()
+        policy = DraftPolicy.from_plan(plan) if plan else None
+        backend.reserve(len(prompt) + new_tokens + (plan.max_draft + 1 if plan else 1))
+        tokens = []
+        for new in decode(backend, DecodeRequest(prompt, new_tokens), plan, policy, stats):
+            tokens.extend(new)
+        out[mode] = tokens
+        out[f"{mode}_accepted"] = stats.accepted
+    out["torch_blocked"] = blocked
+    out["torch_loaded"] = any(m.split(".")[0] in BLOCKED for m in sys.modules)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
