@@ -3,10 +3,11 @@ against plain greedy decoding under the near-tie rule of DESIGN.md section 6."""
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from speccompile.runtime.manifest import DraftPlan
-from speccompile.runtime.sampling import SamplingParams
+from speccompile.runtime.sampling import SamplingParams, probabilities
 from speccompile.runtime.speculative import DecodeRequest, DraftPolicy, Stats, decode
 from speccompile.runtime.torch_backend import TorchBackend
 
@@ -43,3 +44,42 @@ def assert_same_greedy(decoder, prompt: list[int], plain: list[int], spec: list[
         f"(not a floating-point near-tie)\nplain {plain}\nspec  {spec}"
     )
     return 1
+
+
+def next_token_logits(decoder, plan: DraftPlan | None = None):
+    """``step_logits`` for ``exact_marginals``: the full model's next-token logits, or a layer-skip draft's."""
+
+    @torch.inference_mode()
+    def step(sequences: list[list[int]]) -> np.ndarray:
+        h = decoder.embed_tokens(torch.tensor(sequences), 0)
+        h = decoder.run_blocks(h, 0, None, skip_attn=set(plan.skip_attn) if plan else set(),
+                               skip_mlp=set(plan.skip_mlp) if plan else set())
+        return decoder.head(h)[:, -1].float().numpy()
+
+    return step
+
+
+@torch.inference_mode()
+def exact_marginals(step_logits, params: SamplingParams, prompt: list[int], vocab: int) -> tuple[np.ndarray, np.ndarray]:
+    """Exact distributions of the 2nd and 3rd sampled tokens after ``prompt``, enumerating the 1st and
+    2nd; ``step_logits(sequences)`` returns the next-token logits ``[len(sequences), vocab]``."""
+    p1 = probabilities(step_logits([prompt])[0], params)
+    p2 = np.stack([probabilities(l, params) for l in step_logits([prompt + [a] for a in range(vocab)])])
+    seqs3 = [prompt + [a, b] for a in range(vocab) for b in range(vocab)]
+    p3 = np.stack([probabilities(l, params) for l in step_logits(seqs3)]).reshape(vocab, vocab, vocab)
+    joint12 = p1[:, None] * p2
+    return joint12.sum(0), (joint12[:, :, None] * p3).sum((0, 1))
+
+
+def chi_square_pvalue(samples: list[int], expected: np.ndarray) -> float:
+    """Goodness of fit of ``samples`` to the distribution ``expected``, cells of expected count < 5 pooled."""
+    from scipy.stats import chisquare
+
+    observed = np.bincount(samples, minlength=len(expected)).astype(float)
+    exp = expected * len(samples)
+    big = exp >= 5
+    obs_cells = np.append(observed[big], observed[~big].sum())
+    exp_cells = np.append(exp[big], exp[~big].sum())
+    if exp_cells[-1] == 0:
+        obs_cells, exp_cells = obs_cells[:-1], exp_cells[:-1]
+    return float(chisquare(obs_cells, exp_cells * obs_cells.sum() / exp_cells.sum()).pvalue)

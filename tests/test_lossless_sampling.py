@@ -8,13 +8,13 @@ control shows the test has power: the same samples are clearly *not* distributed
 import numpy as np
 import pytest
 import torch
-from scipy.stats import chisquare
 
-from lossless import run
+from lossless import chi_square_pvalue as gof
+from lossless import exact_marginals, next_token_logits, run
 from speccompile.convert import arch_config, canonical_weights
 from speccompile.runtime.decoder import build_decoder
 from speccompile.runtime.manifest import DraftPlan
-from speccompile.runtime.sampling import SamplingParams, probabilities
+from speccompile.runtime.sampling import SamplingParams
 from speccompile.runtime.torch_backend import TorchBackend
 from tiny_models import make_model
 
@@ -35,30 +35,6 @@ def small_vocab_decoder(request, tmp_path_factory):
     return build_decoder(config, canonical_weights(hf, config))
 
 
-@torch.inference_mode()
-def exact_marginals(step_logits, params: SamplingParams) -> tuple[np.ndarray, np.ndarray]:
-    """Exact distributions of the 2nd and 3rd new tokens, enumerating the 1st and 2nd."""
-    p1 = probabilities(step_logits([PROMPT])[0], params)
-    seqs2 = [PROMPT + [a] for a in range(VOCAB)]
-    p2 = np.stack([probabilities(l, params) for l in step_logits(seqs2)])  # [t1, t2]
-    seqs3 = [PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)]
-    p3 = np.stack([probabilities(l, params) for l in step_logits(seqs3)]).reshape(VOCAB, VOCAB, VOCAB)
-    joint12 = p1[:, None] * p2
-    return joint12.sum(0), (joint12[:, :, None] * p3).sum((0, 1))
-
-
-def gof(samples: list[int], expected: np.ndarray) -> float:
-    """Chi-square p-value, with cells of expected count < 5 pooled."""
-    observed = np.bincount(samples, minlength=VOCAB).astype(float)
-    exp = expected * len(samples)
-    big = exp >= 5
-    obs_cells = np.append(observed[big], observed[~big].sum())
-    exp_cells = np.append(exp[big], exp[~big].sum())
-    if exp_cells[-1] == 0:
-        obs_cells, exp_cells = obs_cells[:-1], exp_cells[:-1]
-    return float(chisquare(obs_cells, exp_cells * obs_cells.sum() / exp_cells.sum()).pvalue)
-
-
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=6, top_p=0.9)],
                          ids=["t1.0", "t0.8-topk6-topp0.9"])
 def test_speculative_sampling_matches_target_distribution(small_vocab_decoder, params):
@@ -66,16 +42,8 @@ def test_speculative_sampling_matches_target_distribution(small_vocab_decoder, p
     backend = TorchBackend(decoder)
     plan = DraftPlan(name="skip", skip_attn=[1, 2], skip_mlp=[1, 2], max_draft=2, adaptive=False)
 
-    def full(seqs):
-        return decoder(torch.tensor(seqs))[:, -1].float().numpy()
-
-    def draft_only(seqs):
-        h = decoder.run_blocks(decoder.embed_tokens(torch.tensor(seqs), 0), 0, None,
-                               skip_attn=set(plan.skip_attn), skip_mlp=set(plan.skip_mlp))
-        return decoder.head(h)[:, -1].float().numpy()
-
-    target2, target3 = exact_marginals(full, params)
-    draft2, draft3 = exact_marginals(draft_only, params)
+    target2, target3 = exact_marginals(next_token_logits(decoder), params, PROMPT, VOCAB)
+    draft2, draft3 = exact_marginals(next_token_logits(decoder, plan), params, PROMPT, VOCAB)
     assert 0.5 * np.abs(target3 - draft3).sum() > 0.1, "draft too close to the target for the control to mean anything"
 
     spec2, spec3, plain3, accepted = [], [], [], 0

@@ -26,12 +26,12 @@ import torch
 pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
-from lossless import assert_same_greedy, run  # noqa: E402
+from lossless import assert_same_greedy, chi_square_pvalue, exact_marginals, next_token_logits, run  # noqa: E402
 from speccompile.export_onnx import export_onnx, export_onnx_weights  # noqa: E402
 from speccompile.runtime.errors import ArtifactError  # noqa: E402
 from speccompile.runtime.manifest import Manifest, DraftPlan, file_record, read_manifest, write_manifest  # noqa: E402
 from speccompile.runtime.onnx_backend import OnnxBackend  # noqa: E402
-from speccompile.runtime.sampling import SamplingParams, probabilities  # noqa: E402
+from speccompile.runtime.sampling import SamplingParams  # noqa: E402
 from speccompile.runtime.torch_backend import TorchBackend  # noqa: E402
 from tiny_models import FAMILIES, make_model  # noqa: E402
 
@@ -207,28 +207,6 @@ SAMPLES = 1500
 ALPHA = 1e-3
 
 
-def _gof(samples, expected) -> float:
-    from scipy.stats import chisquare
-
-    observed = np.bincount(samples, minlength=VOCAB).astype(float)
-    exp = expected * len(samples)
-    big = exp >= 5
-    obs_cells = np.append(observed[big], observed[~big].sum())
-    exp_cells = np.append(exp[big], exp[~big].sum())
-    if exp_cells[-1] == 0:
-        obs_cells, exp_cells = obs_cells[:-1], exp_cells[:-1]
-    return float(chisquare(obs_cells, exp_cells * obs_cells.sum() / exp_cells.sum()).pvalue)
-
-
-@torch.inference_mode()
-def _third_token_marginal(step_logits, params) -> np.ndarray:
-    p1 = probabilities(step_logits([PROMPT])[0], params)
-    p2 = np.stack([probabilities(l, params) for l in step_logits([PROMPT + [a] for a in range(VOCAB)])])
-    seqs3 = [PROMPT + [a, b] for a in range(VOCAB) for b in range(VOCAB)]
-    p3 = np.stack([probabilities(l, params) for l in step_logits(seqs3)]).reshape(VOCAB, VOCAB, VOCAB)
-    return ((p1[:, None] * p2)[:, :, None] * p3).sum((0, 1))
-
-
 def test_speculative_sampling_matches_target_distribution(tmp_path):
     from transformers import AutoModelForCausalLM
 
@@ -244,15 +222,7 @@ def test_speculative_sampling_matches_target_distribution(tmp_path):
     ort = ort_backend(root)
     params = SamplingParams(temperature=1.0)
 
-    def full(seqs):
-        return decoder(torch.tensor(seqs))[:, -1].float().numpy()
-
-    def draft_only(seqs):
-        h = decoder.run_blocks(decoder.embed_tokens(torch.tensor(seqs), 0), 0, None,
-                               skip_attn=set(plan.skip_attn), skip_mlp=set(plan.skip_mlp))
-        return decoder.head(h)[:, -1].float().numpy()
-
-    target3, draft3 = _third_token_marginal(full, params), _third_token_marginal(draft_only, params)
+    target3, draft3 = exact_marginals(next_token_logits(decoder), params, PROMPT, VOCAB)[1], exact_marginals(next_token_logits(decoder, plan), params, PROMPT, VOCAB)[1]
     assert 0.5 * np.abs(target3 - draft3).sum() > 0.1, "draft too close to the target for the control to mean anything"
     spec3, accepted = [], 0
     for seed in range(SAMPLES):
@@ -261,9 +231,9 @@ def test_speculative_sampling_matches_target_distribution(tmp_path):
         accepted += stats.accepted
     assert 0 < accepted < 2 * SAMPLES, "both the accept and the reject path must be exercised"
     plain3 = [run(ort, PROMPT, 3, None, params, seed=seed)[0][2] for seed in range(SAMPLES // 2)]
-    assert _gof(spec3, target3) > ALPHA
-    assert _gof(plain3, target3) > ALPHA
-    assert _gof(spec3, draft3) < ALPHA  # negative control: the test can tell the draft apart
+    assert chi_square_pvalue(spec3, target3) > ALPHA
+    assert chi_square_pvalue(plain3, target3) > ALPHA
+    assert chi_square_pvalue(spec3, draft3) < ALPHA  # negative control: the test can tell the draft apart
 
 
 # -- one weights file -------------------------------------------------------------------------------

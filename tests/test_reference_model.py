@@ -7,11 +7,12 @@ one, last window partial), token-weighted mean cross-entropy in fp32.
 """
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
 
-MODEL_DIR = Path(__file__).resolve().parents[1] / "models" / "refcoder"
+MODEL_DIR = Path(os.environ.get("REFCODER_DIR", Path(__file__).resolve().parents[1] / "models" / "refcoder"))
 MARGIN = 0.02
 
 
@@ -22,8 +23,6 @@ def metrics():
 
 @pytest.fixture(scope="module")
 def model_and_tokenizer():
-    import os
-
     os.environ["HF_HUB_OFFLINE"] = "1"
     os.environ["TRANSFORMERS_OFFLINE"] = "1"
     torch = pytest.importorskip("torch")
