@@ -32,7 +32,9 @@ def _generate_all(model, prompt_ids, max_new_tokens, eos, pad, desc, progress):
     """Greedy ``generate()`` of a transformers-API model (transformers or optimum) on every prompt."""
     import torch
     from transformers import GenerationConfig
+    from transformers.utils import logging as hf_logging
 
+    hf_logging.set_verbosity_error()  # generate() chatters about generation-config defaults on every model
     pad = pad if pad is not None else (eos or [0])[0]
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
                               eos_token_id=eos or None, pad_token_id=pad)

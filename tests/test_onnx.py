@@ -273,10 +273,11 @@ def rss():
 import numpy, onnxruntime
 from speccompile.runtime.manifest import read_manifest
 from speccompile.runtime.onnx_backend import OnnxBackend
-root, roles = sys.argv[1], sys.argv[2]
+root, roles, prepack = sys.argv[1], sys.argv[2], sys.argv[3] == 'prepack'
 manifest = read_manifest(root, verify_files=False)
 base = rss()
-b = OnnxBackend.from_artifact(root, manifest, threads=1, roles=None if roles == 'all' else roles.split(','))
+b = OnnxBackend.from_artifact(root, manifest, threads=1, roles=None if roles == 'all' else roles.split(','),
+                              prepack=prepack)
 b.reserve(32)
 b.forward([5, 6, 7, 8], 0)
 for plan in (manifest.plans.values() if roles == 'all' else ()):
@@ -286,33 +287,69 @@ print(json.dumps({'base': base, 'after': rss(), 'sessions': len(b.sessions)}))
 """
 
 
-def test_sessions_share_weights_in_memory(tmp_path):
+@pytest.mark.parametrize("family", ["llama", "gpt_neox", "opt", "mistral"])
+def test_early_exit_only_artifact_decodes_through_prefix_and_suffix(family, tiny_decoder, tmp_path):
+    """With only early-exit plans there is no verify session: plain decoding runs prefix(E) + suffix(E).
+    It must equal the torch backend, and speculative output must equal plain output."""
+    _, decoder = tiny_decoder(family)
+    plan_map = {f"exit-k{k}": DraftPlan(name=f"exit-k{k}", exit_layer=2, max_draft=k) for k in (1, 3, 6)}
+    backend = ort_backend(make_artifact(decoder, plan_map, tmp_path / family))
+    assert "verify" not in backend.sessions and backend.full_split is not None
+    reference = TorchBackend(decoder)
+    gen = torch.Generator().manual_seed(11)
+    for length in (4, 19, 33):
+        prompt = torch.randint(3, decoder.config.vocab_size, (length,), generator=gen).tolist()
+        plain, _ = run(backend, prompt, 36)
+        assert_same_greedy(decoder, prompt, run(reference, prompt, 36)[0], plain)
+        for plan in plan_map.values():
+            assert_same_greedy(decoder, prompt, plain, run(backend, prompt, 36, plan)[0])
+
+
+@pytest.fixture(scope="module")
+def big_decoder(tmp_path_factory):
+    """A random llama whose weights (124 MiB) dominate the process's memory."""
     from transformers import AutoModelForCausalLM
 
     from speccompile.convert import arch_config, canonical_weights
     from speccompile.runtime.decoder import build_decoder
 
-    folder = make_model("llama", tmp_path / "big", vocab_size=8192, hidden_size=512, intermediate_size=1536,
-                        num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2)
+    folder = make_model("llama", tmp_path_factory.mktemp("big") / "llama", vocab_size=8192, hidden_size=512,
+                        intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2)
     hf = AutoModelForCausalLM.from_pretrained(folder).eval()
     config = arch_config(hf)
-    decoder = build_decoder(config, canonical_weights(hf, config))
-    plan_map = {"skip": DraftPlan(name="skip", skip_attn=[2, 5], skip_mlp=[3]), "exit": DraftPlan(name="exit", exit_layer=4)}
-    root = make_artifact(decoder, plan_map, tmp_path / "artifact")
-    del hf, decoder
-    weights = (root / "onnx" / "weights.bin").stat().st_size
+    return build_decoder(config, canonical_weights(hf, config))
+
+
+def _rss_over_baseline(root: Path, roles: str, prepack: bool) -> tuple[int, int]:
     env = dict(os.environ, OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(root), roles, "prepack" if prepack else "plain"],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return result["after"] - result["base"], result["sessions"]
 
-    def measure(roles: str) -> dict:
-        out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(root), roles], capture_output=True, text=True,
-                             env=env, timeout=300)
-        assert out.returncode == 0, out.stderr[-2000:]
-        return json.loads(out.stdout.strip().splitlines()[-1])
 
-    verify_only, everything = measure("verify"), measure("all")
-    assert everything["sessions"] == 5 and verify_only["sessions"] == 1
-    alone = verify_only["after"] - verify_only["base"]
-    shared = everything["after"] - everything["base"]
+def test_early_exit_artifact_memory_with_prepacking(big_decoder, tmp_path):
+    """Default mode (ORT pre-packing on): an early-exit artifact decodes through prefix + suffix + head,
+    each weight packed once, against plain decoding of the same model through its verify graph."""
+    root = make_artifact(big_decoder, {"exit": DraftPlan(name="exit", exit_layer=4)}, tmp_path / "artifact")
+    plain, sessions = _rss_over_baseline(root, "verify", prepack=True)
+    speculative, spec_sessions = _rss_over_baseline(root, "all", prepack=True)
+    assert sessions == 1 and spec_sessions == 3, "prefix, suffix and head only: no separate verify session"
+    print(f"\npre-packed: plain (verify) {plain / 2**20:.1f} MiB, early-exit (prefix+suffix+head) "
+          f"{speculative / 2**20:.1f} MiB ({speculative / plain:.3f}x)")
+    assert speculative <= 1.1 * plain
+
+
+def test_sessions_share_weights_in_memory(big_decoder, tmp_path):
+    """Low-memory mode (pre-packing off): five sessions (verify, a layer-skip draft, prefix, suffix,
+    head) on one copy of the weights."""
+    plan_map = {"skip": DraftPlan(name="skip", skip_attn=[2, 5], skip_mlp=[3]), "exit": DraftPlan(name="exit", exit_layer=4)}
+    root = make_artifact(big_decoder, plan_map, tmp_path / "artifact")
+    weights = (root / "onnx" / "weights.bin").stat().st_size
+    alone, sessions = _rss_over_baseline(root, "verify", prepack=False)
+    shared, all_sessions = _rss_over_baseline(root, "all", prepack=False)
+    assert all_sessions == 5 and sessions == 1
     print(f"\nweights {weights / 2**20:.1f} MiB; RSS over baseline: verify alone {alone / 2**20:.1f} MiB, "
           f"verify + skip + prefix + suffix + head {shared / 2**20:.1f} MiB ({shared / alone:.3f}x)")
     assert alone >= 0.9 * weights, "the weights do not dominate the measurement"
