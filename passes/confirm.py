@@ -88,10 +88,20 @@ class ConfirmPlans(Pass):
 
 
 class ChooseDefaultPlan(Pass):
-    """Make the plan with the highest confirmed speedup the artifact's default."""
+    """Make the plan with the highest confirmed speedup the artifact's default; with
+    ``keep_only_default`` drop the others (``--method auto`` keeps only the winner)."""
 
     name = "choose_default_plan"
 
+    def __init__(self, keep_only_default: bool = False):
+        self.keep_only_default = keep_only_default
+
     def run(self, ir: DecoderIR) -> DecoderIR:
         ir.default_plan = max(ir.plans, key=lambda name: ir.plans[name].measured.get("confirmed_speedup", 0.0))
+        if self.keep_only_default:
+            winner = ir.plans[ir.default_plan]
+            winner.measured["chosen_over"] = {
+                name: plan.measured.get("confirmed_speedup") for name, plan in ir.plans.items() if name != winner.name
+            }
+            ir.plans = {winner.name: winner}
         return ir

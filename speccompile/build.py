@@ -20,13 +20,13 @@ from speccompile.passes.ir import DecoderIR
 from speccompile.passes.tuning import TuningContext
 from speccompile.runtime.errors import SpeccompileError
 
-METHODS = ("cosine", "early-exit", "bayes")
+METHODS = ("auto", "cosine", "early-exit", "bayes")
 CONVERSION_TOLERANCE = 1e-3  # fp32 logits; conversions that are right agree to ~1e-6
 
 
 @dataclass
 class TuningOptions:
-    method: str = "cosine"
+    method: str = "auto"
     calibration: str | None = None
     max_draft: int = 8
     device: str = "cpu"
@@ -104,7 +104,10 @@ def tune_ir(ir: DecoderIR, prompts: list[list[int]], options, log: Callable[[str
     context = TuningContext.prepare(ir, prompts, options.calibration_tokens, options.max_draft, options.show_progress,
                                     options.confirm_prompts, options.confirm_tokens)
     bayes = None
-    if options.method == "early-exit":
+    if options.method == "auto":
+        passes = [CosineAutotune(context, show_progress=options.show_progress),
+                  ExitLayerAutotune(context, show_progress=options.show_progress)]
+    elif options.method == "early-exit":
         passes = [ExitLayerAutotune(context, show_progress=options.show_progress)]
     else:
         passes = [CosineAutotune(context, show_progress=options.show_progress)]
@@ -112,7 +115,8 @@ def tune_ir(ir: DecoderIR, prompts: list[list[int]], options, log: Callable[[str
             bayes = BayesAutotune(context, trials=options.trials, time_budget=options.time_budget,
                                   study_path=options.study, show_progress=options.show_progress)
             passes.append(bayes)
-    passes += [ConfirmPlans(context.confirm_prompts, options.confirm_tokens, options.show_progress), ChooseDefaultPlan()]
+    passes += [ConfirmPlans(context.confirm_prompts, options.confirm_tokens, options.show_progress),
+               ChooseDefaultPlan(keep_only_default=options.method == "auto")]
     ir = PassManager(passes, log)(ir)
     best = ir.plans[ir.default_plan].measured.get("confirmed_speedup", 0.0)
     if best < 1.0:

@@ -57,10 +57,11 @@ def main():
 @main.command()
 @click.argument("model", required=False)
 @click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Artifact folder to write.")
-@click.option("--method", type=click.Choice(["cosine", "early-exit", "bayes"]), default="cosine", show_default=True,
+@click.option("--method", type=click.Choice(["auto", "cosine", "early-exit", "bayes"]), default="auto",
+              show_default=True,
               help="cosine: skip the sublayers whose input and output are most alike; early-exit: draft with the "
-                   "first E blocks and verify only the rest; bayes: Bayesian search over skipped sublayers, seeded "
-                   "with the cosine plans (keeps both).")
+                   "first E blocks and verify only the rest; auto: tune both, keep the faster by timed runs; bayes: "
+                   "Bayesian search over skipped sublayers, seeded with the cosine plans (keeps both).")
 @click.option("--calibration", type=click.Path(), default=None,
               help="Calibration text: .jsonl with a 'text' or 'prompt' field per line, or plain text split on "
                    "blank lines. Default: a small built-in set.")
@@ -107,7 +108,8 @@ def report_plans(path: Path, verb: str) -> None:
 
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--method", type=click.Choice(["cosine", "early-exit", "bayes"]), default="bayes", show_default=True)
+@click.option("--method", type=click.Choice(["auto", "cosine", "early-exit", "bayes"]), default="bayes",
+              show_default=True)
 @click.option("--calibration", type=click.Path(), default=None, help="Calibration text (as for build).")
 @click.option("--calibration-tokens", type=click.IntRange(4, 1024), default=64, show_default=True)
 @click.option("--max-draft", type=click.IntRange(1, 32), default=8, show_default=True)

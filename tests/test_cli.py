@@ -157,3 +157,15 @@ def test_runtime_imports_neither_torch_nor_transformers():
     code = ("import sys, speccompile.runtime; "
             "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_auto_method_keeps_the_faster_of_both_plans(tiny_model_dir, tmp_path):
+    out = tmp_path / "auto"
+    result = invoke("build", tiny_model_dir("qwen2"), "-o", out, "--max-draft", "3", "--calibration-tokens", "12",
+                    "--quiet")
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    (name, plan), = manifest["plans"].items()
+    other = {"layer-skip": "early-exit", "early-exit": "layer-skip"}[name]
+    assert manifest["default_plan"] == name and manifest["tuning"]["method"] == "auto"
+    assert plan["measured"]["confirmed_speedup"] >= plan["measured"]["chosen_over"][other]
