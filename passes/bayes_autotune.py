@@ -135,15 +135,18 @@ class BayesAutotune(Pass):
         self.trace = SearchTrace(values=[t.value for t in complete], seeded=["seed" in t.user_attrs for t in complete],
                                  seconds=time.perf_counter() - start)
 
-        # The few best distinct plans by prediction are confirmed by real timed runs; the best confirmed wins.
+        # The few best distinct plans by prediction, and the cosine plan, are timed by one Confirmer (same
+        # conditions for all); the best confirmed wins, so the search never ends below the cosine plan.
         ranked, seen = [], set()
         for t in sorted(complete, key=lambda t: -t.value):
             key = tuple(sorted(t.params.items()))
-            if key not in seen:
+            if key not in seen and len(ranked) < self.candidates:
                 seen.add(key)
                 ranked.append(t)
-            if len(ranked) == self.candidates:
-                break
+        cosine = ir.plans.get("layer-skip")
+        cosine_key = tuple(sorted(_params(cosine, L).items())) if cosine is not None else None
+        if cosine_key is not None and cosine_key not in seen:
+            ranked += [t for t in complete if tuple(sorted(t.params.items())) == cosine_key][:1]
         from .confirm import Confirmer
 
         confirmer = Confirmer(ir.decoder(), self.context.confirm_prompts, self.context.confirm_tokens)
@@ -151,7 +154,14 @@ class BayesAutotune(Pass):
         for t in ranked:
             plan = _plan(t.params, L, self.plan_name)
             plan.max_draft, plan.threshold = t.user_attrs["max_draft"], t.user_attrs["threshold"]
-            scored.append((confirmer.measure(plan), t, plan))
+            if tuple(sorted(t.params.items())) == cosine_key:
+                # The cosine plan keeps its own tuned policy; it is timed once and the figure shared.
+                plan.max_draft, plan.threshold = cosine.max_draft, cosine.threshold
+                cosine.measured.update(confirmer.measure(cosine))
+                scored.append((dict((k, v) for k, v in cosine.measured.items() if k.startswith("confirmed_")
+                                    or k == "plain_tokens_per_s"), t, plan))
+            else:
+                scored.append((confirmer.measure(plan), t, plan))
         confirmed, trial, plan = max(scored, key=lambda s: s[0]["confirmed_speedup"])
         measured = self.context.record(
             "bayes", _estimate_from(trial), tuning_seconds=round(self.trace.seconds, 2), trials=len(complete),

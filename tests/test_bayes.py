@@ -54,6 +54,8 @@ def test_bayes_tune_resumes_study_and_keeps_plan_lossless(artifact, tmp_path):
     for key in ("expected_speedup", "confirmed_speedup", "prediction_error", "trials"):
         assert key in bayes["measured"]
     assert bayes["skip_attn"] or bayes["skip_mlp"], "a plan that skips nothing is never chosen"
+    cosine = manifest["plans"]["layer-skip"]["measured"]
+    assert bayes["measured"]["confirmed_speedup"] >= cosine["confirmed_speedup"], "timed together, bayes >= cosine"
     assert manifest["default_plan"] in ("bayes", "layer-skip")
 
     model = load(artifact)
