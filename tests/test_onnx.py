@@ -264,27 +264,8 @@ def test_one_shared_weights_file(onnx_artifact):
 
 
 # -- memory -----------------------------------------------------------------------------------------
-_RSS_SCRIPT = r"""
-import json, sys
-def rss():
-    for line in open('/proc/self/status'):
-        if line.startswith('VmRSS:'):
-            return int(line.split()[1]) * 1024
-import numpy, onnxruntime
-from speccompile.runtime.manifest import read_manifest
-from speccompile.runtime.onnx_backend import OnnxBackend
-root, roles, prepack = sys.argv[1], sys.argv[2], sys.argv[3] == 'prepack'
-manifest = read_manifest(root, verify_files=False)
-base = rss()
-b = OnnxBackend.from_artifact(root, manifest, threads=1, roles=None if roles == 'all' else roles.split(','),
-                              prepack=prepack)
-b.reserve(32)
-b.forward([5, 6, 7, 8], 0)
-for plan in (manifest.plans.values() if roles == 'all' else ()):
-    b.draft(plan, 9, 4)
-    b.verify(plan, [9, 10], 4, 1)
-print(json.dumps({'base': base, 'after': rss(), 'sessions': len(b.sessions)}))
-"""
+sys.path.insert(0, str(TESTS.parent / "benchmarks"))
+from onnx_memory import measure  # noqa: E402
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt_neox", "opt", "mistral"])
@@ -321,12 +302,8 @@ def big_decoder(tmp_path_factory):
 
 
 def _rss_over_baseline(root: Path, roles: str, prepack: bool) -> tuple[int, int]:
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    out = subprocess.run([sys.executable, "-c", _RSS_SCRIPT, str(root), roles, "prepack" if prepack else "plain"],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
-    return result["after"] - result["base"], result["sessions"]
+    result = measure(root, roles, prepack, threads=1)
+    return result["bytes"], len(result["sessions"])
 
 
 def test_early_exit_artifact_memory_with_prepacking(big_decoder, tmp_path):
