@@ -22,7 +22,7 @@ import torch
 
 from speccompile.runtime.decoder import Decoder, KVCache
 from speccompile.runtime.manifest import DraftPlan
-from speccompile.runtime.speculative import DecodeRequest, Stats, decode
+from speccompile.runtime.speculative import DecodeRequest, decode_all
 from speccompile.runtime.torch_backend import TorchBackend
 
 
@@ -58,11 +58,7 @@ def greedy_continuations(decoder: Decoder, prompts: list[list[int]], new_tokens:
     backend = TorchBackend(decoder)
     outputs = []
     for prompt in prompts:
-        backend.reserve(len(prompt) + new_tokens + 1)
-        produced: list[int] = []
-        for new in decode(backend, DecodeRequest(prompt, new_tokens), None, None, Stats()):
-            produced.extend(new)
-        outputs.append(produced)
+        outputs.append(decode_all(backend, DecodeRequest(prompt, new_tokens))[0])
         if progress is not None:
             progress.update(1)
     return outputs

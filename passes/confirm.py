@@ -10,7 +10,7 @@ from __future__ import annotations
 from tqdm.auto import tqdm
 
 from speccompile.runtime.manifest import DraftPlan
-from speccompile.runtime.speculative import DecodeRequest, DraftPolicy, Stats, decode
+from speccompile.runtime.speculative import DecodeRequest, Stats, decode_all
 from speccompile.runtime.torch_backend import TorchBackend
 
 from .base import Pass
@@ -18,14 +18,7 @@ from .ir import DecoderIR
 
 
 def timed_decode(backend, prompt, new_tokens, plan) -> tuple[list[int], Stats]:
-    stats = Stats()
-    policy = DraftPolicy.from_plan(plan) if plan is not None else None
-    room = plan.max_draft + 1 if plan is not None else 1
-    backend.reserve(len(prompt) + new_tokens + room)
-    produced = []
-    for new in decode(backend, DecodeRequest(prompt, new_tokens), plan, policy, stats):
-        produced.extend(new)
-    return produced, stats
+    return decode_all(backend, DecodeRequest(prompt, new_tokens), plan)
 
 
 class Confirmer:

@@ -13,7 +13,7 @@ from typing import Iterator
 from .errors import BackendUnavailableError, InputError
 from .manifest import DraftPlan, Manifest, read_manifest
 from .sampling import SamplingParams
-from .speculative import DecodeRequest, DraftPolicy, Stats, decode
+from .speculative import DecodeRequest, DraftPolicy, Stats, decode, reserve_cache
 from .tokenizer import TextTokenizer
 
 TOKENIZER_FILE = "tokenizer/tokenizer.json"
@@ -120,13 +120,12 @@ class SpeculativeModel:
         prompt_ids = self.encode_prompt(prompt)
         draft_plan = self.plan(plan) if speculate and self.manifest.plans else None
         policy = DraftPolicy.from_plan(draft_plan, max_draft) if draft_plan else None
-        draft_room = (policy.max_draft + 1) if policy else 1
-        self.backend.reserve(min(self.context, len(prompt_ids) + max_new_tokens + draft_room))
         request = DecodeRequest(
             prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
             params=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
             eos_ids=self.eos_ids, seed=seed,
         )
+        reserve_cache(self.backend, request, policy)
         stats = Stats()
         stream = Stream(iter(()))
 

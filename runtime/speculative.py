@@ -18,12 +18,15 @@ from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
-from .manifest import DraftPlan
+from .manifest import ArchConfig, DraftPlan
 from .sampling import SamplingParams, probabilities, sample, softmax
 
 
 class Backend(Protocol):
     max_len: int
+    config: "ArchConfig"
+
+    def reserve(self, max_len: int) -> None: ...
 
     def forward(self, tokens: Sequence[int], pos: int) -> np.ndarray: ...  # [T, V]
 
@@ -160,6 +163,25 @@ def decode(
         stats.new_tokens += len(new)
         yield new
     stats.seconds = time.perf_counter() - start
+
+
+def reserve_cache(backend: Backend, request: DecodeRequest, policy: DraftPolicy | None) -> None:
+    """Size the backend's static cache for ``request``: prompt, new tokens, one round's drafts, capped at
+    the model's context (generation stops there)."""
+    room = policy.max_draft + 1 if policy is not None else 1
+    needed = len(request.prompt_ids) + request.max_new_tokens + room
+    backend.reserve(min(backend.config.max_position_embeddings, needed))
+
+
+def decode_all(backend: Backend, request: DecodeRequest, plan: DraftPlan | None = None) -> tuple[list[int], Stats]:
+    """Decode ``request`` to the end (plain when ``plan`` is None); the new tokens and the stats."""
+    stats = Stats()
+    policy = DraftPolicy.from_plan(plan) if plan is not None else None
+    reserve_cache(backend, request, policy)
+    produced: list[int] = []
+    for new in decode(backend, request, plan, policy, stats):
+        produced.extend(new)
+    return produced, stats
 
 
 def _speculative_round(backend, plan, policy, params, rng, token, pos, budget, stats) -> list[int]:

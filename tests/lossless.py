@@ -8,7 +8,7 @@ import torch
 
 from speccompile.runtime.manifest import DraftPlan
 from speccompile.runtime.sampling import SamplingParams, probabilities
-from speccompile.runtime.speculative import DecodeRequest, DraftPolicy, Stats, decode
+from speccompile.runtime.speculative import DecodeRequest, Stats, decode_all
 from speccompile.runtime.torch_backend import TorchBackend
 
 NEAR_TIE = 1e-4
@@ -16,13 +16,7 @@ NEAR_TIE = 1e-4
 
 def run(backend: TorchBackend, prompt: list[int], new_tokens: int, plan: DraftPlan | None = None,
         params: SamplingParams = SamplingParams(), seed: int | None = None, eos=frozenset()) -> tuple[list[int], Stats]:
-    stats = Stats()
-    policy = DraftPolicy.from_plan(plan) if plan is not None else None
-    backend.reserve(len(prompt) + new_tokens + (plan.max_draft + 1 if plan else 1))
-    out: list[int] = []
-    for new in decode(backend, DecodeRequest(prompt, new_tokens, params, eos, seed), plan, policy, stats):
-        out.extend(new)
-    return out, stats
+    return decode_all(backend, DecodeRequest(prompt, new_tokens, params, eos, seed), plan)
 
 
 @torch.inference_mode()

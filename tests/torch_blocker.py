@@ -31,7 +31,7 @@ def main() -> None:
     root, prompt, new_tokens, plan_name = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     import speccompile.runtime as rt
     from speccompile.runtime.onnx_backend import OnnxBackend
-    from speccompile.runtime.speculative import DecodeRequest, DraftPolicy, Stats, decode
+    from speccompile.runtime.speculative import DecodeRequest, decode_all
 
     try:
         import torch  # noqa: F401
@@ -42,12 +42,7 @@ def main() -> None:
     backend = OnnxBackend.from_artifact(root, manifest, threads=1)
     out = {}
     for mode, plan in (("plain", None), ("spec", manifest.plan(plan_name))):
-        stats = Stats()
-        policy = DraftPolicy.from_plan(plan) if plan else None
-        backend.reserve(len(prompt) + new_tokens + (plan.max_draft + 1 if plan else 1))
-        tokens = []
-        for new in decode(backend, DecodeRequest(prompt, new_tokens), plan, policy, stats):
-            tokens.extend(new)
+        tokens, stats = decode_all(backend, DecodeRequest(prompt, new_tokens), plan)
         out[mode] = tokens
         out[f"{mode}_accepted"] = stats.accepted
     out["torch_blocked"] = blocked
