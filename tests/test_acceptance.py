@@ -25,7 +25,7 @@ def prompts(vocab, count=4):
 
 def real_and_estimated(decoder, plan):
     backend = TorchBackend(decoder)
-    real_rounds, references, starts = [], [], []
+    real_rounds, references = [], []
     for prompt in prompts(decoder.config.vocab_size):
         plain, _ = run(backend, prompt, NEW_TOKENS)
         spec, stats = run(backend, prompt, NEW_TOKENS, plan)

@@ -7,7 +7,6 @@ control shows the test has power: the same samples are clearly *not* distributed
 
 import numpy as np
 import pytest
-import torch
 
 from lossless import chi_square_pvalue as gof
 from lossless import exact_marginals, next_token_logits, run

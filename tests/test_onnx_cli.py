@@ -51,7 +51,7 @@ def test_generate_without_torch_matches_torch_backend(both_backends):
 
 def test_onnx_only_artifact_tunes_and_generates(tiny_model_dir, tmp_path):
     out = tmp_path / "llama-onnx"
-    invoke("build", tiny_model_dir("llama"), "-o", out, "--backend", "onnx", *SMALL)
+    invoke("build", tiny_model_dir("llama"), "-o", out, "--backend", "onnx", "--method", "cosine", *SMALL)
     assert not (out / "weights").exists() and (out / "onnx" / "weights.bin").is_file()
     invoke("tune", out, "--method", "early-exit", *SMALL)  # reads the ONNX weights, re-exports the graphs
     manifest = json.loads((out / "manifest.json").read_text())
