@@ -53,7 +53,7 @@ class CostModel:
         return self.embed[t - 1] + self._blocks(t, L, L) + self.head[t - 1]
 
     def as_dict(self) -> dict:
-        return {k: v for k, v in asdict(self).items()}
+        return asdict(self)
 
 
 def _best_seconds(fn) -> float:

@@ -16,7 +16,6 @@ This module must not import torch or transformers.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -279,9 +278,4 @@ class OnnxBackend:
         return self._logits(self._run(rec["suffix"], pos, hidden=h)["logits"])
 
 
-def read_onnx_record(root: Path) -> dict:
-    """The ``backends["onnx"]`` record of an artifact's manifest.json (convenience for tools)."""
-    return json.loads((Path(root) / "manifest.json").read_text())["backends"]["onnx"]
-
-
-__all__ = ["OnnxBackend", "read_onnx_record"]
+__all__ = ["OnnxBackend"]
