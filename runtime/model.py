@@ -85,6 +85,11 @@ class SpeculativeModel:
         self.context = manifest.config.max_position_embeddings
         self.eos_ids = frozenset(manifest.tokens.get("eos_token_ids", []))
 
+    def replica(self) -> "SpeculativeModel":
+        """The same artifact with its own KV cache, sharing weights, sessions and tokenizer: one per
+        concurrent sequence (a server's slots). Each replica must be used by one thread at a time."""
+        return SpeculativeModel(self.root, self.manifest, self.backend.replica(), self.tokenizer)
+
     def plan(self, name: str | None = None) -> DraftPlan:
         return self.manifest.plan(name)
 

@@ -16,6 +16,7 @@ This module must not import torch or transformers.
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -204,6 +205,13 @@ class OnnxBackend:
             if not ok:
                 raise ArtifactError(f"plan {name!r} does not match its exported ONNX graphs ({plan.describe()}); "
                                     "re-export with --backend onnx after changing plans")
+
+    def replica(self) -> "OnnxBackend":
+        """Another backend over the same sessions and weights with its own KV buffers (one per concurrent
+        sequence): ORT sessions may be run from several threads at once."""
+        other = copy.copy(self)
+        other.max_len, other.k, other.v, other.exit_hidden = 0, [], [], None
+        return other
 
     # -- cache -------------------------------------------------------------------------------------
     def reserve(self, max_len: int) -> None:

@@ -38,6 +38,10 @@ class TorchBackend:
         weights = load_file(str(weights_path), device="cpu")
         return cls(build_decoder(config, weights, dtype=DTYPES[dtype], device=device), device=device)
 
+    def replica(self) -> "TorchBackend":
+        """Another backend over the same weights with its own KV cache (one per concurrent sequence)."""
+        return TorchBackend(self.decoder, device=self.device)
+
     def reserve(self, max_len: int) -> None:
         """Make sure the static cache holds ``max_len`` positions; reuse it across requests."""
         if self.cache is None or self.cache.max_len < max_len:

@@ -81,10 +81,16 @@ def resolve_model_path(name: str | None) -> tuple[Path, str | None]:
 
 
 def load_source(name: str | None, trust_remote_code: bool = False, dtype: str = "float32") -> SourceModel:
-    """Load config, tokenizer and weights; refuse unsupported architectures before loading weights."""
+    """Load config, tokenizer and weights; refuse unsupported architectures before loading weights.
+
+    A ``.gguf`` file goes through transformers' GGUF support (``speccompile.gguf_input``)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    if name and name.lower().endswith(".gguf"):
+        from speccompile.gguf_input import load_gguf
+
+        return load_gguf(Path(name).expanduser(), dtype=dtype)
     path, revision = resolve_model_path(name)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
