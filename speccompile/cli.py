@@ -226,5 +226,34 @@ def inspect(artifact, as_json):
                        f"{m.get('tuning_seconds', 0):.0f}s" + (f" over {m['trials']} trials" if "trials" in m else ""))
 
 
+@main.command()
+@click.argument("artifact", type=click.Path(path_type=Path))
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
+@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option("--backend", default=None, help="Backend to run (torch or onnx; default: the artifact's first).")
+@click.option("--device", default="cpu", show_default=True)
+@click.option("--slots", type=click.IntRange(1, 256), default=1, show_default=True,
+              help="Concurrent sequences, each with its own KV cache, all sharing one copy of the weights.")
+@click.option("--max-queue", type=click.IntRange(0), default=16, show_default=True,
+              help="Requests that may wait for a slot; beyond them the server answers 429 with Retry-After.")
+@click.option("--plan", default=None, help="Draft plan to use (default: the manifest's default plan).")
+@click.option("--api-key", envvar="SPECCOMPILE_API_KEY", default=None,
+              help="Require 'Authorization: Bearer KEY' on /v1/* (also read from SPECCOMPILE_API_KEY).")
+@friendly_errors
+def serve(artifact, host, port, backend, device, slots, max_queue, plan, api_key):
+    """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
+    /health, /metrics) until interrupted."""
+    try:
+        from speccompile.serve import create_app, run_server
+    except ImportError as exc:
+        raise SpeccompileError(f"the server needs FastAPI, uvicorn and prometheus-client ({exc.name} is missing); "
+                               "install them with pip install 'speccompile[serve]'") from None
+
+    app = create_app(artifact, slots=slots, max_queue=max_queue, plan=plan, api_key=api_key, backend=backend,
+                     device=device)
+    click.echo(f"serving {artifact} on http://{host}:{port}/v1 with {slots} slot(s), queue {max_queue}", err=True)
+    run_server(app, host=host, port=port)
+
+
 if __name__ == "__main__":
     main()
