@@ -1,0 +1,122 @@
+"""Tune model-free and hybrid plans by replaying their drafters over the calibration continuations.
+
+Small real models are rarely redundant enough for a cheap subgraph draft; what pays there are drafts
+that cost nothing (DESIGN.md section 2). This pass scores, with the same objective as the subgraph
+tuners (expected speedup from replayed rounds and the runner's measured step costs):
+
+- ``lookup``: n-gram lookup over the prompt and output (and, with a datastore, retrieval from the
+  calibration text), over a small grid of n-gram sizes and draft lengths;
+- ``hybrid``: the best lookup settings in front of each model plan already in the IR (a lookup hit
+  drafts the round, the model's subgraph drafts otherwise, extended by a lookup continuation), with
+  the model part's draft length and threshold re-chosen for the hybrid.
+
+Retrieval is scored honestly: each half of the calibration sequences is replayed against a datastore
+built from the *other* half (a datastore always contains the text it was built from); the artifact's
+datastore is then built from all of them.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import replace
+
+from speccompile.runtime.manifest import DraftPlan
+from speccompile.runtime.retrieval import Datastore
+
+from .acceptance import THRESHOLDS
+from .base import Pass
+from .ir import DecoderIR
+from .plans import tuned_target
+from .replay import estimate_rounds, replay, round_mix
+from .tuning import LOOKUP_MAX_DRAFT, TuningContext
+
+DATASTORE_FILE = "retrieval/datastore.safetensors"
+NGRAM_SIZES = ((1, 3), (2, 3), (2, 5), (3, 5))
+LOOKUP_DRAFTS = (2, 4, 6, 8, LOOKUP_MAX_DRAFT)
+
+
+class LookupAutotune(Pass):
+    name = "lookup_autotune"
+
+    def __init__(self, context: TuningContext, retrieval: bool = False, hybrid_with: tuple[str, ...] = (),
+                 show_progress: bool = True):
+        self.context, self.retrieval, self.hybrid_with = context, retrieval, hybrid_with
+        self.show_progress = show_progress
+
+    # -- scoring -----------------------------------------------------------------------------------
+    def _score(self, plan: DraftPlan, profile=None):
+        refs = self.context.references
+        if "retrieval" not in plan.lookup:
+            rounds = replay(plan, refs, profile, self.context.workdir)
+        else:  # two folds: each half against the other half's datastore
+            rounds = []
+            for fold in (0, 1):
+                held = [i for i in range(len(refs)) if i % 2 == fold]
+                part = replace(plan, datastore=f"retrieval/fold{1 - fold}.safetensors")
+                sub_profile = None
+                if profile is not None:
+                    sub_profile = type(profile)([profile.matches[i] for i in held], [profile.confidences[i] for i in held],
+                                                [profile.tops[i] for i in held])
+                rounds += replay(part, [refs[i] for i in held], sub_profile, self.context.workdir)
+        return estimate_rounds(rounds, plan, self.context.costs), rounds
+
+    def _build_datastores(self, ir: DecoderIR) -> None:
+        refs = self.context.references
+        sequences = [ref.tokens[0].tolist() for ref in refs]
+        folder = self.context.workdir / "retrieval"
+        folder.mkdir(parents=True, exist_ok=True)
+        for fold in (0, 1):
+            Datastore.build([s for i, s in enumerate(sequences) if i % 2 == fold]).save(folder / f"fold{fold}.safetensors")
+        Datastore.build(sequences).save(self.context.workdir / DATASTORE_FILE)
+
+    def _best_lookup(self) -> tuple[DraftPlan, object, list]:
+        sources = [["ngram"]] + ([["ngram", "retrieval"], ["retrieval"]] if self.retrieval else [])
+        best = None
+        for lookup, (lo, hi), k in itertools.product(sources, NGRAM_SIZES, LOOKUP_DRAFTS):
+            plan = DraftPlan(name="lookup", lookup=lookup, ngram_min=lo, ngram_max=hi, lookup_max_draft=k,
+                             datastore=DATASTORE_FILE if "retrieval" in lookup else None)
+            estimate, rounds = self._score(plan)
+            if best is None or estimate.expected_speedup > best[1].expected_speedup:
+                best = (plan, estimate, rounds)
+        return best
+
+    def _best_hybrid(self, lookup: DraftPlan, model: DraftPlan) -> tuple[DraftPlan, object, list]:
+        profile = self.context.profile(model)
+        best = None
+        for k, threshold in itertools.product(range(1, self.context.max_draft + 1), THRESHOLDS):
+            plan = replace(model, name="hybrid", lookup=list(lookup.lookup), ngram_min=lookup.ngram_min,
+                           ngram_max=lookup.ngram_max, lookup_max_draft=lookup.lookup_max_draft,
+                           datastore=lookup.datastore, max_draft=k, threshold=threshold, adaptive=False, measured={})
+            estimate, rounds = self._score(plan, profile)
+            if best is None or estimate.expected_speedup > best[1].expected_speedup:
+                best = (plan, estimate, rounds)
+        return best
+
+    # -- the pass ----------------------------------------------------------------------------------
+    def run(self, ir: DecoderIR) -> DecoderIR:
+        start = time.perf_counter()
+        if self.retrieval:
+            self._build_datastores(ir)
+        lookup, estimate, rounds = self._best_lookup()
+        lookup.measured = self.context.record("lookup", estimate, tuning_seconds=round(time.perf_counter() - start, 2),
+                                              round_mix=round_mix(rounds))
+        lookup.target_acceptance = tuned_target(lookup.measured)
+        ir.add_plan(lookup)
+        hybrids = []
+        for name in self.hybrid_with:
+            model = ir.plans.get(name)
+            if model is None or not model.has_model_draft:
+                continue
+            t0 = time.perf_counter()
+            hybrids.append(self._best_hybrid(lookup, model) + (name, time.perf_counter() - t0))
+        if hybrids:
+            plan, estimate, rounds, base, seconds = max(hybrids, key=lambda h: h[1].expected_speedup)
+            plan.measured = self.context.record("hybrid", estimate, tuning_seconds=round(seconds, 2),
+                                                model_plan=base, round_mix=round_mix(rounds))
+            plan.adaptive = True
+            plan.target_acceptance = tuned_target(plan.measured)
+            ir.add_plan(plan)
+        if any("retrieval" in p.lookup for p in ir.plans.values()):
+            ir.extra_files[DATASTORE_FILE] = self.context.workdir / DATASTORE_FILE
+        return ir

@@ -1,0 +1,105 @@
+"""Replay the runtime's own drafter objects over the calibration continuations (DESIGN.md section 5).
+
+The target's greedy continuation of each calibration prompt is what a real run verifies, so a round
+can be replayed without the model: the drafter (the same ``make_drafter`` object the runtime builds,
+n-gram index, retrieval datastore, hybrid choice and model draft policy included) proposes
+candidates for the committed history, and the accepted count is the run of candidates equal to the
+continuation. The model part's draft steps read a ``Profile`` (the plan's argmax and confidence at
+every position, from one parallel forward, ``acceptance.profile_plan``) instead of running the
+backend. Each round's cost then comes from the backend's measured step costs (``StepCosts``), so the
+estimate describes the same policy the runtime runs, on the backend it runs on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from speccompile.runtime.drafters import RoundContext, make_drafter
+from speccompile.runtime.manifest import DraftPlan
+from speccompile.runtime.sampling import SamplingParams
+
+from .acceptance import Profile, Reference, RoundEstimate
+
+GREEDY = SamplingParams()
+
+
+class ProfileStep:
+    """A model draft step read from one sequence's profile: what the plan's subgraph drafts after the
+    target's own prefix (exact for the first token of a round, DESIGN.md section 5)."""
+
+    def __init__(self, tops: np.ndarray, confidences: np.ndarray, prompt_len: int):
+        self.tops, self.confidences, self.prompt_len = tops, confidences, prompt_len
+
+    def __call__(self, token: int, pos: int, ctx) -> tuple[int, float, None]:
+        i = pos - self.prompt_len
+        if not 0 <= i < len(self.tops):
+            return -1, 0.0, None
+        return int(self.tops[i]), float(self.confidences[i]), None
+
+
+@dataclass
+class ReplayedRound:
+    drafted: int
+    accepted: int
+    model_tokens: int  # drafted by the model subgraph (each costs a draft step)
+    lookups: int  # lookup calls made this round (approximate: one per lookup source asked)
+    reuse: int  # verifier inputs whose prefix the draft computed (early exit)
+    label: str
+
+
+def replay(plan: DraftPlan, references: list[Reference], profile: Profile | None = None,
+           root: Path | None = None) -> list[ReplayedRound]:
+    """Every round of ``plan``'s drafter over every calibration continuation, as ``runtime.speculative.decode``
+    would run it (the last token of a sequence, with no room to draft, is a plain step and not a round)."""
+    if plan.has_model_draft and (profile is None or profile.tops is None):
+        raise ValueError(f"plan {plan.name!r} has a model part: replay needs its profile")
+    rounds: list[ReplayedRound] = []
+    for s, ref in enumerate(references):
+        tokens = ref.tokens[0].tolist()
+        prompt, target = tokens[: ref.prompt_len], tokens[ref.prompt_len :]
+        step = ProfileStep(profile.tops[s], profile.confidences[s], ref.prompt_len) if plan.has_model_draft else None
+        drafter = make_drafter(plan, step, root)
+        drafter.start(prompt)
+        produced, n = 1, len(target)
+        while n - produced > 1:
+            ctx = RoundContext(history=tokens[: ref.prompt_len + produced], pos=ref.prompt_len + produced - 1,
+                               limit=n - produced - 1, params=GREEDY, rng=None)
+            draft = drafter.propose(ctx)
+            accepted = 0
+            while accepted < len(draft.tokens) and draft.tokens[accepted] == target[produced + accepted]:
+                accepted += 1
+            drafter.feedback(draft, accepted)
+            model = draft.sources.count("model")
+            rounds.append(ReplayedRound(len(draft.tokens), accepted, model, len(plan.lookup) if plan.lookup else 0,
+                                        draft.reuse, draft.label))
+            produced += accepted + 1
+    return rounds
+
+
+def estimate_rounds(rounds: list[ReplayedRound], plan: DraftPlan, costs) -> RoundEstimate:
+    """Expected speedup of replayed rounds: tokens per second of the rounds over plain decoding's."""
+    if not rounds:
+        return RoundEstimate(1.0, 0.0, 0.0, 0.0, plan.max_draft, plan.threshold)
+    draft_step = costs.draft_step(plan) if plan.has_model_draft else 0.0
+    total_cost = 0.0
+    for r in rounds:
+        total_cost += r.model_tokens * draft_step + r.lookups * costs.lookup
+        total_cost += costs.verify(plan if r.reuse else None, r.drafted + 1, r.reuse)
+    tokens = sum(r.accepted + 1 for r in rounds)
+    drafted = sum(r.drafted for r in rounds)
+    return RoundEstimate(
+        tokens_per_round=tokens / len(rounds), drafted_per_round=drafted / len(rounds),
+        acceptance_rate=sum(r.accepted for r in rounds) / max(drafted, 1),
+        expected_speedup=tokens / total_cost * costs.plain_step(), max_draft=plan.max_draft, threshold=plan.threshold,
+    )
+
+
+def round_mix(rounds: list[ReplayedRound]) -> dict[str, float]:
+    """Share of rounds per source combination (what the hybrid chose)."""
+    mix: dict[str, int] = {}
+    for r in rounds:
+        mix[r.label] = mix.get(r.label, 0) + 1
+    return {label: round(count / len(rounds), 4) for label, count in sorted(mix.items())}

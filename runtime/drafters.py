@@ -1,0 +1,197 @@
+"""The drafter seam: every draft source proposes candidates behind one small interface.
+
+A round of draft-and-verify asks a drafter for a ``Draft`` (candidate tokens, each with the draft
+distribution q it was sampled from, or ``None`` for a deterministic source whose q is one-hot), then
+verifies ``[token] + draft.tokens`` with the full model and tells the drafter how many were accepted.
+The acceptance rule (greedy match, Leviathan/Chen rejection) is written once over drafts, in
+``runtime/speculative.py``; a drafter never sees logits of the verifier.
+
+Sources (one file each):
+- ``ModelDrafter`` (here): a plan's subgraph of the model itself, layer skip or early exit; its draft
+  steps go through a ``DraftStep``, which the runtime backs with the backend and the tuner backs with a
+  precomputed profile, so both replay the *same* policy object.
+- ``runtime/ngram.py``: prompt lookup over the prompt and the text generated so far.
+- ``runtime/retrieval.py``: lookup in a datastore built from calibration text at build time.
+- ``runtime/hybrid.py``: per round, a lookup hit when there is one, the model's draft otherwise, and a
+  lookup continuation that extends the model's draft.
+
+``make_drafter(plan, ...)`` turns a plan (data, in the manifest) into its drafter.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from .manifest import DraftPlan
+from .sampling import SamplingParams, probabilities, sample, softmax
+
+
+@dataclass
+class Draft:
+    """Candidate tokens for one round.
+
+    ``q[i]`` is the distribution ``tokens[i]`` was sampled from (sampling only), ``None`` where the
+    source is deterministic (one-hot q: rejection sampling then accepts with probability p(token)).
+    ``reuse`` is how many of the round's inputs (``[token] + tokens[:-1]``) already ran through the
+    verifier's prefix blocks (early exit), which the verifier therefore skips. ``sources[i]`` names the
+    source of ``tokens[i]``.
+    """
+
+    tokens: list[int] = field(default_factory=list)
+    q: list[np.ndarray | None] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)
+    reuse: int = 0
+    verify_plan: DraftPlan | None = None
+
+    def extend(self, other: "Draft") -> "Draft":
+        """This draft followed by ``other`` (which must not need prefix reuse of its own)."""
+        return Draft(self.tokens + other.tokens, self.q + other.q, self.sources + other.sources, self.reuse,
+                     self.verify_plan)
+
+    @property
+    def label(self) -> str:
+        """The sources of this round, in order, e.g. ``model+ngram``; ``none`` for an empty draft."""
+        seen: list[str] = []
+        for source in self.sources:
+            if source not in seen:
+                seen.append(source)
+        return "+".join(seen) or "none"
+
+
+@dataclass
+class RoundContext:
+    """What a drafter may look at: the committed tokens (``history[-1]`` is the round's input token,
+    at position ``pos``, whose KV is not written yet) and how many tokens it may draft."""
+
+    history: Sequence[int]
+    pos: int
+    limit: int
+    params: SamplingParams
+    rng: np.random.Generator
+
+
+class Drafter(Protocol):
+    name: str
+
+    def start(self, prompt: Sequence[int]) -> None:
+        """A new sequence begins with ``prompt`` (drafters with per-sequence state reset it)."""
+
+    def propose(self, ctx: RoundContext) -> Draft:
+        """Candidates for this round, at most ``ctx.limit`` tokens (an empty draft means a plain step)."""
+
+    def feedback(self, draft: Draft, accepted: int) -> None:
+        """The verifier accepted the first ``accepted`` tokens of ``draft``."""
+
+
+class DraftStep(Protocol):
+    def __call__(self, token: int, pos: int, ctx: RoundContext) -> tuple[int, float, np.ndarray | None]:
+        """Draft the token after ``token`` (at ``pos``): (drafted token, confidence, q or None when greedy)."""
+
+
+@dataclass
+class DraftPolicy:
+    """Adaptive draft length (Draft & Verify): stop drafting when the draft's top-1 probability falls
+    below ``threshold`` or at ``max_draft``; the threshold rises when acceptance falls below
+    ``target_acceptance`` and falls when it is above."""
+
+    max_draft: int
+    threshold: float = 0.0
+    adaptive: bool = True
+    target_acceptance: float = 0.6
+    step: float = 0.02
+
+    @classmethod
+    def from_plan(cls, plan: DraftPlan, max_draft: int | None = None) -> "DraftPolicy":
+        return cls(max_draft=max_draft or plan.max_draft, threshold=plan.threshold, adaptive=plan.adaptive,
+                   target_acceptance=plan.target_acceptance)
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if not self.adaptive or drafted == 0:
+            return
+        if accepted / drafted < self.target_acceptance:
+            self.threshold = min(self.threshold + self.step, 0.95)
+        else:
+            self.threshold = max(self.threshold - self.step, 0.0)
+
+
+class BackendStep:
+    """A model draft step through the backend's subgraph for ``plan`` (what the runtime uses)."""
+
+    def __init__(self, backend, plan: DraftPlan):
+        self.backend, self.plan = backend, plan
+
+    def __call__(self, token: int, pos: int, ctx: RoundContext) -> tuple[int, float, np.ndarray | None]:
+        logits = self.backend.draft(self.plan, token, pos)
+        if ctx.params.greedy:
+            drafted = int(np.argmax(logits))
+            return drafted, float(softmax(logits)[drafted]), None
+        q = probabilities(logits, ctx.params)
+        drafted = sample(q, ctx.rng)
+        return drafted, float(q.max()), q
+
+
+class ModelDrafter:
+    """Drafts with a plan's subgraph of the model (layer skip or early exit) under a ``DraftPolicy``."""
+
+    name = "model"
+
+    def __init__(self, plan: DraftPlan, step: DraftStep, policy: DraftPolicy):
+        self.plan, self.step, self.policy = plan, step, policy
+
+    def start(self, prompt: Sequence[int]) -> None:
+        pass
+
+    def propose(self, ctx: RoundContext) -> Draft:
+        draft = Draft(verify_plan=self.plan)
+        current = ctx.history[-1]
+        for j in range(min(self.policy.max_draft, ctx.limit)):
+            current, confidence, q = self.step(current, ctx.pos + j, ctx)
+            draft.tokens.append(current)
+            draft.q.append(q)
+            draft.sources.append(self.name)
+            if confidence < self.policy.threshold:
+                break
+        # Early exit: the prefix blocks ran on the round's input token and every drafted token but the last.
+        draft.reuse = len(draft.tokens) if self.plan.is_early_exit else 0
+        return draft
+
+    def feedback(self, draft: Draft, accepted: int) -> None:
+        drafted = draft.sources.count(self.name)
+        self.policy.update(drafted, min(accepted, drafted))
+
+
+# Model-free sources by name: module (relative to this package) and class. A new source is one file
+# plus one line here.
+LOOKUP_SOURCES = {"ngram": ("ngram", "NgramDrafter"), "retrieval": ("retrieval", "RetrievalDrafter")}
+
+
+def lookup_drafter(source: str, plan: DraftPlan, root: Path | None):
+    import importlib
+
+    if source not in LOOKUP_SOURCES:
+        from .errors import ArtifactError
+
+        raise ArtifactError(f"plan {plan.name!r} uses draft source {source!r}, which this runtime does not know "
+                            f"(known: {', '.join(LOOKUP_SOURCES)}); upgrade speccompile")
+    module, cls = LOOKUP_SOURCES[source]
+    return getattr(importlib.import_module(f".{module}", __package__), cls).from_plan(plan, root)
+
+
+def make_drafter(plan: DraftPlan, step: DraftStep | None, root: Path | None = None,
+                 max_draft: int | None = None):
+    """The drafter a plan describes: its model subgraph (through ``step``), its lookups, or both."""
+    from .hybrid import HybridDrafter
+
+    model = ModelDrafter(plan, step, DraftPolicy.from_plan(plan, max_draft)) if plan.has_model_draft else None
+    lookups = [lookup_drafter(source, plan, root) for source in plan.lookup]
+    if model is not None and not lookups:
+        return model
+    return HybridDrafter(lookups, model, extend=plan.extend)
+
+
+__all__ = ["BackendStep", "Draft", "DraftPolicy", "DraftStep", "Drafter", "ModelDrafter", "RoundContext",
+           "make_drafter"]

@@ -1,0 +1,71 @@
+"""Prompt lookup decoding: draft the continuation of the latest earlier occurrence of the last n tokens.
+
+Model-free and almost free: the prompt and the text generated so far are indexed incrementally (one
+dict per n-gram size, n-gram -> where its most recent continuation starts), so a lookup is a few dict
+probes per round. Longest match first: sizes ``max_n`` down to ``min_n``. Its q is one-hot, so
+speculative sampling stays exact (rejection accepts a looked-up token with probability p(token)).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+from .drafters import Draft, RoundContext
+from .manifest import DraftPlan
+
+
+class NgramIndex:
+    """Every n-gram (``min_n <= n <= max_n``) of a growing token list -> start of its latest continuation."""
+
+    def __init__(self, min_n: int, max_n: int):
+        self.min_n, self.max_n = min_n, max_n
+        self.tokens: list[int] = []
+        self.latest: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+
+    def append(self, token: int) -> None:
+        i = len(self.tokens)
+        self.tokens.append(token)
+        for n, table in self.latest.items():
+            if i >= n:  # the n-gram ending just before token i is continued by token i
+                table[tuple(self.tokens[i - n : i])] = i
+
+    def sync(self, history: Sequence[int]) -> None:
+        """Index the tokens of ``history`` (which only ever grows) not indexed yet."""
+        for token in history[len(self.tokens):]:
+            self.append(int(token))
+
+    def continuation(self, tail: Sequence[int], limit: int) -> list[int]:
+        """Up to ``limit`` tokens that followed the longest indexed match of the end of ``tail``."""
+        for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
+            start = self.latest[n].get(tuple(tail[-n:]))
+            if start is not None:
+                return self.tokens[start : start + limit]
+        return []
+
+
+class NgramDrafter:
+    name = "ngram"
+
+    def __init__(self, min_n: int = 2, max_n: int = 4, max_draft: int = 8):
+        self.min_n, self.max_n, self.max_draft = min_n, max_n, max_draft
+        self.index = NgramIndex(min_n, max_n)
+
+    @classmethod
+    def from_plan(cls, plan: DraftPlan, root: Path | None = None) -> "NgramDrafter":
+        return cls(plan.ngram_min, plan.ngram_max, plan.lookup_max_draft)
+
+    def start(self, prompt: Sequence[int]) -> None:
+        self.index = NgramIndex(self.min_n, self.max_n)
+
+    def lookup(self, history: Sequence[int], tail: Sequence[int], limit: int) -> list[int]:
+        """Continuation of ``tail`` (the committed ``history`` plus uncommitted drafts) from ``history``."""
+        self.index.sync(history)
+        return self.index.continuation(tail, min(limit, self.max_draft))
+
+    def propose(self, ctx: RoundContext) -> Draft:
+        tokens = self.lookup(ctx.history, ctx.history, ctx.limit)
+        return Draft(tokens=list(tokens), q=[None] * len(tokens), sources=[self.name] * len(tokens))
+
+    def feedback(self, draft: Draft, accepted: int) -> None:
+        pass
