@@ -22,9 +22,10 @@ from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
 from speccompile.cli import main
+from speccompile.openai_api import StopCutter
 from speccompile.runtime import load
 from speccompile.runtime.manifest import file_record
-from speccompile.serve import StopCutter, create_app, serve_in_thread
+from speccompile.serve import create_app, serve_in_thread
 
 # A ChatML-style template (the tiny tokenizer has none): written into the artifact's tokenizer config.
 CHAT_TEMPLATE = (

@@ -1,0 +1,207 @@
+"""Load test of ``speccompile serve``: a bounded burst of greedy requests on loopback, every answer checked.
+
+Starts ``speccompile serve ARTIFACT --slots N`` as a child process on 127.0.0.1 (a free port), computes
+each prompt's expected greedy text with the runtime in this process first, then sends ``--requests``
+requests (half streamed, half not) with at most ``--concurrency`` in flight through the real ``openai``
+client (no retries, so 429s are counted, not hidden). It prints completed / failed / 429 counts,
+p50/p95 latency, total tokens/s, and the server's resident memory (RSS) idle, after a warm-up and after
+the run, then stops the server. Exit status 1 when an answer is wrong or lost, or memory grew over 5%.
+
+    flock /tmp/speccompile-timing.lock python benchmarks/load_test.py artifacts/refcoder --slots 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+BUILTIN_PROMPTS = ["def read_lines(path):", "class Stack:", "import os\n\n\ndef main():", "for i in range(10):"]
+
+
+def rss_mib(pid: int) -> float:
+    """Resident set size of ``pid`` in MiB (Linux /proc)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def load_prompts(artifact: Path, path: str | None, count: int) -> list[str]:
+    """``count`` prompts: from --prompts, else the artifact's source model's prompts.jsonl, else built in."""
+    if path is None:
+        source = json.loads((artifact / "manifest.json").read_text()).get("source", {}).get("path")
+        candidate = Path(source) / "prompts.jsonl" if source else None
+        path = str(candidate) if candidate and candidate.is_file() else None
+    if path is None:
+        return BUILTIN_PROMPTS[:count]
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [row.get("prompt") or row["text"] for row in rows][:count]
+
+
+def expected_answers(artifact: Path, prompts: list[str], max_tokens: int, backend: str | None) -> dict[str, str]:
+    """Each prompt's greedy text from the runtime itself (what every server answer must equal)."""
+    from speccompile.runtime import load
+
+    model = load(artifact, backend=backend)
+    return {p: model.generate(p, max_new_tokens=max_tokens, temperature=0.0).text for p in prompts}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(args, port: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "speccompile.cli", "serve", str(args.artifact), "--host", "127.0.0.1",
+               "--port", str(port), "--slots", str(args.slots), "--max-queue", str(args.max_queue)]
+    if args.backend:
+        command += ["--backend", args.backend]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 120
+    while True:
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return process
+        except httpx.TransportError:
+            pass
+        if process.poll() is not None or time.monotonic() > deadline:
+            process.kill()
+            raise SystemExit(f"the server did not start: {process.stderr.read().decode()[-2000:]}")
+        time.sleep(0.3)
+
+
+async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int, stream: bool) -> tuple[str, int]:
+    """The answer's text and completion tokens, streamed or not."""
+    if not stream:
+        response = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                                   temperature=0)
+        return response.choices[0].text, response.usage.completion_tokens
+    text, tokens = "", 0
+    chunks = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
+                                             temperature=0, stream=True, stream_options={"include_usage": True})
+    async for chunk in chunks:
+        if chunk.choices:
+            text += chunk.choices[0].text
+        if chunk.usage is not None:
+            tokens = chunk.usage.completion_tokens
+    return text, tokens
+
+
+async def run_load(base_url: str, model_name: str, prompts: list[str], expected: dict[str, str], args) -> dict:
+    client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=args.timeout)
+    gate = asyncio.Semaphore(args.concurrency)
+    outcome = {"completed": 0, "wrong": 0, "failed": 0, "rejected_429": 0, "tokens": 0, "latencies": [], "errors": []}
+
+    async def job(i: int) -> None:
+        prompt = prompts[i % len(prompts)]
+        async with gate:
+            start = time.perf_counter()
+            try:
+                text, tokens = await one_request(client, model_name, prompt, args.max_tokens, stream=i % 2 == 1)
+            except openai.RateLimitError:
+                outcome["rejected_429"] += 1
+                return
+            except Exception as exc:  # noqa: BLE001 - every failure is counted and the first few printed
+                outcome["failed"] += 1
+                outcome["errors"].append(f"request {i}: {type(exc).__name__}: {exc}")
+                return
+            outcome["latencies"].append(time.perf_counter() - start)
+            outcome["tokens"] += tokens
+            if text == expected[prompt]:
+                outcome["completed"] += 1
+            else:
+                outcome["wrong"] += 1
+                outcome["errors"].append(f"request {i}: answer differs from prompt {i % len(prompts)}'s expected text")
+
+    start = time.perf_counter()
+    await asyncio.gather(*(job(i) for i in range(args.requests)))
+    outcome["seconds"] = time.perf_counter() - start
+    await client.close()
+    return outcome
+
+
+def percentile(values: list[float], q: float) -> float:
+    return statistics.quantiles(values, n=100, method="inclusive")[q - 1] if len(values) > 1 else (values or [0])[0]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("artifact", type=Path, nargs="?", default=Path("artifacts/refcoder"))
+    parser.add_argument("--slots", type=int, default=1)
+    parser.add_argument("--max-queue", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--distinct-prompts", type=int, default=40)
+    parser.add_argument("--prompts", default=None, help=".jsonl with 'prompt' or 'text' per line")
+    parser.add_argument("--backend", default=None)
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
+    args = parser.parse_args()
+
+    prompts = load_prompts(args.artifact, args.prompts, args.distinct_prompts)
+    t0 = time.perf_counter()
+    expected = expected_answers(args.artifact, prompts, args.max_tokens, args.backend)
+    print(f"expected greedy answers for {len(prompts)} prompts computed in {time.perf_counter() - t0:.1f}s")
+
+    port = free_port()
+    server = start_server(args, port)
+    base_url = f"http://127.0.0.1:{port}"
+    try:
+        model_name = httpx.get(base_url + "/health").json()["model"]
+        rss_idle = rss_mib(server.pid)
+        warm = argparse.Namespace(**{**vars(args), "requests": args.slots, "concurrency": args.slots})
+        warmup = asyncio.run(run_load(base_url, model_name, prompts, expected, warm))
+        rss_before = rss_mib(server.pid)
+        result = asyncio.run(run_load(base_url, model_name, prompts, expected, args))
+        rss_after = rss_mib(server.pid)
+        health = httpx.get(base_url + "/health").json()
+    finally:
+        server.terminate()
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+    lat = result["latencies"]
+    accounted = result["completed"] + result["wrong"] + result["failed"] + result["rejected_429"]
+    growth = (rss_after - rss_before) / rss_before
+    figures = {
+        "slots": args.slots, "requests": args.requests, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
+        "completed": result["completed"], "wrong": result["wrong"], "failed": result["failed"],
+        "rejected_429": result["rejected_429"], "lost": args.requests - accounted,
+        "p50_s": percentile(lat, 50), "p95_s": percentile(lat, 95), "wall_s": result["seconds"],
+        "tokens": result["tokens"], "tokens_per_s": result["tokens"] / result["seconds"],
+        "rss_idle_mib": rss_idle, "rss_before_mib": rss_before, "rss_after_mib": rss_after, "rss_growth": growth,
+        "warmup_ok": warmup["completed"] == args.slots, "health_after": health["status"],
+    }
+    print(f"{args.artifact} on {args.slots} slot(s), {args.requests} requests, {args.concurrency} concurrent, "
+          f"{args.max_tokens} tokens each (half streamed)")
+    print(f"  completed {figures['completed']} (answers equal to their own expected text), wrong {figures['wrong']}, "
+          f"failed {figures['failed']}, 429 {figures['rejected_429']}, lost {figures['lost']}")
+    print(f"  latency p50 {figures['p50_s']:.2f}s, p95 {figures['p95_s']:.2f}s; {figures['tokens']} tokens in "
+          f"{figures['wall_s']:.1f}s = {figures['tokens_per_s']:.1f} tokens/s")
+    print(f"  server RSS: idle {rss_idle:.0f} MiB, after warm-up {rss_before:.0f} MiB, after the run "
+          f"{rss_after:.0f} MiB ({100 * growth:+.1f}%)")
+    for line in result["errors"][:5]:
+        print("  " + line)
+    if args.json:
+        print(json.dumps(figures))
+    ok = figures["wrong"] == 0 and figures["failed"] == 0 and figures["lost"] == 0 and abs(growth) <= 0.05
+    print("PASS" if ok else "FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
