@@ -1,9 +1,17 @@
 """ONNX Runtime backend: the exported graphs on a preallocated numpy KV cache (onnxruntime + numpy only).
 
 Mirrors ``runtime/torch_backend.py`` call for call. The KV cache is one numpy buffer per layer,
-``[1, kv_heads, max_len, head_dim]``, plus a hidden-state buffer ``[1, max_len, d]`` for early exits.
-Each call feeds a graph the past slice ``[:, :, :pos]`` of the layers it runs and writes the new
-entries of ``present`` back at ``pos .. pos+T-1``; rollback is only a smaller ``pos`` next time.
+``[1, kv_heads, max_len, head_dim]``, plus a hidden-state buffer ``[1, max_len, d]`` for early exits;
+rollback is only a smaller ``pos`` next time. How a graph reaches the cache depends on its variant
+(the manifest records it per graph):
+
+- ``fused`` graphs (GroupQueryAttention in its shared-buffer mode) take the whole buffer as past KV and
+  write the new entries into it; the backend binds each layer's buffer, as one ``OrtValue``, to both
+  the past input and the present output with IOBinding, once per ``reserve``. No call copies the past.
+  Outputs are bound to fresh numpy arrays, and a prefix graph's ``hidden`` straight into the
+  early-exit buffer, which the suffix and head graphs then read in place.
+- ``standard`` graphs (ONNX ops only) concatenate past and new KV, so each call feeds the past slice
+  ``[:, :, :pos]`` and writes the new entries of ``present`` back at ``pos .. pos+T-1``.
 
 Weights are shared in memory by every session: ``weights.bin`` is read once, each unique tensor
 becomes one ``OrtValue`` over that buffer, and every session receives it through
@@ -25,7 +33,7 @@ import numpy as np
 from .errors import ArtifactError, BackendUnavailableError
 from .manifest import ArchConfig, DraftPlan
 
-_NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64}
+_NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "uint8": np.uint8}
 
 
 def _ort():
@@ -43,7 +51,7 @@ class OnnxBackend:
 
     def __init__(self, root: Path, record: dict[str, Any], config: ArchConfig, device: str = "cpu",
                  providers: list | None = None, threads: int = 0, roles: Sequence[str] | None = None,
-                 mmap: bool = False, prepack: bool = True):
+                 mmap: bool = False, prepack: bool = True, kv_in_place: bool = True):
         """``record`` is the manifest's ``backends["onnx"]``. ``providers`` overrides the execution
         providers chosen from ``device`` ("cpu" or "cuda"); ``threads`` is ORT's intra-op thread count
         (0: ORT's default); ``roles`` limits the sessions created to those graph keys (default: every
@@ -56,7 +64,10 @@ class OnnxBackend:
         So when every plan is an early exit at the same block E, there is no separate ``verify``
         session: plain decoding runs prefix(E) then suffix(E), which together are the full model, and
         each weight is packed once. Artifacts with layer-skip plans need the full ``verify`` graph
-        next to the draft graphs; ``prepack=False`` keeps them at one copy of the weights, slower."""
+        next to the draft graphs; ``prepack=False`` keeps them at one copy of the weights, slower.
+
+        ``kv_in_place=False`` runs fused graphs the way standard graphs run (past slice in, present
+        copied back): only there to measure what the in-place cache saves."""
         ort = _ort()
         self.root = Path(root)
         self.record = record
@@ -71,6 +82,7 @@ class OnnxBackend:
             raise ArtifactError(f"manifest backends['onnx'] is malformed ({exc}); rebuild the artifact with --backend onnx") from None
         self.plan_records = plan_records
         self.prepack = prepack
+        self.fused = {key for key, g in graphs.items() if g.get("variant") == "fused"} if kv_in_place else set()
         exits = {(r.get("prefix"), r.get("suffix")) for r in plan_records.values() if r.get("kind") == "early_exit"}
         only_exits = plan_records and all(r.get("kind") == "early_exit" for r in plan_records.values())
         # (prefix, suffix) graphs that together compute the full model, when no verify session is needed.
@@ -132,6 +144,8 @@ class OnnxBackend:
         self.k: list[np.ndarray] = []
         self.v: list[np.ndarray] = []
         self.exit_hidden: np.ndarray | None = None
+        self._kv_values: dict[str, Any] = {}  # "past_key_values.{i}.{key|value}" -> OrtValue over self.k / self.v
+        self._bindings: dict[str, Any] = {}  # graph key -> IOBinding with the KV buffers bound
 
     def _session(self, ort, key: str, g: dict, threads: int):
         path = self.root / g["file"]
@@ -211,6 +225,7 @@ class OnnxBackend:
         sequence): ORT sessions may be run from several threads at once."""
         other = copy.copy(self)
         other.max_len, other.k, other.v, other.exit_hidden = 0, [], [], None
+        other._kv_values, other._bindings = {}, {}
         return other
 
     # -- cache -------------------------------------------------------------------------------------
@@ -222,14 +237,28 @@ class OnnxBackend:
             self.k = [np.zeros(shape, self.dtype) for _ in range(c.num_layers)]
             self.v = [np.zeros(shape, self.dtype) for _ in range(c.num_layers)]
             self.exit_hidden = np.zeros((1, max_len, c.hidden_size), self.dtype)
+            self._kv_values, self._bindings = {}, {}
+            if self.fused:
+                ort = _ort()
+                for i in range(c.num_layers):
+                    self._kv_values[f"past_key_values.{i}.key"] = ort.OrtValue.ortvalue_from_numpy(self.k[i])
+                    self._kv_values[f"past_key_values.{i}.value"] = ort.OrtValue.ortvalue_from_numpy(self.v[i])
         self.max_len = max_len
 
-    def _run(self, key: str, pos: int, ids: Sequence[int] | None = None, hidden: np.ndarray | None = None):
-        """Run graph ``key`` at position ``pos`` (past = cache[:pos]); write presents back; return outputs."""
+    def _run(self, key: str, pos: int, ids: Sequence[int] | None = None, hidden: np.ndarray | None = None,
+             hidden_out: np.ndarray | None = None):
+        """Run graph ``key`` at position ``pos`` (past = cache[:pos]); return its outputs by name (not the
+        KV, which is in the cache afterwards). A ``hidden`` output goes into ``hidden_out`` when given."""
+        if key in self.fused:
+            return self._run_in_place(key, pos, ids, hidden, hidden_out)
         feed: dict[str, np.ndarray] = {}
         t = len(ids) if ids is not None else hidden.shape[1]
         for name in self.inputs[key]:
-            if name == "input_ids":
+            if name == "seqlens_k":
+                feed[name] = np.array([pos + t - 1], dtype=np.int32)
+            elif name == "total_sequence_length":
+                feed[name] = np.array(pos + t, dtype=np.int32)
+            elif name == "input_ids":
                 feed[name] = np.asarray([list(ids)], dtype=np.int64)
             elif name == "hidden":
                 feed[name] = np.ascontiguousarray(hidden, dtype=self.dtype)
@@ -245,6 +274,56 @@ class OnnxBackend:
                 _, layer, kind = name.split(".")
                 buf = self.k[int(layer)] if kind == "key" else self.v[int(layer)]
                 buf[:, :, pos: pos + t] = value[:, :, pos: pos + t]
+        if hidden_out is not None and "hidden" in outs:
+            hidden_out[...] = outs["hidden"]
+        return outs
+
+    def _binding(self, key: str):
+        """The IOBinding of graph ``key`` with every layer's KV buffer bound as past input and present
+        output (the same OrtValue), made once per ``reserve``."""
+        io = self._bindings.get(key)
+        if io is None:
+            io = self.sessions[key].io_binding()
+            for name in self.inputs[key]:
+                if name.startswith("past_key_values."):
+                    io.bind_ortvalue_input(name, self._kv_values[name])
+            for name in self.outputs[key]:
+                if name.startswith("present."):
+                    io.bind_ortvalue_output(name, self._kv_values["past_key_values." + name[len("present."):]])
+            self._bindings[key] = io
+        return io
+
+    def _run_in_place(self, key: str, pos: int, ids, hidden, hidden_out):
+        t = len(ids) if ids is not None else hidden.shape[1]
+        io = self._binding(key)
+        keep = []  # arrays bound by pointer must outlive the run
+        for name in self.inputs[key]:
+            if name == "input_ids":
+                value = np.asarray([list(ids)], dtype=np.int64)
+            elif name == "hidden":
+                value = np.ascontiguousarray(hidden, dtype=self.dtype)
+            elif name == "seqlens_k":
+                value = np.array([pos + t - 1], dtype=np.int32)
+            elif name == "total_sequence_length":
+                value = np.array(pos + t, dtype=np.int32)
+            elif name == "position_ids":
+                value = np.arange(pos, pos + t, dtype=np.int64)[None]
+            else:
+                continue
+            keep.append(value)
+            io.bind_cpu_input(name, value)
+        outs: dict[str, np.ndarray] = {}
+        for name in self.outputs[key]:
+            if name.startswith("present."):
+                continue
+            if name == "hidden" and hidden_out is not None:
+                value = hidden_out
+            else:
+                width = self.config.vocab_size if name == "logits" else self.config.hidden_size
+                value = np.empty((1, t, width), self.dtype)
+            io.bind_output(name, "cpu", 0, self.dtype, list(value.shape), value.ctypes.data)
+            outs[name] = value
+        self.sessions[key].run_with_iobinding(io)
         return outs
 
     def _plan(self, plan: DraftPlan) -> dict:
@@ -262,15 +341,14 @@ class OnnxBackend:
     def forward(self, tokens: Sequence[int], pos: int) -> np.ndarray:
         if self.full_split is not None:
             prefix, suffix = self.full_split
-            hidden = self._run(prefix, pos, ids=tokens)["hidden"]
+            hidden = self._run(prefix, pos, ids=tokens, hidden_out=self.exit_hidden[:, pos: pos + len(tokens)])["hidden"]
             return self._logits(self._run(suffix, pos, hidden=hidden)["logits"])
         return self._logits(self._run("verify", pos, ids=tokens)["logits"])
 
     def draft(self, plan: DraftPlan, token: int, pos: int) -> np.ndarray:
         rec = self._plan(plan)
         if rec["kind"] == "early_exit":
-            h = self._run(rec["prefix"], pos, ids=[token])["hidden"]
-            self.exit_hidden[:, pos: pos + 1] = h
+            h = self._run(rec["prefix"], pos, ids=[token], hidden_out=self.exit_hidden[:, pos: pos + 1])["hidden"]
             return self._logits(self._run(rec["head"], pos, hidden=h)["logits"])[-1]
         return self._logits(self._run(rec["draft"], pos, ids=[token])["logits"])[-1]
 
@@ -280,8 +358,7 @@ class OnnxBackend:
             return self.forward(tokens, pos)
         fresh = list(tokens[n_reuse:])
         if fresh:
-            h_new = self._run(rec["prefix"], pos + n_reuse, ids=fresh)["hidden"]
-            self.exit_hidden[:, pos + n_reuse: pos + len(tokens)] = h_new
+            self._run(rec["prefix"], pos + n_reuse, ids=fresh, hidden_out=self.exit_hidden[:, pos + n_reuse: pos + len(tokens)])
         h = self.exit_hidden[:, pos: pos + len(tokens)]
         return self._logits(self._run(rec["suffix"], pos, hidden=h)["logits"])
 

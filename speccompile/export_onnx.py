@@ -55,10 +55,18 @@ IR_VERSION = 8
 WEIGHTS_NAME = "weights.bin"
 ALIGN = 64
 FORMAT_VERSION = 1
+DEFAULT_BLOCK_SIZE = 32
+DEFAULT_ACCURACY_LEVEL = 0
+
+CONTRIB = "com.microsoft"
+VARIANTS = ("standard", "fused")
+QUANT_BITS = {"int8": 8, "int4": 4}
 
 _NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
-               np.dtype(np.int64): TensorProto.INT64}
-_DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(np.int64): "int64"}
+               np.dtype(np.int64): TensorProto.INT64, np.dtype(np.uint8): TensorProto.UINT8,
+               np.dtype(np.int32): TensorProto.INT32}
+_DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(np.int64): "int64",
+                np.dtype(np.uint8): "uint8"}
 
 
 class _Graph:
@@ -155,8 +163,11 @@ class _Graph:
         return self.op("Mul", self.op("Mul", x, half), self.op("Add", inner, one))
 
     def mlp(self, i: int, h: str) -> str:
+        return self.mlp_on(i, self.norm(h, f"layers.{i}.mlp_norm"))
+
+    def mlp_on(self, i: int, x: str) -> str:
+        """The MLP of block ``i`` on its already-normed input."""
         c = self.c
-        x = self.norm(h, f"layers.{i}.mlp_norm")
         up = self.linear(x, f"layers.{i}.mlp.up", c.intermediate_size)
         if c.mlp == "gated":
             inner = self.op("Mul", self.act(self.linear(x, f"layers.{i}.mlp.gate", c.intermediate_size)), up)
@@ -258,7 +269,8 @@ class _Graph:
 
 
 def _elem_name(elem: int) -> str:
-    return {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16", TensorProto.INT64: "int64"}[elem]
+    return {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16", TensorProto.INT64: "int64",
+            TensorProto.INT32: "int32"}[elem]
 
 
 def _build(kind: str, name: str, config: ArchConfig, dtype: np.dtype, weights: dict[str, np.ndarray], start: int,
@@ -332,6 +344,256 @@ def _build(kind: str, name: str, config: ArchConfig, dtype: np.dtype, weights: d
     return g
 
 
+class _Quantizer:
+    """Weight-only block quantization of linear weights for ``MatMulNBits``, with onnxruntime's own
+    kernels (``quantize_matmul_4bits`` / ``quantize_matmul_8bits``: what
+    ``onnxruntime.quantization.matmul_nbits_quantizer`` calls, without its onnx_ir dependency).
+
+    Each quantized weight is added to the shared weights under a derived name
+    (``<canonical>.int4``, ``.int4.scales``, ``.int4.zero_points``), so it is written once to
+    ``weights.bin`` however many graphs use it; the float weight is then used by no graph (except the
+    embedding table, which stays a float ``Gather``)."""
+
+    def __init__(self, scheme: str, block_size: int, accuracy_level: int, symmetric: bool = False):
+        if scheme not in QUANT_BITS:
+            raise ValueError(f"unknown quantization {scheme!r}; use one of {sorted(QUANT_BITS)}")
+        if block_size < 16 or block_size & (block_size - 1):
+            raise ValueError(f"quantization block size must be a power of two >= 16, not {block_size}")
+        self.scheme, self.bits, self.block_size = scheme, QUANT_BITS[scheme], block_size
+        self.accuracy_level, self.symmetric = accuracy_level, symmetric
+
+    def record(self) -> dict[str, Any]:
+        return {"scheme": self.scheme, "bits": self.bits, "block_size": self.block_size, "symmetric": self.symmetric,
+                "accuracy_level": self.accuracy_level, "op": f"{CONTRIB}.MatMulNBits",
+                "quantizer": "onnxruntime quantize_matmul_%dbits" % self.bits}
+
+    def tensors(self, weights: dict[str, np.ndarray], name: str) -> tuple[str, str, str | None]:
+        """Names of (packed, scales, zero_points or None) for canonical weight ``name`` [out, in]."""
+        from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
+
+        base = f"{name}.{self.scheme}"
+        zp_name = None if self.symmetric else f"{base}.zero_points"
+        if base not in weights:
+            w = weights[name]
+            n, k = w.shape
+            bs = self.block_size
+            k_blocks = (k + bs - 1) // bs
+            wt = np.zeros((k_blocks * bs, n), np.float32)  # [K, N] as MatMul sees it, zero-padded to whole blocks
+            wt[:k] = w.T
+            kpack = 8 // self.bits
+            packed = np.zeros((n, k_blocks, bs // kpack), np.uint8)
+            scales = np.zeros((n, k_blocks), np.float32)
+            zero_points = np.zeros((n, (k_blocks + kpack - 1) // kpack), np.uint8)
+            quantize = quantize_matmul_4bits if self.bits == 4 else quantize_matmul_8bits
+            quantize(packed, wt, scales, zero_points, bs, n, k, self.symmetric)
+            weights[base], weights[f"{base}.scales"] = packed, scales.astype(w.dtype)
+            if zp_name is not None:
+                weights[zp_name] = zero_points
+        return base, f"{base}.scales", zp_name
+
+
+class _FusedGraph(_Graph):
+    """The graph variant built for ONNX Runtime's CPU kernels (com.microsoft contrib ops).
+
+    - attention is one ``GroupQueryAttention`` per layer in its shared past/present buffer mode: the
+      past KV input is the whole preallocated cache ``[batch, kv_heads, max_len, head_dim]``, the new
+      entries are written into it at ``seqlens_k + 1 - seq .. seqlens_k`` and the present output is the
+      same buffer, so a runtime that binds one buffer to both copies nothing (rollback: a smaller
+      ``seqlens_k`` next call). Rotary runs inside the op when its kernel can (``rotary_dim / 2`` a
+      multiple of 8), on a cos/sin table computed in-graph from ``rope_inv_freq``; otherwise with
+      standard ops on q and k before it. Sliding windows are ``local_window_size``;
+    - RMS norms are ``SimplifiedLayerNormalization``, and each residual add is fused into the next
+      norm (``SkipSimplifiedLayerNormalization`` / ``SkipLayerNormalization``, whose fourth output is
+      the sum);
+    - linear layers are ``FusedMatMul(transB=1)`` on the canonical ``[out, in]`` weight (no transposed
+      copy, no reshapes), or ``MatMulNBits`` on its quantized form.
+    """
+
+    def __init__(self, *args, quantizer: _Quantizer | None = None):
+        super().__init__(*args)
+        self.quantizer = quantizer
+        self.seqlens_k = self.total_len = None  # int32 [batch], int32 scalar
+        self.gqa_rotary = False
+
+    def linear(self, x: str, prefix: str, out_features: int) -> str:
+        wname, bias = f"{prefix}.weight", f"{prefix}.bias"
+        bias = self.w(bias) if bias in self.weights else ""
+        in_features = self.weights[wname].shape[1]
+        if self.quantizer is not None:
+            q = self.quantizer
+            packed, scales, zp = q.tensors(self.weights, wname)
+            args = [x, self.w(packed), self.w(scales), self.w(zp) if zp else "", "", bias]
+            while args[-1] == "":
+                args.pop()
+            return self.op("MatMulNBits", *args, domain=CONTRIB, K=in_features, N=out_features, bits=q.bits,
+                           block_size=q.block_size, accuracy_level=q.accuracy_level)
+        y = self.op("FusedMatMul", x, self.w(wname), domain=CONTRIB, transB=1)
+        return self.op("Add", y, bias) if bias else y
+
+    def norm(self, x: str, prefix: str) -> str:
+        c = self.c
+        if c.norm == "layer":
+            return super().norm(x, prefix)
+        return self.op("SimplifiedLayerNormalization", x, self.w(f"{prefix}.weight"), axis=-1,
+                       epsilon=float(c.norm_eps))
+
+    def add_norm(self, h: str, delta: str | None, prefix: str) -> tuple[str, str]:
+        """(norm(h + delta), h + delta): the residual add fused into the norm that follows it."""
+        if delta is None:
+            return self.norm(h, prefix), h
+        c = self.c
+        if c.norm == "layer":
+            outs = self.op("SkipLayerNormalization", delta, h, self.w(f"{prefix}.weight"), self.w(f"{prefix}.bias"),
+                           n_out=4, domain=CONTRIB, epsilon=float(c.norm_eps))
+        else:
+            outs = self.op("SkipSimplifiedLayerNormalization", delta, h, self.w(f"{prefix}.weight"), n_out=4,
+                           domain=CONTRIB, epsilon=float(c.norm_eps))
+        return outs[0], outs[3]
+
+    def fused_attention(self, i: int, x: str, rope) -> str:
+        """Attention of layer ``i`` on the normed input ``x`` [batch, seq, d]."""
+        c = self.c
+        p = f"layers.{i}.attn"
+        hd, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
+
+        def proj(name: str, n: int) -> str:
+            t = self.linear(x, f"{p}.{name}", n * hd)
+            norm = f"{p}.{name}_norm" if c.qk_norm and name != "v" else None
+            fallback_rope = name != "v" and rope is not None and not self.gqa_rotary
+            if norm is None and not fallback_rope:
+                return t
+            t = self.op("Reshape", t, self.const([0, 0, n, hd], np.int64))
+            if norm is not None:
+                t = self.norm(t, norm)
+            if fallback_rope:
+                t = self.rotary(t, rope)
+            return self.op("Reshape", t, self.const([0, 0, n * hd], np.int64))
+
+        q, k, v = proj("q", nh), proj("k", nkv), proj("v", nkv)
+        shape = ["batch", nkv, "max_len", hd]
+        past_k = self.add_input(f"past_key_values.{i}.key", self.onnx_dtype, shape)
+        past_v = self.add_input(f"past_key_values.{i}.value", self.onnx_dtype, shape)
+        args = [q, k, v, past_k, past_v, self.seqlens_k, self.total_len]
+        if self.gqa_rotary:
+            args += list(rope)
+        out_name = f"gqa_{i}"
+        present = [f"present.{i}.key", f"present.{i}.value"]
+        self._n += 1
+        self.nodes.append(helper.make_node(
+            "GroupQueryAttention", args, [out_name] + present, name=f"n{self._n}", domain=CONTRIB, num_heads=nh,
+            kv_num_heads=nkv, scale=float(c.scale), do_rotary=int(self.gqa_rotary),
+            local_window_size=int(c.sliding_window) if c.sliding_window is not None else -1))
+        for name in present:
+            self.outputs.append(helper.make_tensor_value_info(name, self.onnx_dtype, shape))
+            self.output_records.append({"name": name, "dtype": _elem_name(self.onnx_dtype), "shape": shape})
+        return self.linear(out_name, f"{p}.o", c.hidden_size)
+
+    def gqa_rope_cache(self) -> tuple[str, str]:
+        """cos/sin tables [total_len, rotary_dim / 2] for positions 0..total_len-1 (GQA indexes them)."""
+        c = self.c
+        total = self.op("Cast", self.total_len, to=TensorProto.INT64)
+        pos = self.op("Range", self.const(0, np.int64), total, self.const(1, np.int64))
+        f = self.op("Mul", self.op("Unsqueeze", self.op("Cast", pos, to=TensorProto.FLOAT), self.const([-1], np.int64)),
+                    self.w("rope_inv_freq"))
+        cos, sin = self.op("Cos", f), self.op("Sin", f)
+        scale = float(c.rope_attention_scaling)
+        if scale != 1.0:
+            s = self.const(np.float32(scale))
+            cos, sin = self.op("Mul", cos, s), self.op("Mul", sin, s)
+        if self.dtype != np.float32:
+            cos, sin = self.op("Cast", cos, to=self.onnx_dtype), self.op("Cast", sin, to=self.onnx_dtype)
+        return cos, sin
+
+    def to_model(self) -> onnx.ModelProto:
+        model = super().to_model()
+        model.opset_import.append(helper.make_opsetid(CONTRIB, 1))
+        return model
+
+
+def gqa_rotary_ok(config: ArchConfig) -> bool:
+    """Whether GroupQueryAttention's CPU kernel can apply this model's rotary itself."""
+    half = config.rotary_dim // 2
+    return config.positions == "rotary" and half % 8 == 0 and config.rotary_dim <= config.head_dim
+
+
+def _build_fused(kind: str, name: str, config: ArchConfig, dtype: np.dtype, weights: dict[str, np.ndarray],
+                 start: int, stop: int, skip_attn=frozenset(), skip_mlp=frozenset(),
+                 quantizer: _Quantizer | None = None) -> _FusedGraph:
+    """``_build`` for the fused variant: same kinds, same blocks, same names of weights, inputs and outputs,
+    except that past KV inputs are the whole cache buffers and the graph also takes ``seqlens_k``
+    ([batch] int32: total length - 1) and ``total_sequence_length`` (int32 scalar), as
+    GroupQueryAttention does."""
+    c = config
+    g = _FusedGraph(name, config, dtype, weights, quantizer=quantizer)
+    d = c.hidden_size
+    attn_layers = [i for i in range(start, stop) if i not in skip_attn]
+    if kind in ("full", "prefix"):
+        ids = g.add_input("input_ids", TensorProto.INT64, ["batch", "seq"])
+        g.bt_shape = g.op("Shape", ids)
+    else:
+        hidden_in = g.add_input("hidden", g.onnx_dtype, ["batch", "seq", d])
+        g.bt_shape = g.op("Shape", hidden_in, end=2)
+    pos = None
+    if attn_layers:
+        g.seqlens_k = g.add_input("seqlens_k", TensorProto.INT32, ["batch"])
+        g.total_len = g.add_input("total_sequence_length", TensorProto.INT32, [])
+        g.gqa_rotary = gqa_rotary_ok(c)
+        if c.positions == "learned" or not g.gqa_rotary:
+            seq = g.op("Gather", g.bt_shape, g.const(1, np.int64), axis=0)
+            total = g.op("Cast", g.total_len, to=TensorProto.INT64)
+            pos = g.op("Range", g.op("Sub", total, seq), total, g.const(1, np.int64))
+    elif kind in ("full", "prefix") and c.positions == "learned":
+        pos = g.add_input("position_ids", TensorProto.INT64, ["batch", "seq"])
+    if kind in ("full", "prefix"):
+        h = g.op("Gather", g.w("embed.weight"), ids, axis=0)
+        if c.embed_scale is not None:
+            h = g.op("Mul", h, g.const(np.array(c.embed_scale, dtype)))
+        if c.positions == "learned":
+            pid = g.op("Add", pos, g.const(int(c.position_offset), np.int64)) if c.position_offset else pos
+            h = g.op("Add", h, g.op("Gather", g.w("pos_embed.weight"), pid, axis=0))
+    else:
+        h = hidden_in
+    rope = None
+    if attn_layers and c.positions == "rotary":
+        if g.gqa_rotary:
+            rope = g.gqa_rope_cache()
+        else:
+            cos, sin = g.rope(pos)  # [seq, rot]; broadcast over heads of [batch, seq, heads, head_dim]
+            axis = g.const([1], np.int64)
+            rope = g.op("Unsqueeze", cos, axis), g.op("Unsqueeze", sin, axis)
+    delta = None  # the pending residual branch: the stream is h + delta
+    if kind != "head":
+        for i in range(start, stop):
+            run_attn, run_mlp = i not in skip_attn, i not in skip_mlp
+            if c.parallel_residual:
+                if not (run_attn or run_mlp):
+                    continue
+                x, h = g.add_norm(h, delta, f"layers.{i}.attn_norm" if run_attn else f"layers.{i}.mlp_norm")
+                branches = []
+                if run_attn:
+                    branches.append(g.fused_attention(i, x, rope))
+                if run_mlp:
+                    branches.append(g.mlp_on(i, g.norm(h, f"layers.{i}.mlp_norm") if run_attn else x))
+                delta = branches[0] if len(branches) == 1 else g.op("Add", *branches)
+                continue
+            if run_attn:
+                x, h = g.add_norm(h, delta, f"layers.{i}.attn_norm")
+                delta = g.fused_attention(i, x, rope)
+            if run_mlp:
+                x, h = g.add_norm(h, delta, f"layers.{i}.mlp_norm")
+                delta = g.mlp_on(i, x)
+    if kind == "prefix":
+        out = g.op("Add", h, delta) if delta is not None else h
+        g.add_output(out, "hidden", g.onnx_dtype, ["batch", "seq", d])
+    else:
+        head_w = "embed.weight" if c.tie_word_embeddings else "lm_head.weight"
+        x, _ = g.add_norm(h, delta, "norm")
+        g.add_output(g.linear(x, head_w.removesuffix(".weight"), c.vocab_size), "logits", g.onnx_dtype,
+                     ["batch", "seq", c.vocab_size])
+    _dedupe_inputs(g)
+    return g
+
+
 def _dedupe_inputs(g: _Graph) -> None:
     """attention() declares both past inputs of each layer; drop the duplicate early-declared key."""
     seen, inputs, records = set(), [], []
@@ -362,23 +624,38 @@ def _safe(name: str) -> str:
 
 
 def export_onnx(decoder, plans: dict[str, DraftPlan], out_dir: Path, dtype: str = "float32",
-                relative_to: Path | None = None) -> dict[str, Any]:
+                relative_to: Path | None = None, **options) -> dict[str, Any]:
     """Write the ONNX graphs of ``decoder`` (a ``runtime.decoder.Decoder``; its ``config`` and
     ``state_dict()`` are used) and of ``plans``' drafts, plus one shared ``weights.bin``, into
     ``out_dir``; return the manifest record for ``backends["onnx"]``.
 
     File paths in the record are relative to ``relative_to`` (default: ``out_dir.parent``, i.e. the
-    artifact root when ``out_dir`` is ``<artifact>/onnx``).
+    artifact root when ``out_dir`` is ``<artifact>/onnx``). ``options``: see ``export_onnx_weights``.
     """
-    return export_onnx_weights(decoder.config, decoder.state_dict(), plans, out_dir, dtype, relative_to)
+    return export_onnx_weights(decoder.config, decoder.state_dict(), plans, out_dir, dtype, relative_to, **options)
 
 
 def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan], out_dir: Path,
-                        dtype: str = "float32", relative_to: Path | None = None) -> dict[str, Any]:
+                        dtype: str = "float32", relative_to: Path | None = None, variant: str = "standard",
+                        quantize: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                        accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> dict[str, Any]:
     """``export_onnx`` from an ``ArchConfig`` and canonical weights (name -> torch tensor or numpy array,
-    as in weights/model.safetensors; a tied lm_head may be absent). No torch needed for numpy weights."""
+    as in weights/model.safetensors; a tied lm_head may be absent). No torch needed for numpy weights.
+
+    ``variant``: "standard" (ONNX ops only, passes ``onnx.checker``, runs on any execution provider) or
+    "fused" (ONNX Runtime contrib ops, KV cache updated in place; see ``_FusedGraph``). ``quantize``
+    ("int8" / "int4", fused only): weight-only ``MatMulNBits`` for every linear layer and the head, in
+    blocks of ``block_size`` along the input dimension; ``accuracy_level`` is MatMulNBits' (0: unset,
+    4: int8 activations, ONNX Runtime's fast CPU path)."""
     if dtype not in ("float32", "float16"):
         raise ValueError(f"ONNX export supports float32 and float16, not {dtype!r}")
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown ONNX graph variant {variant!r}; use one of {VARIANTS}")
+    quantizer = None
+    if quantize is not None:
+        if variant != "fused" or dtype != "float32":
+            raise ValueError("quantized ONNX export needs variant='fused' and float32 weights")
+        quantizer = _Quantizer(quantize, block_size, accuracy_level)
     np_dtype = np.dtype(dtype)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -387,7 +664,12 @@ def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan]
     weights = _numpy_weights(weights, np_dtype)
     L = config.num_layers
 
-    graphs: dict[str, _Graph] = {"verify": _build("full", "verify", config, np_dtype, weights, 0, L)}
+    if variant == "fused":
+        def build(*args, **kwargs):
+            return _build_fused(*args, **kwargs, quantizer=quantizer)
+    else:
+        build = _build
+    graphs: dict[str, _Graph] = {"verify": build("full", "verify", config, np_dtype, weights, 0, L)}
     plan_records: dict[str, dict[str, Any]] = {}
     skip_graphs: dict[tuple, str] = {}
     for plan_name, plan in plans.items():
@@ -395,10 +677,10 @@ def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan]
         if plan.is_early_exit:
             e = plan.exit_layer
             if f"prefix.{e}" not in graphs:
-                graphs[f"prefix.{e}"] = _build("prefix", f"prefix.{e}", config, np_dtype, weights, 0, e)
-                graphs[f"suffix.{e}"] = _build("suffix", f"suffix.{e}", config, np_dtype, weights, e, L)
+                graphs[f"prefix.{e}"] = build("prefix", f"prefix.{e}", config, np_dtype, weights, 0, e)
+                graphs[f"suffix.{e}"] = build("suffix", f"suffix.{e}", config, np_dtype, weights, e, L)
             if "head" not in graphs:
-                graphs["head"] = _build("head", "head", config, np_dtype, weights, L, L)
+                graphs["head"] = build("head", "head", config, np_dtype, weights, L, L)
             plan_records[plan_name] = {"kind": "early_exit", "prefix": f"prefix.{e}", "suffix": f"suffix.{e}",
                                        "head": "head", "exit_layer": e}
         else:
@@ -406,8 +688,8 @@ def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan]
             key = skip_graphs.get(skips)
             if key is None:  # plans that skip the same sublayers share one graph
                 key = skip_graphs[skips] = f"skip.{_safe(plan_name)}"
-                graphs[key] = _build("full", key, config, np_dtype, weights, 0, L, frozenset(skips[0]),
-                                     frozenset(skips[1]))
+                graphs[key] = build("full", key, config, np_dtype, weights, 0, L, frozenset(skips[0]),
+                                    frozenset(skips[1]))
             plan_records[plan_name] = {"kind": "layer_skip", "draft": key, "verify": "verify"}
 
     # One weights file: every tensor any graph uses, de-duplicated by content.
@@ -450,9 +732,11 @@ def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan]
             model.graph.initializer.append(tp)
         path = out_dir / f"{_safe(key)}.onnx"
         onnx.save_model(model, str(path))
-        onnx.checker.check_model(str(path), full_check=True)
+        if variant == "standard":  # the checker does not know ONNX Runtime's contrib ops
+            onnx.checker.check_model(str(path), full_check=True)
         graph_records[key] = {
-            "file": rel(path), "inputs": g.input_records, "outputs": g.output_records, "initializers": list(g.used),
+            "file": rel(path), "variant": variant, "inputs": g.input_records, "outputs": g.output_records,
+            "initializers": list(g.used),
         }
 
     return {
@@ -460,6 +744,8 @@ def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan]
         "opset": OPSET,
         "dtype": dtype,
         "exporter": "speccompile.export_onnx (onnx.helper)",
+        "variant": variant,
+        "quantization": quantizer.record() if quantizer is not None else None,
         "weights": rel(weights_path),
         "weights_bytes": total_bytes,
         "tensors": tensors,
