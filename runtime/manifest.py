@@ -9,14 +9,22 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import re
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .errors import ArtifactError
+from .schema import REJECT_UNKNOWN, build_dataclass, json_type
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
+TOKENIZER_FILE = "tokenizer/tokenizer.json"  # opened by the runtime for every artifact
+DTYPES = ("float32", "float16", "bfloat16")
+FILE_KEYS = ("file", "weights", "datastore")
+"""Keys of a ``backends[...]`` record or of a plan (at any depth) whose string value names a file the
+runtime opens, as do keys ending in ``_file``. Each such file must be listed (and so hashed) in ``files``."""
+_SHA256 = re.compile(r"[0-9a-f]{64}")
 
 
 @dataclass
@@ -58,16 +66,20 @@ class ArchConfig:
     def scale(self) -> float:
         return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
 
+    def validate(self) -> None:
+        sizes = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
+                 "intermediate_size", "max_position_embeddings")
+        bad = [name for name in sizes if getattr(self, name) < 1]
+        if bad:
+            raise ArtifactError(f"manifest config has non-positive sizes {bad}; the manifest is damaged: rebuild the artifact")
+
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ArchConfig":
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = set(data) - known
-        if unknown:
-            raise ArtifactError(
-                f"manifest config has unknown fields {sorted(unknown)}; rebuild the artifact with this "
-                "version of speccompile"
-            )
-        return cls(**data)
+    def from_dict(cls, data: dict[str, Any], where: str = "config") -> "ArchConfig":
+        return build_dataclass(cls, data, where)
+
+
+# A config field this runtime does not know changes the model's numerics: refuse it rather than guess.
+setattr(ArchConfig, REJECT_UNKNOWN, True)
 
 
 @dataclass
@@ -121,9 +133,10 @@ class DraftPlan:
         return f"skip {len(self.skip_attn)} attention + {len(self.skip_mlp)} MLP sublayers"
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "DraftPlan":
-        known = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in known})
+    def from_dict(cls, data: dict[str, Any], where: str = "plan") -> "DraftPlan":
+        """Unknown fields are ignored (a plan written by a newer toolkit still loads); known ones are
+        checked against their annotations."""
+        return build_dataclass(cls, data, where)
 
 
 @dataclass
@@ -166,34 +179,119 @@ class Manifest:
         }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "Manifest":
+    def from_dict(cls, data: Any) -> "Manifest":
+        """Check ``data`` against the dataclasses' annotated types and the artifact's rules (paths
+        confined to the artifact, every file the runtime opens listed with a sha256); every problem is
+        an ``ArtifactError``. Unknown top-level and plan fields are ignored (forward compatibility)."""
+        if not isinstance(data, dict):
+            raise ArtifactError(f"manifest.json must hold a JSON object, got {json_type(data)}; rebuild the artifact")
         version = data.get("schema_version")
-        if version != SCHEMA_VERSION:
+        if type(version) is not int or version != SCHEMA_VERSION:
             raise ArtifactError(
                 f"artifact schema version {version!r} is not supported by this runtime (it reads version "
                 f"{SCHEMA_VERSION}); rebuild the artifact with `speccompile build` or install the matching runtime"
             )
-        try:
-            config = ArchConfig.from_dict(data["config"])
-            plans = {name: DraftPlan.from_dict(p) for name, p in data.get("plans", {}).items()}
-            manifest = cls(
-                config=config,
-                plans=plans,
-                default_plan=data.get("default_plan"),
-                files=data["files"],
-                backends=data["backends"],
-                dtype=data.get("dtype", "float32"),
-                source=data.get("source", {}),
-                tokens=data.get("tokens", {}),
-                tuning=data.get("tuning", {}),
-                toolkit_version=data.get("toolkit_version", ""),
-                schema_version=version,
-            )
-        except (KeyError, TypeError) as exc:
-            raise ArtifactError(f"manifest.json is malformed ({exc}); rebuild the artifact") from None
-        for plan in plans.values():
-            plan.validate(config.num_layers)
+        plans = data.get("plans", {})
+        if isinstance(plans, dict):  # plans are built one by one so that messages name the plan
+            data = {**data, "plans": {name: DraftPlan.from_dict(p, f"plans[{name!r}]") for name, p in plans.items()}}
+        manifest = build_dataclass(cls, {**data, "config": ArchConfig.from_dict(data.get("config"))}, "manifest")
+        manifest.validate()
         return manifest
+
+    def validate(self) -> None:
+        """The rules the field types cannot say."""
+        self.config.validate()
+        for plan in self.plans.values():
+            plan.validate(self.config.num_layers)
+        if self.default_plan is not None and self.default_plan not in self.plans:
+            raise ArtifactError(
+                f"manifest default_plan {self.default_plan!r} is not one of its plans {sorted(self.plans)}; rebuild the artifact"
+            )
+        if self.dtype not in DTYPES:
+            raise ArtifactError(f"manifest dtype {self.dtype!r} is not one of {', '.join(DTYPES)}; rebuild the artifact")
+        for relative, record in self.files.items():
+            check_relative_path(relative, "files")
+            digest, size = record.get("sha256"), record.get("bytes")
+            if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
+                raise ArtifactError(f"manifest entry for file {relative!r} has no valid sha256; rebuild the artifact")
+            if type(size) is not int or size < 0:
+                raise ArtifactError(f"manifest entry for file {relative!r} has no valid byte size; rebuild the artifact")
+        if not self.backends:
+            raise ArtifactError("manifest lists no backends; rebuild the artifact with --backend torch or onnx")
+        check_tokens(self.tokens)
+        for relative in self.opened_files():
+            check_relative_path(relative, "backends")
+            if relative not in self.files:
+                raise ArtifactError(
+                    f"artifact file {relative!r} is used by the runtime but not listed with a sha256 in the manifest; "
+                    "rebuild the artifact"
+                )
+
+    def opened_files(self) -> list[str]:
+        """Every file the runtime opens: the tokenizer and each file a backend record or plan names (FILE_KEYS)."""
+        found = [TOKENIZER_FILE]
+        for name, record in self.backends.items():
+            found += _file_values(record, f"backends[{name!r}]")
+        for name, plan in self.plans.items():
+            found += _file_values(dataclasses.asdict(plan), f"plans[{name!r}]")
+        return found
+
+
+def _file_values(value: Any, where: str) -> list[str]:
+    """String values under FILE_KEYS / ``*_file`` keys anywhere in a backend record."""
+    found: list[str] = []
+    if isinstance(value, dict):
+        for key, item in value.items():
+            if isinstance(key, str) and (key in FILE_KEYS or key.endswith("_file")):
+                if item is None:  # an optional file that is absent
+                    continue
+                if not isinstance(item, str):
+                    if isinstance(item, dict):  # a table keyed by tensor or graph names, not a file name
+                        found += _file_values(item, f"{where}[{key!r}]")
+                        continue
+                    raise ArtifactError(f"manifest field {where}[{key!r}] must name a file, got {json_type(item)}; "
+                                        "rebuild the artifact")
+                found.append(item)
+            else:
+                found += _file_values(item, f"{where}[{key!r}]")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            found += _file_values(item, f"{where}[{i}]")
+    return found
+
+
+def check_tokens(tokens: dict[str, Any]) -> None:
+    eos = tokens.get("eos_token_ids", [])
+    if not isinstance(eos, list) or any(type(t) is not int for t in eos):
+        raise ArtifactError("manifest tokens.eos_token_ids must be a list of integers; rebuild the artifact")
+    for key in ("bos_token_id", "pad_token_id"):
+        if tokens.get(key) is not None and type(tokens[key]) is not int:
+            raise ArtifactError(f"manifest tokens.{key} must be an integer or null; rebuild the artifact")
+
+
+def check_relative_path(relative: str, where: str) -> None:
+    """A manifest path must be relative, normalised and POSIX (``weights/model.safetensors``): no
+    ``..``, no ``.``, no empty parts, no backslashes, no NUL; so it cannot name anything outside."""
+    path = PurePosixPath(relative)
+    bad = (not relative or "\\" in relative or "\0" in relative or path.is_absolute()
+           or str(path) != relative or any(part in ("..", ".") for part in path.parts))
+    if bad:
+        raise ArtifactError(
+            f"manifest {where} names the path {relative!r}, which is not a plain relative path inside the artifact; "
+            "the manifest was edited or damaged: rebuild the artifact"
+        )
+
+
+def confined_path(root: Path, relative: str) -> Path:
+    """``root / relative`` after resolving symlinks, refused if that lands outside ``root``."""
+    base = root.resolve()
+    real = (root / relative).resolve()
+    if real != base and base not in real.parents:
+        raise ArtifactError(
+            f"artifact file {relative!r} resolves to {str(real)!r}, outside the artifact {str(base)!r} (a symlink?); "
+            "the runtime only reads files inside the artifact: replace the link with the file or rebuild"
+        )
+    return real
 
 
 def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
@@ -214,30 +312,46 @@ def write_manifest(root: Path, manifest: Manifest) -> None:
 
 
 def read_manifest(root: Path, verify_files: bool = True) -> Manifest:
-    """Read and check an artifact's manifest; refuse unknown schemas, missing files and bad hashes."""
+    """Read and check an artifact's manifest: refuse unknown schemas, malformed fields, paths that leave
+    the artifact (``..``, absolute, or through a symlink), files the runtime opens but the manifest does
+    not list, and (with ``verify_files``) missing files and wrong sizes or sha256s."""
     root = Path(root)
     if not root.is_dir():
         raise ArtifactError(f"artifact folder {str(root)!r} does not exist; build one with `speccompile build`")
     path = root / MANIFEST_NAME
     if not path.is_file():
         raise ArtifactError(f"{str(root)!r} has no {MANIFEST_NAME}; it is not a speccompile artifact")
+    confined_path(root, MANIFEST_NAME)
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise ArtifactError(f"cannot read {path} ({exc.strerror}); check its permissions") from None
+    except UnicodeDecodeError:
+        raise ArtifactError(f"{path} is not UTF-8 text; the manifest is damaged: rebuild the artifact") from None
     except json.JSONDecodeError as exc:
         raise ArtifactError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); rebuild the artifact") from None
+    except RecursionError:
+        raise ArtifactError(f"{path} is nested too deeply to be a manifest; rebuild the artifact") from None
     manifest = Manifest.from_dict(data)
-    if verify_files:
-        for relative, record in manifest.files.items():
-            file_path = root / relative
-            if not file_path.is_file():
-                raise ArtifactError(
-                    f"artifact file {relative!r} is missing from {str(root)!r}; rebuild the artifact or restore the file"
-                )
-            if file_path.stat().st_size != record.get("bytes", file_path.stat().st_size) or sha256_file(
-                file_path
-            ) != record["sha256"]:
-                raise ArtifactError(
-                    f"artifact file {relative!r} does not match its sha256 in the manifest (corrupted or edited); "
-                    "rebuild the artifact"
-                )
+    for relative, record in manifest.files.items():
+        file_path = confined_path(root, relative)
+        if not verify_files:
+            continue
+        if not file_path.is_file():
+            raise ArtifactError(
+                f"artifact file {relative!r} is missing from {str(root)!r}; rebuild the artifact or restore the file"
+            )
+        if file_path.stat().st_size != record["bytes"] or sha256_file(file_path) != record["sha256"]:
+            raise ArtifactError(
+                f"artifact file {relative!r} does not match its sha256 in the manifest (corrupted or edited); "
+                "rebuild the artifact"
+            )
     return manifest
+
+
+def unlisted_files(root: Path, manifest: Manifest) -> list[str]:
+    """Files in the artifact folder that the manifest does not list: not verified, never opened by the
+    runtime (``inspect`` reports them)."""
+    root = Path(root)
+    present = (p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file() or p.is_symlink())
+    return sorted(name for name in present if name != MANIFEST_NAME and name not in manifest.files)

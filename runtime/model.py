@@ -6,6 +6,8 @@ artifact is opened with it, so an ONNX/TensorRT artifact runs with numpy + token
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -49,6 +51,52 @@ class Stream:
         return self._chunks
 
 
+def _is_int(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_request(prompt, max_new_tokens, temperature, top_k, top_p, seed, max_draft) -> None:
+    """Refuse generation arguments that would crash deep in decoding or, worse, decode wrongly (a nan
+    temperature samples the same token forever) with one InputError naming the argument."""
+    if isinstance(prompt, str):
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InputError("the prompt is not valid UTF-8 text (it holds lone surrogates); pass UTF-8 text") from None
+    elif isinstance(prompt, (list, tuple)) and not all(_is_int(t) for t in prompt):
+        raise InputError("the prompt must be text or a list of integer token ids")
+    if not _is_int(max_new_tokens) or max_new_tokens < 1:
+        raise InputError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not isinstance(temperature, numbers.Real) or not math.isfinite(temperature) or temperature < 0:
+        raise InputError(f"temperature must be a finite number >= 0 (0 = greedy), got {temperature!r}")
+    if not _is_int(top_k) or top_k < 0:
+        raise InputError(f"top_k must be an integer >= 0 (0 = no cut), got {top_k!r}")
+    if not isinstance(top_p, numbers.Real) or not 0.0 < top_p <= 1.0:  # also refuses nan
+        raise InputError(f"top_p must be in (0, 1], got {top_p!r}")
+    if seed is not None and (not _is_int(seed) or seed < 0):
+        raise InputError(f"seed must be a non-negative integer, got {seed!r}")
+    if max_draft is not None and (not _is_int(max_draft) or max_draft < 1):
+        raise InputError(f"max_draft must be an integer >= 1, got {max_draft!r}")
+
+
+def _check_torch_device(device: str) -> None:
+    """A one-line error for a device PyTorch cannot use, instead of its AssertionError / RuntimeError."""
+    import torch
+
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise BackendUnavailableError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (parsed.index or 0) >= count:
+            raise BackendUnavailableError(
+                f"device {device!r} needs a CUDA GPU that PyTorch can see (it sees {count}); use --device cpu"
+            )
+    elif parsed.type != "cpu":
+        raise BackendUnavailableError(f"device {device!r} is not supported by the torch backend; use cpu or cuda")
+
+
 def _open_backend(root: Path, manifest: Manifest, backend: str | None, device: str):
     available = list(manifest.backends)
     name = backend or available[0]
@@ -63,6 +111,7 @@ def _open_backend(root: Path, manifest: Manifest, backend: str | None, device: s
             raise BackendUnavailableError(
                 "the torch backend needs PyTorch; install it (pip install torch) or use an ONNX artifact"
             ) from None
+        _check_torch_device(device)
         return TorchBackend.from_files(
             root / manifest.backends["torch"]["weights"], manifest.config, dtype=manifest.dtype, device=device
         )
@@ -118,10 +167,7 @@ class SpeculativeModel:
         plan: str | None = None,
         max_draft: int | None = None,
     ) -> Stream:
-        if max_new_tokens < 1:
-            raise InputError("max_new_tokens must be at least 1")
-        if not 0.0 < top_p <= 1.0:
-            raise InputError("top_p must be in (0, 1]")
+        check_request(prompt, max_new_tokens, temperature, top_k, top_p, seed, max_draft)
         prompt_ids = self.encode_prompt(prompt)
         draft_plan = self.plan(plan) if speculate and self.manifest.plans else None
         policy = DraftPolicy.from_plan(draft_plan, max_draft) if draft_plan else None

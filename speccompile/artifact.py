@@ -1,14 +1,20 @@
-"""Write an artifact atomically: everything goes to a temp sibling folder that is renamed into place.
+"""Write an artifact safely: validated OUT, a lock, a temp sibling folder renamed into place.
 
-A failure at any point leaves no half-written artifact; ``--force`` replaces an existing one only once
-the new one is complete.
+- ``--force`` replaces OUT only when OUT is a speccompile artifact (or an empty folder); a user's folder,
+  a file, the source model or the working folder are refused before anything is loaded.
+- A build or tune holds ``.OUT.lock`` (next to OUT) while it writes; a second one fails at once.
+- Everything is written to ``.OUT.tmp-<pid>-<random>`` and renamed into place, so a failure or a kill
+  never leaves a half-written artifact; those names let the next build or tune of OUT remove what a
+  SIGKILL left behind (``.OUT.tmp-*``, ``.OUT.old-*``).
+- Folders are created with the process umask (not 0700), so a service account can read the artifact.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import secrets
 import shutil
-import tempfile
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -16,34 +22,201 @@ from safetensors.torch import save_file
 
 import speccompile
 from speccompile.runtime.errors import SpeccompileError
-from speccompile.runtime.manifest import MANIFEST_NAME, Manifest, file_record, read_manifest, write_manifest
+from speccompile.runtime.manifest import (MANIFEST_NAME, SCHEMA_VERSION, Manifest, file_record, read_manifest,
+                                          write_manifest)
+
+try:
+    import fcntl
+except ImportError:  # Windows: no advisory locks; builds to the same OUT are not serialised there
+    fcntl = None
 
 WEIGHTS_FILE = "weights/model.safetensors"
 
 
-def check_output(out: Path, force: bool) -> None:
-    if out.exists() and not force:
-        raise SpeccompileError(f"output folder '{out}' already exists; pass --force to replace it or choose another -o")
+class OutputError(SpeccompileError):
+    """OUT cannot be written, or is something --force must not destroy."""
+
+
+def resolve_out(out: Path) -> Path:
+    """OUT as an absolute path with symlinks resolved (so ``-o .`` and a linked artifact mean the real folder)."""
+    return Path(out).expanduser().resolve()
+
+
+def source_folder(model: str | None) -> Path | None:
+    """The local folder (or file) a build reads MODEL from, if MODEL names one; hub ids are not resolved here."""
+    from speccompile.loading import BUNDLED_MODELS, DEFAULT_MODEL
+
+    bundled = BUNDLED_MODELS.get(model or DEFAULT_MODEL)
+    if bundled is not None:
+        return bundled.resolve()
+    path = Path(model).expanduser()
+    return path.resolve() if path.exists() else None
+
+
+def artifact_manifest(path: Path) -> dict | None:
+    """The parsed manifest if ``path`` is a folder holding a speccompile manifest of a known schema
+    (files are not verified: a damaged artifact may still be replaced), else None."""
+    try:
+        data = json.loads((path / MANIFEST_NAME).read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    if isinstance(data, dict) and data.get("schema_version") == SCHEMA_VERSION and isinstance(data.get("files"), dict):
+        return data
+    return None
+
+
+def _entries(path: Path) -> list[str]:
+    return sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if not p.is_dir() or p.is_symlink())
+
+
+def _shown(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def check_replaceable(out: Path, real: Path) -> None:
+    """Refuse to replace ``real`` unless it is an artifact with no unlisted files, or an empty folder."""
+    if not real.is_dir():
+        raise OutputError(f"'{out}' is a file, not a speccompile artifact; --force only replaces artifacts: "
+                          "remove it yourself or choose another -o")
+    if not any(real.iterdir()):
+        return
+    manifest = artifact_manifest(real)
+    if manifest is None:
+        raise OutputError(f"'{out}' is a folder of {len(_entries(real))} files ({_shown(_entries(real))}) but not a "
+                          "speccompile artifact (no readable manifest.json); --force only replaces artifacts: "
+                          "choose another -o or remove it yourself")
+    extra = [name for name in _entries(real) if name != MANIFEST_NAME and name not in manifest["files"]]
+    if extra:
+        raise OutputError(f"'{out}' is an artifact but also holds files its manifest does not list ({_shown(extra)}); "
+                          "--force would delete them: move them out or choose another -o")
+
+
+def check_output(out: Path, force: bool, source: Path | None = None) -> Path:
+    """Validate OUT before anything is loaded or tuned; returns it resolved.
+
+    OUT must not be (or contain) the working folder or ``source`` (the model's resolved folder, see
+    ``source_folder``), nor lie inside the source; the nearest existing folder above it must be a
+    writable folder; an existing OUT needs ``force`` and must be replaceable (``check_replaceable``)."""
+    real = resolve_out(out)
+    cwd = Path.cwd().resolve()
+    if real == cwd or real in cwd.parents:
+        raise OutputError(f"-o '{out}' is the working folder or contains it; write the artifact to a new folder, "
+                          "e.g. -o artifacts/NAME")
+    if source is not None and (real == source or source in real.parents or real in source.parents):
+        raise OutputError(f"-o '{out}' is, contains or lies inside the source model at '{source}'; write the artifact "
+                          "somewhere else")
+    above = real.parent
+    while not above.exists() and above != above.parent:
+        above = above.parent
+    if not above.is_dir():
+        raise OutputError(f"cannot create '{out}': '{above}' is a file, not a folder; choose another -o")
+    if not os.access(above, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot write '{out}': folder '{above}' is not writable by this user; choose another -o "
+                          "or fix its permissions")
+    if real.exists() or real.is_symlink():
+        if not force:
+            raise OutputError(f"output folder '{out}' already exists; pass --force to replace it or choose another -o")
+        check_replaceable(Path(out), real)
+    return real
+
+
+_held_locks: dict[Path, list] = {}  # resolved OUT -> [fd, depth]: re-entrant within a process
 
 
 @contextmanager
-def atomic_folder(out: Path):
-    """Yield a temp sibling of ``out`` to fill; on success it replaces ``out`` (an existing one only at the
-    very end), on any error it is removed, so no half-written artifact is ever left."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+def output_lock(out: Path):
+    """Hold ``.OUT.lock`` (an exclusive flock next to OUT) while writing OUT; a second build or tune of
+    the same OUT fails at once with a clear message. Parent folders created for it are removed again if
+    OUT was not written."""
+    real = resolve_out(out)
+    if real in _held_locks:
+        _held_locks[real][1] += 1
+        try:
+            yield real
+        finally:
+            _held_locks[real][1] -= 1
+        return
+    created = [p for p in [real.parent, *real.parent.parents] if not p.exists()]
+    real.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = real.with_name(f".{real.name}.lock")
+    fd = _acquire(lock_path, real) if fcntl is not None else None
+    _held_locks[real] = [fd, 1]
     try:
-        yield tmp
-        if out.exists():
-            old = out.with_name(f".{out.name}.old-{tmp.name[-8:]}")
-            out.rename(old)
-            tmp.rename(out)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        yield real
+    finally:
+        del _held_locks[real]
+        if fd is not None:
+            lock_path.unlink(missing_ok=True)  # while still holding it; _acquire re-checks the inode
+            os.close(fd)
+        if not real.exists():
+            for folder in created:  # deepest first
+                try:
+                    folder.rmdir()
+                except OSError:
+                    break
+
+
+def _acquire(lock_path: Path, real: Path) -> int:
+    while True:
+        fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise OutputError(f"another speccompile build or tune is writing '{real}' (it holds {lock_path.name}); "
+                              "wait for it to finish or choose another -o") from None
+        try:
+            if os.stat(lock_path).st_ino == os.fstat(fd).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)  # the previous holder removed the file after we opened it: lock the new one
+
+
+def _sibling(real: Path, kind: str) -> Path:
+    return real.with_name(f".{real.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def remove_stale(real: Path) -> list[Path]:
+    """Remove ``.OUT.tmp-*`` / ``.OUT.old-*`` left by a killed build or tune of OUT. Only called with the
+    lock held, so no live writer owns them."""
+    stale = [p for p in real.parent.iterdir() if p.name.startswith((f".{real.name}.tmp-", f".{real.name}.old-"))]
+    for path in stale:
+        _remove(path)
+    return stale
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+@contextmanager
+def atomic_folder(out: Path, replace: bool = False):
+    """Yield a temp sibling of ``out`` to fill; on success it is renamed to ``out`` (an existing ``out``
+    only if ``replace``, swapped out at the very end), on any error or interrupt it is removed."""
+    with output_lock(out) as real:
+        remove_stale(real)
+        tmp = _sibling(real, "tmp")
+        os.mkdir(tmp, 0o777)  # the umask applies, unlike tempfile.mkdtemp's 0700
+        try:
+            yield tmp
+            if real.exists() or real.is_symlink():
+                if not replace:
+                    raise OutputError(f"'{out}' appeared while this build ran (written by another process); nothing "
+                                      "was replaced: rerun with --force or choose another -o")
+                check_replaceable(Path(out), real)
+                old = _sibling(real, "old")
+                real.rename(old)
+                tmp.rename(real)
+                _remove(old)
+            else:
+                tmp.rename(real)
+        except BaseException:
+            _remove(tmp)
+            raise
 
 
 BACKENDS = ("torch", "onnx")
@@ -79,7 +252,7 @@ def write_artifact(out: Path, ir, tokenizer, source: dict, tokens: dict, force: 
     """Write the backends' files, tokenizer and manifest for ``ir`` to ``out`` (atomically)."""
     out = Path(out)
     check_output(out, force)
-    with atomic_folder(out) as tmp:
+    with atomic_folder(out, replace=force) as tmp:
         records = write_backend_files(tmp, ir, list(backends))
         tokenizer.save_pretrained(tmp / "tokenizer")
         if not (tmp / "tokenizer" / "tokenizer.json").is_file():
@@ -111,13 +284,23 @@ def read_canonical_weights(root: Path, manifest) -> dict:
     return weights
 
 
+def check_rewritable(root: Path) -> Path:
+    """The real (symlink-resolved) artifact folder ``tune`` will rewrite, refused early if its parent
+    folder is not writable (the new artifact is written next to it)."""
+    real = resolve_out(root)
+    if real.is_dir() and not os.access(real.parent, os.W_OK | os.X_OK):
+        raise OutputError(f"cannot rewrite '{root}': its folder '{real.parent}' is not writable by this user; copy "
+                          "the artifact somewhere writable and tune the copy")
+    return real
+
+
 def rewrite_artifact(root: Path, ir, update) -> Path:
     """Apply ``update(manifest)`` and re-write the backends' files for ``ir`` (whose plans may have
     changed: ONNX draft graphs are per plan), atomically. Tokenizer files are hard-linked, not copied."""
-    root = Path(root)
-    manifest = read_manifest(root)
-    with atomic_folder(root) as tmp:
-        shutil.copytree(root / "tokenizer", tmp / "tokenizer", copy_function=os.link)
+    real = check_rewritable(root)  # through a symlink: rewrite the real artifact, the link keeps pointing at it
+    manifest = read_manifest(real)
+    with atomic_folder(real, replace=True) as tmp:
+        shutil.copytree(real / "tokenizer", tmp / "tokenizer", copy_function=os.link)
         update(manifest)
         manifest.backends = write_backend_files(tmp, ir, list(manifest.backends))
         manifest.files = hash_files(tmp)
@@ -125,5 +308,5 @@ def rewrite_artifact(root: Path, ir, update) -> Path:
     return root
 
 
-__all__ = ["BACKENDS", "MANIFEST_NAME", "WEIGHTS_FILE", "check_output", "read_canonical_weights", "rewrite_artifact",
-           "write_artifact"]
+__all__ = ["BACKENDS", "MANIFEST_NAME", "WEIGHTS_FILE", "OutputError", "atomic_folder", "check_output", "source_folder",
+           "check_rewritable", "output_lock", "read_canonical_weights", "remove_stale", "rewrite_artifact", "write_artifact"]

@@ -21,10 +21,10 @@ def load_prompts(path: str | None, manifest) -> tuple[list[str], str]:
     from speccompile.calibration import load_calibration
 
     if path is not None:
-        return load_calibration(path), path
+        return load_calibration(path, kind="prompts"), path
     shipped = Path(manifest.source.get("path", "")) / "prompts.jsonl"
     if manifest.source.get("path") and shipped.is_file():
-        return load_calibration(str(shipped)), str(shipped)
+        return load_calibration(str(shipped), kind="prompts"), str(shipped)
     return list(DEFAULT_CALIBRATION), "built-in"
 
 

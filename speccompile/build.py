@@ -8,7 +8,7 @@ from typing import Callable
 
 import torch
 
-from speccompile.artifact import BACKENDS, check_output, write_artifact
+from speccompile.artifact import BACKENDS, check_output, output_lock, source_folder, write_artifact
 from speccompile.calibration import load_calibration
 from speccompile.convert import arch_config, canonical_weights
 from speccompile.loading import SourceModel, load_source
@@ -138,7 +138,12 @@ def tune_ir(ir: DecoderIR, prompts: list[list[int]], options, log: Callable[[str
 
 def build(options: BuildOptions, log: Callable[[str], None] = print) -> Path:
     check_options(options)
-    check_output(Path(options.out), options.force)  # fail before the slow part
+    out = check_output(Path(options.out), options.force, source=source_folder(options.model))  # before the slow part
+    with output_lock(out):  # held for the whole build: a second build of the same OUT fails at once
+        return _build_locked(options, log)
+
+
+def _build_locked(options: BuildOptions, log: Callable[[str], None]) -> Path:
     texts = load_calibration(options.calibration)
     source = load_source(options.model, trust_remote_code=options.trust_remote_code)
     log(f"loaded {source.name} ({source.model.config.model_type}, "
@@ -180,13 +185,14 @@ def check_options(options) -> None:
 
 def tune(options: TuneOptions, log: Callable[[str], None] = print) -> Path:
     """Retune an existing artifact (another device or calibration set) without the source model."""
-    from speccompile.artifact import read_canonical_weights, rewrite_artifact
+    from speccompile.artifact import check_rewritable, read_canonical_weights, rewrite_artifact
     from speccompile.runtime.manifest import read_manifest
     from speccompile.runtime.model import TOKENIZER_FILE
     from speccompile.runtime.tokenizer import TextTokenizer
 
     check_options(options)
     root = Path(options.artifact)
+    check_rewritable(root)  # fail before the slow part
     manifest = read_manifest(root)
     ir = DecoderIR(manifest.config, read_canonical_weights(root, manifest), dtype=manifest.dtype,
                    device=options.device, plans=dict(manifest.plans), default_plan=manifest.default_plan,

@@ -28,30 +28,43 @@ DEFAULT_CALIBRATION = [
 ]
 
 
-def load_calibration(path: str | None) -> list[str]:
-    """Texts from ``path`` (JSONL with a "text" or "prompt" field per line, or plain text split on
-    blank lines), or the built-in set."""
+def load_calibration(path: str | None, kind: str = "calibration") -> list[str]:
+    """Texts from ``path`` (JSONL with a "text" or "prompt" field per line, or plain UTF-8 text split on
+    blank lines), or the built-in set. ``kind`` names the file in messages ("calibration" for
+    ``--calibration``, "prompts" for bench's ``--prompts``); JSONL errors give the line number."""
     if path is None:
         return list(DEFAULT_CALIBRATION)
     file = Path(path)
+    what = f"{kind} file '{path}'"
+    if not file.exists():
+        raise SpeccompileError(f"{what} does not exist; check the path")
     if not file.is_file():
-        raise SpeccompileError(f"calibration file '{path}' does not exist")
-    raw = file.read_text(encoding="utf-8")
+        raise SpeccompileError(f"{what} is a folder, not a file; pass a .jsonl or text file")
+    try:
+        data = file.read_bytes()
+    except OSError as exc:
+        raise SpeccompileError(f"cannot read {what} ({exc.strerror}); check its permissions") from None
+    try:
+        raw = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data[: exc.start].count(b"\n") + 1
+        raise SpeccompileError(f"{kind} file {path}:{line} is not UTF-8 text (byte 0x{data[exc.start]:02x}); save it as "
+                               "UTF-8") from None
     texts: list[str] = []
     if file.suffix in (".jsonl", ".json"):
-        for number, line in enumerate(raw.splitlines(), 1):
+        for number, line in enumerate(raw.split("\n"), 1):
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
-            except json.JSONDecodeError:
-                raise SpeccompileError(f"{path}:{number} is not valid JSON; use one JSON object per line") from None
+            except (json.JSONDecodeError, RecursionError):
+                raise SpeccompileError(f"{kind} file {path}:{number} is not valid JSON; use one JSON object per line") from None
             text = record.get("text", record.get("prompt")) if isinstance(record, dict) else None
             if not isinstance(text, str):
-                raise SpeccompileError(f'{path}:{number} has no "text" or "prompt" string field')
+                raise SpeccompileError(f'{kind} file {path}:{number} has no "text" or "prompt" string field')
             texts.append(text)
     else:
         texts = [block for block in raw.split("\n\n") if block.strip()]
     if not texts:
-        raise SpeccompileError(f"calibration file '{path}' holds no text")
+        raise SpeccompileError(f"{what} holds no text")
     return texts

@@ -3,7 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
+import os
+import re
+import signal
 import sys
+from contextlib import contextmanager
 from functools import wraps
 from pathlib import Path
 
@@ -12,21 +17,142 @@ import click
 from speccompile.runtime.errors import SpeccompileError
 
 
-def friendly_errors(command):
-    """Print a user error as one line and exit 1; no traceback for problems the user can fix."""
+class Terminated(BaseException):
+    """SIGTERM (timeouts, ``kill``, CI cancellation) as an exception, so that ``finally`` blocks remove
+    temp folders and release the output lock exactly as for Ctrl-C. A BaseException: handlers written
+    for ``Exception`` must not swallow it."""
 
+
+@contextmanager
+def _sigterm_raises():
+    if sys.platform == "win32" or signal.getsignal(signal.SIGTERM) not in (signal.SIG_DFL, None):
+        yield  # someone (a test runner, a server) already handles SIGTERM: leave it to them
+        return
+
+    def handler(signum, frame):
+        raise Terminated()
+
+    try:
+        previous = signal.signal(signal.SIGTERM, handler)
+    except ValueError:  # not the main thread
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _one_line(text: str, limit: int = 400) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def friendly_errors(command):
+    """The CLI's one error boundary (every command goes through it).
+
+    A problem the user can fix (SpeccompileError, an OS error on a file) prints one ``error:`` line and
+    exits 1; Ctrl-C exits 130 and SIGTERM 143, after temp files are removed. Anything else is a bug: one
+    line naming the exception plus a hint to rerun with ``--debug`` (or SPECCOMPILE_DEBUG=1), which
+    shows the traceback instead. Adds the ``--debug`` option to the command."""
+
+    @click.option("--debug", is_flag=True, help="On an unexpected error, show the full traceback.")
     @wraps(command)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args, debug=False, **kwargs):
+        debug = debug or os.environ.get("SPECCOMPILE_DEBUG", "") not in ("", "0")
         try:
-            return command(*args, **kwargs)
+            with _sigterm_raises():
+                return command(*args, **kwargs)
+        except (click.exceptions.Exit, click.ClickException, click.Abort):
+            raise
         except SpeccompileError as exc:
-            click.echo(f"error: {exc}", err=True)
+            if debug:
+                raise
+            click.echo(f"error: {_one_line(exc)}", err=True)
             sys.exit(1)
         except KeyboardInterrupt:
             click.echo("interrupted; nothing was written", err=True)
             sys.exit(130)
+        except Terminated:
+            click.echo("terminated (SIGTERM); nothing was written", err=True)
+            sys.exit(143)
+        except OSError as exc:
+            if debug:
+                raise
+            where = f" ({exc.filename})" if exc.filename else ""
+            click.echo(f"error: {_one_line(exc.strerror or exc)}{where}; check the path, its permissions and the free "
+                       "disk space", err=True)
+            sys.exit(1)
+        except Exception as exc:
+            if debug:
+                raise
+            click.echo(f"error: unexpected {type(exc).__name__}: {_one_line(exc, 200)}; this is a bug: rerun with "
+                       "--debug for the traceback and please report it", err=True)
+            sys.exit(1)
 
     return wrapper
+
+
+class FiniteFloat(click.FloatRange):
+    """A float range that also refuses nan and inf (click's ranges let nan through: it compares false)."""
+
+    name = "finite float"
+
+    def convert(self, value, param, ctx):
+        number = super().convert(value, param, ctx)
+        if not math.isfinite(number):
+            self.fail(f"{value!r} is not a finite number", param, ctx)
+        return number
+
+
+class DeviceType(click.ParamType):
+    """``cpu``, ``cuda`` or ``cuda:N``; with ``check_torch`` also that PyTorch sees that GPU (build and tune
+    need torch anyway; generate's backend checks its own device when it opens)."""
+
+    name = "device"
+    PATTERN = re.compile(r"cpu|cuda(:\d+)?")
+
+    def __init__(self, check_torch: bool = False):
+        self.check_torch = check_torch
+
+    def convert(self, value, param, ctx):
+        value = str(value).strip().lower()
+        if not self.PATTERN.fullmatch(value):
+            self.fail(f"unknown device {value!r}; use cpu, cuda or cuda:N", param, ctx)
+        if self.check_torch and value != "cpu":
+            import torch
+
+            index = int(value.partition(":")[2] or 0)
+            if not torch.cuda.is_available():
+                self.fail(f"{value!r} needs a CUDA GPU, but PyTorch sees none (torch {torch.__version__}); use "
+                          "--device cpu", param, ctx)
+            if index >= torch.cuda.device_count():
+                self.fail(f"{value!r}: PyTorch sees only {torch.cuda.device_count()} GPU(s); use cuda:0.."
+                          f"{torch.cuda.device_count() - 1}", param, ctx)
+        return value
+
+
+def utf8_text(ctx, param, value):
+    """Refuse text that is not valid UTF-8 (argv bytes click could only decode with surrogates)."""
+    if value is not None:
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise click.BadParameter("is not valid UTF-8 text; pass UTF-8 (check the terminal's locale)") from None
+    return value
+
+
+class SpeccompileGroup(click.Group):
+    """Prints a subcommand's usage error (bad option value, unknown option or command) as one
+    ``error:`` line, exit code 2, like every other error."""
+
+    def invoke(self, ctx):
+        try:
+            return super().invoke(ctx)
+        except click.UsageError as exc:
+            where = exc.ctx.command_path if exc.ctx is not None else ctx.command_path
+            click.echo(f"error: {_one_line(exc.format_message())} (see '{where} --help')", err=True)
+            ctx.exit(exc.exit_code)
 
 
 def bayes_options(command):
@@ -34,7 +160,7 @@ def bayes_options(command):
     options = [
         click.option("--trials", type=click.IntRange(1), default=200, show_default=True,
                      help="Bayesian search: total trials in the study (a resumed study runs only the rest)."),
-        click.option("--time-budget", type=click.FloatRange(min=1), default=None,
+        click.option("--time-budget", type=FiniteFloat(min=1), default=None,
                      help="Bayesian search: stop after this many seconds."),
         click.option("--study", type=click.Path(), default=None,
                      help="Bayesian search: SQLite file for the optuna study; rerun with it to continue."),
@@ -46,7 +172,7 @@ def bayes_options(command):
     return command
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=SpeccompileGroup, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="speccompile")
 def main():
     """Compile a Hugging Face causal LM into a self-speculative model: it drafts tokens with a cheap
@@ -74,7 +200,8 @@ def main():
                    "file, runs with numpy + onnxruntime + tokenizers only), or torch,onnx.")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True)
 @bayes_options
-@click.option("--device", default="cpu", show_default=True, help="Device to tune and time on (cpu, cuda, cuda:1).")
+@click.option("--device", type=DeviceType(check_torch=True), default="cpu", show_default=True,
+              help="Device to tune and time on (cpu, cuda, cuda:1).")
 @click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow model code from the model folder (off by default).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
@@ -114,7 +241,8 @@ def report_plans(path: Path, verb: str) -> None:
 @click.option("--calibration-tokens", type=click.IntRange(4, 1024), default=64, show_default=True)
 @click.option("--max-draft", type=click.IntRange(1, 32), default=8, show_default=True)
 @bayes_options
-@click.option("--device", default="cpu", show_default=True, help="Device to tune and time on.")
+@click.option("--device", type=DeviceType(check_torch=True), default="cpu", show_default=True,
+              help="Device to tune and time on.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @friendly_errors
 def tune(artifact, method, calibration, calibration_tokens, max_draft, trials, time_budget, study, plot, device, quiet):
@@ -130,16 +258,16 @@ def tune(artifact, method, calibration, calibration_tokens, max_draft, trials, t
 
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--prompt", required=True, help="Text to continue.")
+@click.option("--prompt", required=True, callback=utf8_text, help="Text to continue.")
 @click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
-@click.option("--temperature", type=click.FloatRange(0), default=0.0, show_default=True, help="0 = greedy.")
+@click.option("--temperature", type=FiniteFloat(0), default=0.0, show_default=True, help="0 = greedy.")
 @click.option("--top-k", type=click.IntRange(0), default=0, show_default=True, help="0 = no top-k cut.")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=1.0, show_default=True)
-@click.option("--seed", type=int, default=None, help="Seed for sampling.")
+@click.option("--top-p", type=FiniteFloat(0, 1, min_open=True), default=1.0, show_default=True)
+@click.option("--seed", type=click.IntRange(0), default=None, help="Seed for sampling (a non-negative integer).")
 @click.option("--no-speculate", is_flag=True, help="Plain decoding with the full model (the reference).")
 @click.option("--plan", default=None, help="Draft plan to use (default: the manifest's default plan).")
 @click.option("--backend", default=None, help="Backend to run (default: the artifact's first).")
-@click.option("--device", default="cpu", show_default=True)
+@click.option("--device", type=DeviceType(), default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, token_ids and stats.")
 @friendly_errors
 def generate(artifact, prompt, max_new_tokens, temperature, top_k, top_p, seed, no_speculate, plan, backend, device,
@@ -194,8 +322,14 @@ def bench(artifact, prompts, max_new_tokens, plan, backend, no_transformers, as_
 def inspect(artifact, as_json):
     """Summarise an artifact: source, geometry, draft plans and their measured figures."""
     from speccompile.runtime import read_manifest
+    from speccompile.runtime.manifest import unlisted_files
 
     manifest = read_manifest(artifact)
+    unlisted = unlisted_files(artifact, manifest)
+    if unlisted:  # on stderr, so that --json output stays one JSON document
+        shown = ", ".join(unlisted[:5]) + (f" and {len(unlisted) - 5} more" if len(unlisted) > 5 else "")
+        click.echo(f"warning: {len(unlisted)} file(s) in the artifact are not in its manifest, so not verified and "
+                   f"never read by the runtime: {shown}", err=True)
     if as_json:
         click.echo(json.dumps(manifest.to_dict(), indent=2))
         return

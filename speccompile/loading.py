@@ -6,9 +6,12 @@ an id that is not cached is a one-line error that says how to pass a local folde
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
+
+from safetensors import SafetensorError, safe_open
 
 from speccompile.convert import check_supported
 from speccompile.runtime.errors import SpeccompileError
@@ -49,6 +52,9 @@ def resolve_model_path(name: str | None) -> tuple[Path, str | None]:
             )
         return path, None
     path = Path(name).expanduser()
+    if path.is_file():
+        raise ModelNotFoundError(f"MODEL '{name}' is a file; pass the folder that holds config.json and the "
+                                 "safetensors weights (saved with save_pretrained()), or a .gguf file")
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"folder '{name}' has no config.json; pass a folder saved with save_pretrained()")
@@ -80,6 +86,50 @@ def resolve_model_path(name: str | None) -> tuple[Path, str | None]:
     return Path(local), Path(local).name
 
 
+def _first_line(exc: BaseException, limit: int = 200) -> str:
+    text = str(exc).strip()
+    line = text.splitlines()[0] if text else type(exc).__name__
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def read_model_type(path: Path) -> str:
+    """``model_type`` from ``path/config.json``, with a one-line error for a file that is not a JSON
+    object or has no model_type (transformers would raise OSError or a 3 KB ValueError)."""
+    file = path / "config.json"
+    try:
+        config = json.loads(file.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise SpeccompileError(f"cannot read {file} ({exc.strerror}); check its permissions") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        where = f" at line {exc.lineno}" if isinstance(exc, json.JSONDecodeError) else ""
+        raise SpeccompileError(f"{file} is not valid JSON{where}; restore it (save_pretrained() writes it)") from None
+    if not isinstance(config, dict):
+        raise SpeccompileError(f"{file} must hold a JSON object; restore it (save_pretrained() writes it)")
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or not model_type:
+        raise SpeccompileError(f'{file} has no "model_type"; add it (e.g. "model_type": "llama") or re-save the '
+                               "model with save_pretrained()")
+    return model_type
+
+
+def check_safetensors(path: Path) -> None:
+    """Refuse a model folder without safetensors weights, or with an empty or truncated weights file,
+    before transformers reads them (its SafetensorError would surface as a traceback)."""
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise SpeccompileError(
+            f"model at {path} has no safetensors weights (pickle .bin files are refused); "
+            "convert it with save_pretrained(..., safe_serialization=True)"
+        )
+    for file in files:
+        try:
+            with safe_open(str(file), framework="numpy") as handle:
+                handle.keys()
+        except (SafetensorError, OSError) as exc:
+            raise SpeccompileError(f"weights file {file} is empty, truncated or not safetensors ({_first_line(exc)}); "
+                                   "re-save the model with save_pretrained() or download it again") from None
+
+
 def load_source(name: str | None, trust_remote_code: bool = False, dtype: str = "float32") -> SourceModel:
     """Load config, tokenizer and weights; refuse unsupported architectures before loading weights.
 
@@ -92,21 +142,21 @@ def load_source(name: str | None, trust_remote_code: bool = False, dtype: str = 
 
         return load_gguf(Path(name).expanduser(), dtype=dtype)
     path, revision = resolve_model_path(name)
+    check_supported(read_model_type(path))
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except ValueError as exc:
-        raise SpeccompileError(f"cannot read {path}/config.json ({str(exc).splitlines()[0]}); "
+    except (ValueError, OSError) as exc:
+        raise SpeccompileError(f"cannot read {path}/config.json ({_first_line(exc)}); "
                                "pass --trust-remote-code only if you trust the model's code") from None
-    check_supported(config.model_type)
-    if not list(path.glob("*.safetensors")):
-        raise SpeccompileError(
-            f"model at {path} has no safetensors weights (pickle .bin files are refused); "
-            "convert it with save_pretrained(..., safe_serialization=True)"
-        )
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=getattr(torch, dtype), attn_implementation="eager", use_safetensors=True,
-        trust_remote_code=trust_remote_code,
-    ).eval()
+    check_safetensors(path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=getattr(torch, dtype), attn_implementation="eager", use_safetensors=True,
+            trust_remote_code=trust_remote_code,
+        ).eval()
+    except (SafetensorError, OSError) as exc:
+        raise SpeccompileError(f"cannot load the weights in {path} ({_first_line(exc)}); re-save the model with "
+                               "save_pretrained() or download it again") from None
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:
