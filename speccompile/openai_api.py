@@ -19,7 +19,7 @@ from typing import Any, Literal, Union
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
-from speccompile.runtime import SpeculativeModel
+from speccompile.runtime import InputError, SpeculativeModel
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for /v1/completions
 MAX_STOP_STRINGS = 8
@@ -27,8 +27,8 @@ MAX_STOP_STRINGS = 8
 
 # -- errors --------------------------------------------------------------------------------------------
 
-class APIError(Exception):
-    """A request the server refuses: HTTP status plus an OpenAI-style error body."""
+class APIError(InputError):
+    """A request the server refuses: HTTP status plus an OpenAI-style error body (one-line message)."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
