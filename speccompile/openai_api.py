@@ -63,7 +63,7 @@ class BaseRequest(BaseModel):
     """Fields shared by both endpoints. Unknown fields are refused (400), as the OpenAI API does, so a
     misspelt parameter is not silently ignored."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)  # "5" is not an int, "yes" is not a bool
 
     model: str | None = None
     max_tokens: int | None = None
