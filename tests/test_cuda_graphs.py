@@ -1,0 +1,126 @@
+"""CUDA-graph steps of the torch backend: the static-buffer / position bookkeeping on CPU (the steps run
+through ``eager_capture``, exactly as a replay would over the same static buffers), and greedy equality
+with real CUDA graphs on a GPU (``-m cuda``, skipped without one)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from lossless import assert_same_greedy, run
+
+from speccompile.runtime.manifest import DraftPlan
+from speccompile.runtime.torch_backend import GRAPH_CACHE_STEP, TorchBackend
+from speccompile.runtime.torch_graphs import eager_capture
+
+PROMPT = [5, 17, 42, 9, 100, 3, 77, 12]
+PLANS = {
+    "skip": DraftPlan(name="skip", skip_attn=[1], skip_mlp=[0], max_draft=4, threshold=0.0),
+    "exit": DraftPlan(name="exit", exit_layer=1, head="final", max_draft=4, threshold=0.0),
+}
+
+
+class CountingCapture:
+    """``eager_capture`` that counts how many steps were captured (real steps, run each call)."""
+
+    def __init__(self):
+        self.count = 0
+
+    def __call__(self, fn):
+        self.count += 1
+        return eager_capture(fn)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma", "gpt_neox", "gpt2", "opt"])
+@pytest.mark.parametrize("plan_name", ["skip", "exit"])
+def test_static_steps_decode_like_eager(tiny_decoder, family, plan_name):
+    """Tensor positions, index_copy_ into the cache, full-cache masks and gathered rotary tables give the
+    eager backend's greedy output, plain and speculative (the near-tie rule of DESIGN.md section 6)."""
+    _, decoder = tiny_decoder(family)
+    plan = PLANS[plan_name]
+    eager_plain, _ = run(TorchBackend(decoder), PROMPT, 24)
+    static = TorchBackend(decoder, capture=CountingCapture())
+    static_plain, _ = run(static, PROMPT, 24)
+    static_spec, stats = run(static, PROMPT, 24, plan)
+    assert static.static is not None and static.static.captures > 0
+    assert stats.rounds > 0
+    assert_same_greedy(decoder, PROMPT, eager_plain, static_plain)
+    assert_same_greedy(decoder, PROMPT, eager_plain, static_spec)
+
+
+def test_each_step_is_captured_once_and_replayed(tiny_decoder):
+    """Captures happen once per (kind, token count); later calls at other positions replay them with new
+    inputs in the same static buffers."""
+    _, decoder = tiny_decoder("llama")
+    capture = CountingCapture()
+    backend = TorchBackend(decoder, capture=capture)
+    backend.reserve(64)
+    backend.forward(PROMPT, 0)  # a prompt longer than one step still runs through a graph (8 <= 32)
+    first = capture.count
+    backend.forward([4], 8)
+    backend.forward([6], 9)
+    backend.forward([7], 10)
+    assert capture.count == first + 1  # one 1-token graph, replayed three times
+    ids, positions = backend.static.buffers[1]
+    assert ids.tolist() == [[7]] and positions.tolist() == [10]
+    plan = PLANS["exit"]
+    backend.draft(plan, 7, 11)
+    backend.draft(plan, 8, 12)
+    backend.verify(plan, [7, 8, 9], 11, 2)
+    backend.verify(plan, [1, 2, 3], 12, 2)
+    assert capture.count == first + 3  # exit draft + exit verify (T=3, reuse=2)
+    assert set(backend.static.graphs) >= {("forward", 1), ("exit", 1), ("exit-verify", 1, 3, 2)}
+
+
+def test_graph_steps_match_eager_logits_at_the_same_positions(tiny_decoder):
+    """The 1-token step and a 4-token verify give the eager logits when the cache holds the same prefix."""
+    _, decoder = tiny_decoder("qwen2")
+    eager, static = TorchBackend(decoder), TorchBackend(decoder, capture=eager_capture)
+    for backend in (eager, static):
+        backend.reserve(40)
+    assert static.cache.max_len == min(GRAPH_CACHE_STEP, decoder.config.max_position_embeddings)
+    assert eager.cache.max_len == 40
+    close = dict(rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(static.forward(PROMPT, 0), eager.forward(PROMPT, 0), **close)
+    np.testing.assert_allclose(static.forward([3, 4, 5, 6], 8), eager.forward([3, 4, 5, 6], 8), **close)
+    # a rollback: the next step starts inside the previous verify's positions
+    np.testing.assert_allclose(static.forward([9], 10), eager.forward([9], 10), **close)
+
+
+def test_a_new_cache_drops_the_graphs_and_cpu_ignores_the_flag(tiny_decoder):
+    _, decoder = tiny_decoder("llama")
+    backend = TorchBackend(decoder, capture=eager_capture)
+    backend.reserve(16)
+    backend.forward([1, 2], 0)
+    steps = backend.static
+    backend.reserve(backend.cache.max_len + 1)  # needs a larger cache: graphs over the old one are invalid
+    assert backend.static is not steps and not backend.static.graphs
+    with pytest.raises(ValueError, match="outside the static cache"):
+        backend.static.forward([1], backend.cache.max_len)
+    cpu = TorchBackend(decoder, cuda_graphs=True)  # opt-in on a CPU decoder: plain eager path
+    cpu.reserve(16)
+    assert cpu.static is None and cpu.cache.max_len == 16
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("plan_name", ["skip", "exit"])
+def test_cuda_graphs_greedy_equal(tiny_model_dir, dtype, plan_name):
+    """On a GPU: real CUDA graphs give the same greedy tokens as the eager CUDA backend, plain and speculative."""
+    from transformers import AutoModelForCausalLM
+
+    from speccompile.convert import arch_config, canonical_weights
+    from speccompile.runtime.decoder import build_decoder
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).eval()
+    config = arch_config(hf)
+    decoder = build_decoder(config, canonical_weights(hf, config), dtype=dtype, device="cuda")
+    plan = PLANS[plan_name]
+    eager_plain, _ = run(TorchBackend(decoder), PROMPT, 32)
+    graphed = TorchBackend(decoder, cuda_graphs=True)
+    graphed_plain, _ = run(graphed, PROMPT, 32)
+    graphed_spec, stats = run(graphed, PROMPT, 32, plan)
+    assert graphed.static is not None and graphed.static.captures > 0 and stats.rounds > 0
+    assert graphed_plain == eager_plain
+    assert graphed_spec == eager_plain or dtype != torch.float32
