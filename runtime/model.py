@@ -123,7 +123,11 @@ def _open_backend(root: Path, manifest: Manifest, backend: str | None, device: s
                 "the onnx backend needs onnxruntime; install it (pip install onnxruntime, or onnxruntime-gpu)"
             ) from None
         return OnnxBackend.from_artifact(root, manifest, device=device)
-    raise BackendUnavailableError(f"backend '{name}' is not supported by this runtime (supported: torch, onnx)")
+    if name == "tensorrt":  # needs tensorrt + cuda-python, checked when the engines are opened
+        from .tensorrt_backend import TensorRTBackend
+
+        return TensorRTBackend.from_artifact(root, manifest, device=device)
+    raise BackendUnavailableError(f"backend '{name}' is not supported by this runtime (supported: torch, onnx, tensorrt)")
 
 
 class SpeculativeModel:

@@ -219,7 +219,7 @@ def atomic_folder(out: Path, replace: bool = False):
             raise
 
 
-BACKENDS = ("torch", "onnx")
+BACKENDS = ("torch", "onnx", "tensorrt")
 
 
 def write_backend_files(root: Path, ir, backends: list[str]) -> dict:
@@ -238,6 +238,11 @@ def write_backend_files(root: Path, ir, backends: list[str]) -> dict:
 
         onnx_dtype = "float16" if ir.dtype == "float16" else "float32"
         records["onnx"] = export_onnx_weights(ir.config, ir.weights, ir.plans, root / "onnx", onnx_dtype)
+    if "tensorrt" in backends:  # engines built from the standard ONNX graphs, refitted from weights.bin at load
+        from speccompile.export_tensorrt import export_tensorrt
+
+        graphs_for = {n: p for n, p in ir.plans.items() if getattr(p, "has_model_draft", True)}
+        records["tensorrt"] = export_tensorrt(root, ir, records.get("onnx"), graphs_for)
     return records
 
 

@@ -179,6 +179,10 @@ def check_options(options) -> None:
     if unknown or not getattr(options, "backends", ("torch",)):
         raise SpeccompileError(f"unknown --backend {','.join(unknown)!r}; choose from {', '.join(BACKENDS)} "
                                "(comma-separated for several)")
+    if "tensorrt" in getattr(options, "backends", ()):  # before the slow part: TensorRT and a GPU are needed
+        from speccompile.export_tensorrt import require_tensorrt
+
+        require_tensorrt()
     if options.plot and not str(options.plot).lower().endswith(".png"):
         raise SpeccompileError(f"--plot needs a .png file name, got '{options.plot}'")
 
