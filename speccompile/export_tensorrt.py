@@ -105,6 +105,7 @@ def build_engines(root: Path, onnx_record: dict, plans: dict[str, DraftPlan], co
     from speccompile.runtime.cuda_device import CudaMemory
 
     trt = require_tensorrt()
+    fp16 = fp16 and hasattr(trt.BuilderFlag, "FP16")  # TensorRT 11 dropped it (strongly typed networks only)
     index = int(device.partition(":")[2] or 0) if str(device).startswith("cuda") else 0
     gpu = CudaMemory(index).info()
     root = Path(root)
