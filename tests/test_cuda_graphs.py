@@ -102,12 +102,27 @@ def test_a_new_cache_drops_the_graphs_and_cpu_ignores_the_flag(tiny_decoder):
     assert cpu.static is None and cpu.cache.max_len == 16
 
 
+def _same_or_near_tie(decoder, prompt, reference, other, tolerance):
+    """``other`` equals ``reference``, or first differs where the reference's top-2 logit gap (on the
+    decoder's own device and dtype) is below ``tolerance``: DESIGN.md section 6's rule."""
+    if reference == other:
+        return
+    i = next((k for k, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference), len(other)))
+    device = decoder.embed.weight.device
+    with torch.inference_mode():
+        logits = decoder(torch.tensor([prompt + reference[:i]], device=device))[0, -1].float()
+    top = torch.topk(logits, 2).values
+    gap = float(top[0] - top[1])
+    assert gap < tolerance, f"diverges at new token {i} where the top-2 gap is {gap:.2e}\n{reference}\n{other}"
+
+
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("plan_name", ["skip", "exit"])
 def test_cuda_graphs_greedy_equal(tiny_model_dir, dtype, plan_name):
-    """On a GPU: real CUDA graphs give the same greedy tokens as the eager CUDA backend, plain and speculative."""
+    """On a GPU: real CUDA graphs give the eager CUDA backend's greedy tokens, plain and speculative
+    (near-ties aside: 1e-4 in fp32, 2e-2 in fp16)."""
     from transformers import AutoModelForCausalLM
 
     from speccompile.convert import arch_config, canonical_weights
@@ -117,10 +132,11 @@ def test_cuda_graphs_greedy_equal(tiny_model_dir, dtype, plan_name):
     config = arch_config(hf)
     decoder = build_decoder(config, canonical_weights(hf, config), dtype=dtype, device="cuda")
     plan = PLANS[plan_name]
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     eager_plain, _ = run(TorchBackend(decoder), PROMPT, 32)
     graphed = TorchBackend(decoder, cuda_graphs=True)
     graphed_plain, _ = run(graphed, PROMPT, 32)
     graphed_spec, stats = run(graphed, PROMPT, 32, plan)
     assert graphed.static is not None and graphed.static.captures > 0 and stats.rounds > 0
-    assert graphed_plain == eager_plain
-    assert graphed_spec == eager_plain or dtype != torch.float32
+    _same_or_near_tie(decoder, PROMPT, eager_plain, graphed_plain, tolerance)
+    _same_or_near_tie(decoder, PROMPT, eager_plain, graphed_spec, tolerance)
