@@ -237,7 +237,8 @@ def write_backend_files(root: Path, ir, backends: list[str]) -> dict:
         from speccompile.export_onnx import export_onnx_weights
 
         onnx_dtype = "float16" if ir.dtype == "float16" else "float32"
-        records["onnx"] = export_onnx_weights(ir.config, ir.weights, ir.plans, root / "onnx", onnx_dtype)
+        export = ir.tuning.get("onnx_export", {})  # graph variant, weight-only quantization (build --quantize)
+        records["onnx"] = export_onnx_weights(ir.config, ir.weights, ir.plans, root / "onnx", onnx_dtype, **export)
     if "tensorrt" in backends:  # engines built from the standard ONNX graphs, refitted from weights.bin at load
         from speccompile.export_tensorrt import export_tensorrt
 
@@ -280,6 +281,9 @@ def read_canonical_weights(root: Path, manifest) -> dict:
     if "torch" in manifest.backends:
         return load_file(str(root / manifest.backends["torch"]["weights"]))
     record = manifest.backends["onnx"]
+    if record.get("quantization"):
+        raise SpeccompileError("this artifact's ONNX weights are quantized and it has no torch weights to tune from; "
+                               "rebuild it from the source model with --backend torch,onnx --quantize")
     data = np.memmap(root / record["weights"], dtype=np.uint8, mode="r")
     weights = {}
     for name, t in record["tensors"].items():

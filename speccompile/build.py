@@ -46,6 +46,7 @@ class BuildOptions(TuningOptions):
     out: Path = Path("artifact")
     backends: tuple[str, ...] = ("torch",)
     dtype: str = "float32"
+    quantize: str | None = None  # int8 | int4: weight-only quantized ONNX graphs (MatMulNBits)
     force: bool = False
     trust_remote_code: bool = False
 
@@ -151,6 +152,7 @@ def _build_locked(options: BuildOptions, log: Callable[[str], None]) -> Path:
 
     config = arch_config(source.model)
     ir = DecoderIR(config, canonical_weights(source.model, config), dtype=options.dtype, device=options.device)
+    ir.tuning["onnx_export"] = onnx_export_options(options)
     diff = check_conversion(ir, source)
     log(f"canonical decoder matches transformers: max |logit diff| = {diff:.1e}")
     ir.tuning["conversion_max_abs_diff"] = diff
@@ -168,7 +170,27 @@ def _build_locked(options: BuildOptions, log: Callable[[str], None]) -> Path:
                           options.backends)
 
 
+def onnx_export_options(options: BuildOptions) -> dict:
+    """How ``build`` exports ONNX graphs: fused for ONNX Runtime's CPU kernels on CPU (standard ONNX ops
+    elsewhere), weight-only quantized with ``--quantize``."""
+    portable = options.device != "cpu" or "tensorrt" in options.backends  # TensorRT parses standard ONNX only
+    variant = "standard" if portable and not options.quantize else "fused"
+    return {"variant": variant, **({"quantize": options.quantize} if options.quantize else {})}
+
+
+def onnx_export_of(manifest) -> dict:
+    """The export options of an artifact's ONNX graphs, so that ``tune`` re-exports the same kind."""
+    if "onnx" not in manifest.backends:
+        return {}
+    from speccompile.export_onnx import export_options
+
+    return export_options(manifest.backends["onnx"])
+
+
 def check_options(options) -> None:
+    if getattr(options, "quantize", None) and "onnx" not in getattr(options, "backends", ()):
+        raise SpeccompileError(f"--quantize {options.quantize} quantizes the ONNX graphs; add --backend onnx "
+                               "(or torch,onnx)")
     if options.method not in METHODS:
         raise SpeccompileError(f"unknown --method '{options.method}'; choose one of {', '.join(METHODS)}")
     if options.max_draft < 1:
@@ -200,7 +222,8 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> Path:
     manifest = read_manifest(root)
     ir = DecoderIR(manifest.config, read_canonical_weights(root, manifest), dtype=manifest.dtype,
                    device=options.device, plans=dict(manifest.plans), default_plan=manifest.default_plan,
-                   tuning={"conversion_max_abs_diff": manifest.tuning.get("conversion_max_abs_diff")})
+                   tuning={"conversion_max_abs_diff": manifest.tuning.get("conversion_max_abs_diff"),
+                           "onnx_export": onnx_export_of(manifest)})
     for plan in ir.plans.values():  # figures measured elsewhere are re-measured here
         for key in [k for k in plan.measured if k.startswith("confirmed_") or k == "plain_tokens_per_s"]:
             del plan.measured[key]

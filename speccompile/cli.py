@@ -199,6 +199,9 @@ def main():
               help="Backends to write, comma-separated: torch (safetensors), onnx (graphs + one shared weights "
                    "file, runs with numpy + onnxruntime + tokenizers only), or torch,onnx.")
 @click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True)
+@click.option("--quantize", type=click.Choice(["int8", "int4"]), default=None,
+              help="Weight-only quantize the ONNX graphs' linear layers and head (ONNX Runtime MatMulNBits, blocks "
+                   "of 32); the quantized model is then the one drafts are verified against.")
 @bayes_options
 @click.option("--device", type=DeviceType(check_torch=True), default="cpu", show_default=True,
               help="Device to tune and time on (cpu, cuda, cuda:1).")
@@ -206,7 +209,7 @@ def main():
 @click.option("--trust-remote-code", is_flag=True, help="Allow model code from the model folder (off by default).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @friendly_errors
-def build(model, out, method, calibration, max_draft, calibration_tokens, backends, dtype, trials, time_budget, study, plot,
+def build(model, out, method, calibration, max_draft, calibration_tokens, backends, dtype, quantize, trials, time_budget, study, plot,
           device, force, trust_remote_code, quiet):
     """Build a self-speculative artifact from MODEL (a local folder, a cached hub id, or nothing for the
     bundled reference model)."""
@@ -214,7 +217,7 @@ def build(model, out, method, calibration, max_draft, calibration_tokens, backen
 
     options = BuildOptions(model=model, out=out, method=method, calibration=calibration, max_draft=max_draft,
                            calibration_tokens=calibration_tokens, dtype=dtype, device=device, force=force,
-                           backends=tuple(b.strip() for b in backends.split(",") if b.strip()),
+                           backends=tuple(b.strip() for b in backends.split(",") if b.strip()), quantize=quantize,
                            trust_remote_code=trust_remote_code, trials=trials, time_budget=time_budget, study=study,
                            plot=plot, show_progress=not quiet)
     path = run_build(options, log=lambda message: click.echo(message, err=True))

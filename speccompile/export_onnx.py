@@ -606,6 +606,18 @@ def _dedupe_inputs(g: _Graph) -> None:
     g.inputs, g.input_records = inputs, records
 
 
+def export_options(record: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``export_onnx_weights`` options an ONNX record was written with, so that re-exporting an
+    artifact (``tune``) writes the same kind of graphs: variant and quantization scheme."""
+    if not record:
+        return {}
+    options: dict[str, Any] = {"variant": record.get("variant", "standard")}
+    quant = record.get("quantization")
+    if quant:
+        options.update(quantize=quant["scheme"], block_size=quant["block_size"], accuracy_level=quant["accuracy_level"])
+    return options
+
+
 def _numpy_weights(state, dtype: np.dtype) -> dict[str, np.ndarray]:
     """Canonical weights (torch tensors or numpy arrays) -> numpy in ``dtype``; rope_inv_freq stays float32."""
     out = {}
@@ -754,4 +766,4 @@ def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan]
     }
 
 
-__all__ = ["OPSET", "export_onnx", "export_onnx_weights"]
+__all__ = ["OPSET", "QUANT_BITS", "VARIANTS", "export_onnx", "export_onnx_weights", "export_options"]

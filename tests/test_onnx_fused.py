@@ -14,6 +14,7 @@ Run: OMP_NUM_THREADS=1 python -m pytest -q tests/test_onnx_fused.py
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -46,8 +47,10 @@ def plans(num_layers: int) -> dict[str, DraftPlan]:
     return {p.name: p for p in out}
 
 
-def make_artifact(decoder, plan_map: dict[str, DraftPlan], root: Path, **options) -> Path:
-    root.mkdir(parents=True, exist_ok=True)
+def make_artifact(decoder, plan_map: dict[str, DraftPlan], root: Path, tokenizer: Path, **options) -> Path:
+    """An ONNX-only artifact folder: onnx/ + tokenizer/ (the runtime opens it, so the manifest hashes it) + manifest."""
+    (root / "tokenizer").mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(tokenizer, root / "tokenizer" / "tokenizer.json")
     record = export_onnx(decoder, plan_map, root / "onnx", **options)
     files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
     manifest = Manifest(config=decoder.config, plans=plan_map, default_plan=next(iter(plan_map)),
@@ -61,7 +64,7 @@ def ort_backend(root: Path, **kwargs) -> OnnxBackend:
 
 
 @pytest.fixture(scope="session")
-def fused_artifact(tiny_decoder, tmp_path_factory):
+def fused_artifact(tiny_decoder, tiny_model_dir, tmp_path_factory):
     """family -> (decoder, artifact root, plans, OnnxBackend) with fused graphs, built once per family."""
     base = tmp_path_factory.mktemp("fused_artifacts")
     cache = {}
@@ -70,7 +73,8 @@ def fused_artifact(tiny_decoder, tmp_path_factory):
         if family not in cache:
             _, decoder = tiny_decoder(family)
             plan_map = plans(decoder.config.num_layers)
-            root = make_artifact(decoder, plan_map, base / family, variant="fused")
+            root = make_artifact(decoder, plan_map, base / family, tiny_model_dir(family) / "tokenizer.json",
+                                 variant="fused")
             cache[family] = (decoder, root, plan_map, ort_backend(root))
         return cache[family]
 
@@ -142,7 +146,7 @@ def test_fused_graphs_use_contrib_ops_and_standard_graphs_pass_the_checker(fused
             if name.startswith("past_key_values."):
                 assert dims[2] == "max_len"
     _, decoder = tiny_decoder("llama")
-    standard = make_artifact(decoder, plan_map, tmp_path / "standard")
+    standard = make_artifact(decoder, plan_map, tmp_path / "standard", root / "tokenizer" / "tokenizer.json")
     for g in read_manifest(standard).backends["onnx"]["graphs"].values():
         assert g["variant"] == "standard"
         onnx.checker.check_model(str(standard / g["file"]), full_check=True)
@@ -183,10 +187,11 @@ def _quantized_top2_gap(backend: OnnxBackend, tokens: list[int]) -> float:
 
 
 @pytest.mark.parametrize("scheme,family", [("int4", "llama"), ("int8", "gpt_neox"), ("int4", "phi3")])
-def test_quantized_speculative_equals_quantized_plain(scheme, family, tiny_decoder, tmp_path):
+def test_quantized_speculative_equals_quantized_plain(scheme, family, tiny_decoder, tiny_model_dir, tmp_path):
     _, decoder = tiny_decoder(family)
     plan_map = plans(decoder.config.num_layers)
-    root = make_artifact(decoder, plan_map, tmp_path / scheme, variant="fused", quantize=scheme, block_size=16)
+    root = make_artifact(decoder, plan_map, tmp_path / scheme, tiny_model_dir(family) / "tokenizer.json",
+                         variant="fused", quantize=scheme, block_size=16)
     record = read_manifest(root).backends["onnx"]
     assert record["quantization"]["scheme"] == scheme and record["quantization"]["block_size"] == 16
     assert any(n.endswith(f".{scheme}") for n in record["tensors"])
@@ -214,3 +219,28 @@ def test_quantized_speculative_equals_quantized_plain(scheme, family, tiny_decod
                 assert gap < QUANT_NEAR_TIE, f"{plan.name} diverges at {i}, quantized top-2 gap {gap:.2e}"
                 near_ties += 1
     assert near_ties <= 1 and accepted > 0
+
+
+def test_build_quantize_cli(tiny_model_dir, tmp_path):
+    """build --quantize int8 writes a fused, quantized ONNX artifact that generates; without an onnx backend it
+    is refused with a one-line error."""
+    import json
+
+    from click.testing import CliRunner
+
+    from speccompile.cli import main
+
+    out = tmp_path / "q8"
+    runner = CliRunner()
+    args = ["build", str(tiny_model_dir("llama")), "-o", str(out), "--method", "early-exit", "--backend", "torch,onnx",
+            "--quantize", "int8", "--calibration-tokens", "8", "--max-draft", "2", "--quiet"]
+    result = runner.invoke(main, args)
+    assert result.exit_code == 0, result.output
+    record = read_manifest(out).backends["onnx"]
+    assert record["variant"] == "fused" and record["quantization"]["scheme"] == "int8"
+    gen = runner.invoke(main, ["generate", str(out), "--backend", "onnx", "--prompt", "def add(a, b):",
+                               "--max-new-tokens", "8", "--json"])
+    assert gen.exit_code == 0, gen.output
+    assert len(json.loads(gen.output)["token_ids"]) == 8
+    refused = runner.invoke(main, args[:6] + ["--backend", "torch", "--quantize", "int4"])
+    assert refused.exit_code == 1 and "--backend onnx" in refused.output
