@@ -20,10 +20,18 @@ runtime keep the KV cache in its own device buffers (``runtime/tensorrt_backend.
   ``REFIT_IDENTICAL`` (the engine keeps no weights; the runtime refits the identical weights at load).
 - The manifest records the GPU name, compute capability and TensorRT version (the runtime refuses any
   other) and every engine's profiles.
+
+Engines must be built on the GPU that runs them. ``python -m speccompile.export_tensorrt ARTIFACT`` adds
+them to an existing ONNX artifact *without torch* (tensorrt + cuda-python + numpy only): build the ONNX
+artifact on a workstation, copy it to the device (a Jetson), add the engines there.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import sys
 from pathlib import Path
 from typing import Any, Callable
 
@@ -188,5 +196,52 @@ def export_tensorrt(root: Path, ir, onnx_record: dict | None, model_plans: dict[
     return build_engines(root, onnx_record, model_plans, ir.config, device=getattr(ir, "device", "cuda"), log=log)
 
 
-__all__ = ["ENGINE_DIR", "backend_record", "build_engines", "engine_context", "export_tensorrt", "profile_shapes", "require_tensorrt",
+def add_engines(root: Path, device: str = "cuda", log: Callable[[str], None] = lambda m: None) -> dict:
+    """Build the TensorRT engines of an existing artifact from its standard ONNX graphs, here, and add
+    the ``tensorrt`` backend to its manifest (rewritten atomically). Needs no torch."""
+    from speccompile.runtime.errors import ArtifactError
+    from speccompile.runtime.manifest import MANIFEST_NAME, file_record, read_manifest
+
+    root = Path(root)
+    manifest = read_manifest(root)
+    onnx_record = manifest.backends.get("onnx")
+    if onnx_record is None or onnx_record.get("variant", "standard") != "standard":
+        raise ArtifactError(f"{str(root)!r} has no standard ONNX graphs to build TensorRT engines from; rebuild it with "
+                            "--backend onnx (or --backend tensorrt on this machine)")
+    require_tensorrt()
+    plans = {name: plan for name, plan in manifest.plans.items() if getattr(plan, "has_model_draft", True)}
+    record = build_engines(root, onnx_record, plans, manifest.config, device=device, log=log)
+    manifest.backends["tensorrt"] = record
+    for relative in [entry["file"] for entry in record["engines"].values()] + [record["timing_cache_file"]]:
+        manifest.files[relative] = file_record(root, relative)
+    manifest.validate()  # the new files are listed and confined to the artifact
+    tmp = root / f".{MANIFEST_NAME}.tmp-{os.getpid()}"
+    tmp.write_text(json.dumps(manifest.to_dict(), indent=2) + "\n")
+    os.replace(tmp, root / MANIFEST_NAME)
+    return record
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m speccompile.export_tensorrt",
+                                     description="Add TensorRT engines to an ONNX artifact, on the GPU that will run it "
+                                                 "(no torch needed).")
+    parser.add_argument("artifact")
+    parser.add_argument("--device", default="cuda", help="cuda or cuda:N (default: cuda)")
+    args = parser.parse_args(argv)
+    try:
+        record = add_engines(Path(args.artifact), args.device, log=lambda m: print(m, file=sys.stderr))
+    except SpeccompileError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    target = record["target"]
+    print(f"added {len(record['engines'])} TensorRT engines for {target['gpu']} (TensorRT {target['tensorrt_version']}) "
+          f"to {args.artifact}")
+    return 0
+
+
+__all__ = ["ENGINE_DIR", "add_engines", "backend_record", "build_engines", "engine_context", "export_tensorrt", "profile_shapes", "require_tensorrt",
            "step_tokens"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

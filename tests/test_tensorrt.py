@@ -283,3 +283,30 @@ def test_tensorrt_artifact_decodes_losslessly(tiny_model_dir, tmp_path):
     (out / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(ArtifactError, match="Some Other GPU"):
         load(out, backend="tensorrt", device="cuda", verify=False)
+
+
+def test_adding_engines_to_an_artifact_needs_onnx_graphs_and_tensorrt(tiny_artifact, tiny_decoder, tmp_path):
+    """``python -m speccompile.export_tensorrt ARTIFACT`` (the torch-free edge route): a torch-only artifact
+    is refused for lacking ONNX graphs, an ONNX artifact without TensorRT names the install; one line each,
+    the manifest untouched."""
+    import shutil
+
+    from speccompile.export_onnx import export_onnx_weights
+    from speccompile.export_tensorrt import main
+    from speccompile.runtime.manifest import file_record, read_manifest, write_manifest
+
+    assert main([str(tiny_artifact)]) == 1  # torch only: no ONNX graphs to build from
+    art = tmp_path / "with-onnx"
+    shutil.copytree(tiny_artifact, art)
+    manifest = read_manifest(art)
+    _, decoder = tiny_decoder("llama")
+    manifest.backends["onnx"] = export_onnx_weights(manifest.config, decoder.state_dict(), {}, art / "onnx")
+    for path in (art / "onnx").iterdir():
+        manifest.files[f"onnx/{path.name}"] = file_record(art, f"onnx/{path.name}")
+    write_manifest(art, manifest)
+    before = (art / "manifest.json").read_bytes()
+    script = BLOCKER.split("sys.argv")[0] + f"from speccompile.export_tensorrt import main\nsys.exit(main([{str(art)!r}]))\n"
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1
+    assert len(result.stderr.strip().splitlines()) == 1 and "pip install tensorrt" in result.stderr, result.stderr
+    assert (art / "manifest.json").read_bytes() == before and not (art / "tensorrt").exists()
