@@ -56,9 +56,15 @@ class CostModel:
         return asdict(self)
 
 
-def _best_seconds(fn) -> float:
+def _best_seconds(fn, sync=None) -> float:
+    """Seconds one call of ``fn`` takes; ``sync`` (torch.cuda.synchronize on a GPU) waits for queued work
+    before and after, or asynchronous kernel launches would be timed instead of the kernels."""
+    if sync is not None:
+        sync()
     start = time.perf_counter()
     fn()
+    if sync is not None:
+        sync()
     return time.perf_counter() - start
 
 
@@ -88,6 +94,7 @@ def measure_costs(decoder: Decoder, max_tokens: int, context: int = 128, rounds:
     """
     config = decoder.config
     device = decoder.embed.weight.device
+    sync = torch.cuda.synchronize if device.type == "cuda" else None
     cache = KVCache(config, context + max_tokens, dtype=decoder.embed.weight.dtype, device=device)
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, config.vocab_size, (1, context), generator=generator).to(device)
@@ -113,7 +120,7 @@ def measure_costs(decoder: Decoder, max_tokens: int, context: int = 128, rounds:
     for _ in range(rounds):
         for t, job in enumerate(jobs):
             for k, fn in enumerate(job):
-                best[t, k] = min(best[t, k], _best_seconds(fn))
+                best[t, k] = min(best[t, k], _best_seconds(fn, sync))
     best[:, 1:3] /= L  # attention and MLP were timed over all blocks
     best = np.maximum.accumulate(best, axis=0)
     embed, attn, mlp, head = (best[:, k].tolist() for k in range(4))
