@@ -135,7 +135,7 @@ for r in sorted(rows, key=lambda r: (r["model"], r["backend"])):
     if "error" in r:
         print(f"{r['model']:10} {r['backend']:18} {r['error']}")
         continue
-    same = "yes" if reference.get(r["model"]) == r["outputs"] else "no"
+    same = "-" if r["model"] not in reference else ("yes" if reference[r["model"]] == r["outputs"] else "no")
     print(f"{r['model']:10} {r['backend']:18} {r['plain_tps']:11.1f} {r['spec_tps']:10.1f} {r['ratio']:9.2f}x "
           f"{r['mean_accepted']:9.2f} {('yes' if r['identical'] else 'NO'):>11} {same:>12}")
 PYEOF
