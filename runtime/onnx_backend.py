@@ -342,7 +342,7 @@ class OnnxBackend:
         if self.full_split is not None:
             prefix, suffix = self.full_split
             hidden = self._run(prefix, pos, ids=tokens, hidden_out=self.exit_hidden[:, pos: pos + len(tokens)])["hidden"]
-            return self._logits(self._run(suffix, pos, hidden=hidden)["logits"])
+            return self._suffix_logits(suffix, "head", pos, hidden)
         return self._logits(self._run("verify", pos, ids=tokens)["logits"])
 
     def draft(self, plan: DraftPlan, token: int, pos: int) -> np.ndarray:
@@ -360,7 +360,15 @@ class OnnxBackend:
         if fresh:
             self._run(rec["prefix"], pos + n_reuse, ids=fresh, hidden_out=self.exit_hidden[:, pos + n_reuse: pos + len(tokens)])
         h = self.exit_hidden[:, pos: pos + len(tokens)]
-        return self._logits(self._run(rec["suffix"], pos, hidden=h)["logits"])
+        return self._suffix_logits(rec["suffix"], rec["head"], pos, h)
+
+    def _suffix_logits(self, suffix: str, head: str, pos: int, hidden: np.ndarray) -> np.ndarray:
+        """Logits of the suffix graph on ``hidden``. A fused suffix ends at the last block and the shared
+        head graph finishes it, so that its lm_head is pre-packed once (speccompile/export_onnx.py)."""
+        out = self._run(suffix, pos, hidden=hidden)
+        if "logits" not in out:
+            out = self._run(head, pos, hidden=out["last_hidden"])
+        return self._logits(out["logits"])
 
 
 __all__ = ["OnnxBackend"]

@@ -406,7 +406,11 @@ class _FusedGraph(_Graph):
       norm (``SkipSimplifiedLayerNormalization`` / ``SkipLayerNormalization``, whose fourth output is
       the sum);
     - linear layers are ``FusedMatMul(transB=1)`` on the canonical ``[out, in]`` weight (no transposed
-      copy, no reshapes), or ``MatMulNBits`` on its quantized form.
+      copy, no reshapes), or ``MatMulNBits`` on its quantized form;
+    - an early exit's ``suffix`` graph ends at the last block's hidden state (``last_hidden``); the runtime
+      finishes it with the ``head`` graph the drafts use. ONNX Runtime pre-packs each session's matmul
+      weights separately, so a head inside both graphs would be packed twice (SmolLM2's tied head:
+      +113 MB, 1.105x the plain decoder's resident memory); this way it is packed once.
     """
 
     def __init__(self, *args, quantizer: _Quantizer | None = None):
@@ -582,9 +586,9 @@ def _build_fused(kind: str, name: str, config: ArchConfig, dtype: np.dtype, weig
             if run_mlp:
                 x, h = g.add_norm(h, delta, f"layers.{i}.mlp_norm")
                 delta = g.mlp_on(i, x)
-    if kind == "prefix":
+    if kind in ("prefix", "suffix"):  # a fused suffix leaves the head to the head graph (see _FusedGraph)
         out = g.op("Add", h, delta) if delta is not None else h
-        g.add_output(out, "hidden", g.onnx_dtype, ["batch", "seq", d])
+        g.add_output(out, "hidden" if kind == "prefix" else "last_hidden", g.onnx_dtype, ["batch", "seq", d])
     else:
         head_w = "embed.weight" if c.tie_word_embeddings else "lm_head.weight"
         x, _ = g.add_norm(h, delta, "norm")
