@@ -244,3 +244,29 @@ def test_build_quantize_cli(tiny_model_dir, tmp_path):
     assert len(json.loads(gen.output)["token_ids"]) == 8
     refused = runner.invoke(main, args[:6] + ["--backend", "torch", "--quantize", "int4"])
     assert refused.exit_code == 1 and "--backend onnx" in refused.output
+
+
+def test_fused_early_exit_memory_with_prepacking(tmp_path):
+    """With pre-packing on (the default), speculative decoding (prefix, suffix and head sessions) stays within
+    1.1x of plain decoding's resident memory (the verify session alone): the tied head is packed once."""
+    import sys
+
+    from transformers import AutoModelForCausalLM
+
+    from speccompile.convert import arch_config, canonical_weights
+    from speccompile.runtime.decoder import build_decoder
+    from tiny_models import make_model
+
+    sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
+    from onnx_memory import measure
+
+    folder = make_model("llama", tmp_path / "llama", vocab_size=16384, hidden_size=512, intermediate_size=1536,
+                        num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)
+    hf = AutoModelForCausalLM.from_pretrained(folder).eval()
+    config = arch_config(hf)
+    decoder = build_decoder(config, canonical_weights(hf, config))
+    plan_map = {"exit": DraftPlan(name="exit", exit_layer=4, max_draft=3)}
+    root = make_artifact(decoder, plan_map, tmp_path / "artifact", folder / "tokenizer.json", variant="fused")
+    plain, spec = measure(root, "verify", prepack=True, threads=1), measure(root, "all", prepack=True, threads=1)
+    assert spec["sessions"] == ["head", "prefix.4", "suffix.4"]
+    assert spec["bytes"] <= 1.1 * plain["bytes"], (spec["bytes"] / 2**20, plain["bytes"] / 2**20)
