@@ -310,3 +310,18 @@ def test_adding_engines_to_an_artifact_needs_onnx_graphs_and_tensorrt(tiny_artif
     assert result.returncode == 1
     assert len(result.stderr.strip().splitlines()) == 1 and "pip install tensorrt" in result.stderr, result.stderr
     assert (art / "manifest.json").read_bytes() == before and not (art / "tensorrt").exists()
+
+
+def test_cuda_binding_without_a_gpu_is_one_line():
+    """The CUDA binding's calls go through cuda-python's argument checks and fail here only for want of a
+    driver, as one line naming the problem and the fix."""
+    pytest.importorskip("cuda.bindings")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present: the no-GPU error cannot happen")
+    from speccompile.runtime.cuda_device import CudaMemory
+    from speccompile.runtime.errors import BackendUnavailableError
+
+    with pytest.raises(BackendUnavailableError) as error:
+        CudaMemory(0)
+    message = str(error.value)
+    assert "\n" not in message and "could not select GPU 0" in message and "--backend onnx" in message
