@@ -15,7 +15,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from .errors import ArtifactError
-from .schema import REJECT_UNKNOWN, build_dataclass, json_type
+from .schema import REJECT_UNKNOWN, build_dataclass, check_value, json_type
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -218,6 +218,7 @@ class Manifest:
                 raise ArtifactError(f"manifest entry for file {relative!r} has no valid byte size; rebuild the artifact")
         if not self.backends:
             raise ArtifactError("manifest lists no backends; rebuild the artifact with --backend torch or onnx")
+        check_backend_records(self.backends)
         check_tokens(self.tokens)
         for relative in self.opened_files():
             check_relative_path(relative, "backends")
@@ -235,6 +236,49 @@ class Manifest:
         for name, plan in self.plans.items():
             found += _file_values(dataclasses.asdict(plan), f"plans[{name!r}]")
         return found
+
+
+@dataclass
+class _TensorSlice:
+    """An entry of ``backends['onnx'].tensors``: where a weight lies in the shared weights file."""
+
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: list[int]
+
+
+@dataclass
+class _GraphRecord:
+    """An entry of ``backends['onnx'].graphs``."""
+
+    file: str
+    inputs: list[dict[str, Any]] = field(default_factory=list)
+    outputs: list[dict[str, Any]] = field(default_factory=list)
+    initializers: list[str] = field(default_factory=list)
+
+
+BACKEND_RECORDS: dict[str, dict[str, Any]] = {
+    "torch": {"weights": str},
+    "onnx": {"weights": str, "graphs": dict[str, _GraphRecord], "tensors": dict[str, _TensorSlice]},
+}
+"""Required fields of the backends this runtime opens, checked like the dataclasses' annotations (other
+fields of a record, and records of unknown backends, are left alone)."""
+
+
+def check_backend_records(backends: dict[str, dict[str, Any]]) -> None:
+    for name, required in BACKEND_RECORDS.items():
+        if name not in backends:
+            continue
+        record = backends[name]
+        for key, annotation in required.items():
+            if key not in record:
+                raise ArtifactError(f"manifest backends[{name!r}] lacks {key!r}; rebuild the artifact with --backend {name}")
+            check_value(record[key], annotation, f"backends[{name!r}].{key}")
+    for tensor, t in backends.get("onnx", {}).get("tensors", {}).items():
+        if t["offset"] < 0 or t["nbytes"] < 0 or any(type(d) is not int or d < 0 for d in t["shape"]):
+            raise ArtifactError(f"manifest backends['onnx'].tensors[{tensor!r}] has a negative offset, size or "
+                                "dimension; rebuild the artifact with --backend onnx")
 
 
 def _file_values(value: Any, where: str) -> list[str]:

@@ -82,9 +82,9 @@ def check_replaceable(out: Path, real: Path) -> None:
         return
     manifest = artifact_manifest(real)
     if manifest is None:
-        raise OutputError(f"'{out}' is a folder of {len(_entries(real))} files ({_shown(_entries(real))}) but not a "
-                          "speccompile artifact (no readable manifest.json); --force only replaces artifacts: "
-                          "choose another -o or remove it yourself")
+        raise OutputError(f"'{out}' is not a speccompile artifact (no readable manifest.json; it holds "
+                          f"{_shown(_entries(real))}); --force only replaces artifacts: choose another -o or remove the "
+                          "folder yourself")
     extra = [name for name in _entries(real) if name != MANIFEST_NAME and name not in manifest["files"]]
     if extra:
         raise OutputError(f"'{out}' is an artifact but also holds files its manifest does not list ({_shown(extra)}); "

@@ -29,15 +29,14 @@ def real_manifest(tiny_artifact) -> dict:
     return json.loads((tiny_artifact / "manifest.json").read_text())
 
 
-def paths_in(value, prefix=()):
-    """Every (path, value) in a JSON document, the root included."""
-    yield prefix, value
-    if isinstance(value, dict):
-        for key, item in value.items():
-            yield from paths_in(item, prefix + (key,))
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            yield from paths_in(item, prefix + (i,))
+def walk(draw, document):
+    """A random (path, value) in a JSON document, found by descending from the root (cheap on a large
+    manifest, and every depth is reachable)."""
+    path, node = (), document
+    while isinstance(node, (dict, list)) and node and draw(st.integers(0, 3)) > 0:
+        key = draw(st.sampled_from(sorted(node) if isinstance(node, dict) else range(len(node))))
+        path, node = path + (key,), node[key]
+    return path, node
 
 
 @st.composite
@@ -45,8 +44,7 @@ def mutated(draw, document):
     """``document`` with 1-3 random edits: a value replaced, a key removed, or a key added."""
     data = json.loads(json.dumps(document))
     for _ in range(draw(st.integers(1, 3))):
-        places = list(paths_in(data))
-        path, value = draw(st.sampled_from(places))
+        path, value = walk(draw, data)
         action = draw(st.sampled_from(["replace", "remove", "add"]))
         if not path:
             if action == "replace":
@@ -77,7 +75,7 @@ def assert_loads_safely(data) -> None:
         check_relative_path(relative, "files")
 
 
-@FUZZ
+@settings(FUZZ, max_examples=1000)
 @given(data=JSON)
 def test_random_json_is_refused_cleanly(data):
     assert_loads_safely(data)
@@ -90,13 +88,34 @@ def test_mutated_real_manifest_loads_or_is_refused_cleanly(real_manifest, data):
 
 
 @pytest.fixture(scope="module")
+def onnx_manifest(tiny_model_dir, tmp_path_factory) -> dict:
+    """A real ONNX artifact's manifest: its backend record (graphs, tensor table) is the largest part."""
+    from speccompile.build import BuildOptions, build
+
+    out = tmp_path_factory.mktemp("fuzz-onnx") / "artifact"
+    build(BuildOptions(model=str(tiny_model_dir("llama")), out=out, method="cosine", max_draft=2, calibration_tokens=8,
+                       confirm_prompts=1, confirm_tokens=8, backends=("onnx",), show_progress=False), log=lambda m: None)
+    return json.loads((out / "manifest.json").read_text())
+
+
+@settings(max_examples=500, deadline=None, database=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(st.data())
+def test_mutated_onnx_manifest_loads_or_is_refused_cleanly(onnx_manifest, data):
+    assert_loads_safely(data.draw(mutated(onnx_manifest)))
+    if "onnx" in onnx_manifest["backends"]:
+        for t in onnx_manifest["backends"]["onnx"]["tensors"].values():
+            assert t["offset"] + t["nbytes"] >= 0  # what the ORT backend computes first
+
+
+@pytest.fixture(scope="module")
 def artifact_folder(tiny_artifact, tmp_path_factory):
     target = tmp_path_factory.mktemp("fuzz") / "artifact"
     shutil.copytree(tiny_artifact, target)
     return target
 
 
-@settings(max_examples=300, deadline=None, database=None, derandomize=True,
+@settings(max_examples=200, deadline=None, database=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(st.data())
 def test_read_manifest_from_disk_with_mutations(real_manifest, artifact_folder, data):
