@@ -51,7 +51,8 @@ from .plans import tuned_target
 from .tuning import TuningContext
 
 DRAFT_HEADS_DIR = "draft_heads"
-DEFAULT_TOKENS = 32768  # teacher-forced training positions (calibration + continuations first, then the corpus)
+MAX_DEFAULT_TOKENS = 32768  # teacher-forced training positions (calibration + continuations first, then the corpus)
+TOKENS_PER_WIDTH = 64  # default data: 64 positions per hidden unit (the adapter has ~3 d^2 .. 8 d^2 weights), capped
 DEFAULT_TIME_BUDGET = 300.0  # seconds for the whole pass: teacher pass, training, choices
 DEFAULT_LOSS = "kl"
 LOSSES = ("kl", "top1")
@@ -86,6 +87,12 @@ def stdlib_corpus(max_chars: int) -> list[str]:
         if total >= max_chars:
             break
     return texts
+
+
+def default_tokens(hidden_size: int) -> int:
+    """Training positions when ``--adapter-tokens`` is not given: in proportion to the model's width (a tiny
+    test model needs a few thousand, SmolLM2's 576 wide adapter the cap)."""
+    return int(min(MAX_DEFAULT_TOKENS, max(2048, TOKENS_PER_WIDTH * hidden_size)))
 
 
 def chunked(sequences: list[list[int]], length: int) -> list[list[int]]:
@@ -298,17 +305,18 @@ class AdapterAutotune(Pass):
     name = "adapter_autotune"
 
     def __init__(self, context: TuningContext, encode: Callable[[str], list[int]] | None = None,
-                 exit_layer: int | None = None, tokens: int | None = DEFAULT_TOKENS, time_budget: float | None = None,
+                 exit_layer: int | None = None, tokens: int | None = None, time_budget: float | None = None,
                  loss: str = DEFAULT_LOSS, plan_name: str = "adapter", show_progress: bool = True,
                  corpus: list[str] | None = None):
-        self.context, self.encode, self.exit_layer, self.tokens = context, encode, exit_layer, tokens or DEFAULT_TOKENS
+        self.context, self.encode, self.exit_layer, self.tokens = context, encode, exit_layer, tokens
         self.time_budget = time_budget or DEFAULT_TIME_BUDGET
         self.loss, self.plan_name, self.show_progress, self.corpus = loss, plan_name, show_progress, corpus
 
     def _chunks(self, length: int) -> tuple[list[list[int]], set[int]]:
         """Calibration prompts + the target's continuations, then the corpus; indexes of held-out corpus chunks."""
         own = chunked([ref.tokens[0].tolist() for ref in self.context.references], length)
-        budget = max(0, self.tokens - sum(map(len, own)))
+        tokens = self.tokens or default_tokens(self.context.ir.config.hidden_size)
+        budget = max(0, tokens - sum(map(len, own)))
         corpus: list[list[int]] = []
         if budget and self.encode is not None:
             texts = self.corpus if self.corpus is not None else stdlib_corpus(max_chars=budget * 6)

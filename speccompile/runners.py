@@ -31,14 +31,17 @@ class OnnxRunner:
         from speccompile.runtime.onnx_backend import OnnxBackend
 
         plans = model_plans(plans or {})
-        key = tuple(sorted((name, repr(p.skip_attn), repr(p.skip_mlp), p.exit_layer) for name, p in plans.items()))
+        key = tuple(sorted((name, repr(p.skip_attn), repr(p.skip_mlp), p.exit_layer, p.draft_head_file)
+                           for name, p in plans.items()))
         if key != self._key:
             self._backend = None
             folder = self.workdir / f"onnx-export-{self._exports}"
             shutil.rmtree(self.workdir / f"onnx-export-{self._exports - 1}", ignore_errors=True)  # one copy on disk
             self._exports += 1
             folder.mkdir(parents=True)
-            ir = dataclasses.replace(self.ir, plans=dict(plans), extra_files={})
+            heads = {p.draft_head_file: self.ir.extra_files[p.draft_head_file] for p in plans.values()
+                     if p.draft_head_file in self.ir.extra_files}  # exported as graphs (export_adapter.py)
+            ir = dataclasses.replace(self.ir, plans=dict(plans), extra_files=heads)
             record = write_backend_files(folder, ir, ["onnx"])["onnx"]
             self._backend, self._key = OnnxBackend(folder, record, self.ir.config), key
         return self._backend
