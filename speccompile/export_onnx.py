@@ -413,9 +413,9 @@ class _FusedGraph(_Graph):
       +113 MB, 1.105x the plain decoder's resident memory); this way it is packed once.
     """
 
-    def __init__(self, *args, quantizer: _Quantizer | None = None):
+    def __init__(self, *args, quantizer: _Quantizer | None = None, pack: bool = True):
         super().__init__(*args)
-        self.quantizer = quantizer
+        self.quantizer, self.pack = quantizer, pack
         self.seqlens_k = self.total_len = None  # int32 [batch], int32 scalar
         self.gqa_rotary = False
 
@@ -433,6 +433,41 @@ class _FusedGraph(_Graph):
                            block_size=q.block_size, accuracy_level=q.accuracy_level)
         y = self.op("FusedMatMul", x, self.w(wname), domain=CONTRIB, transB=1)
         return self.op("Add", y, bias) if bias else y
+
+    def linear_cat(self, x: str, prefixes: list[str], out_features: int) -> str:
+        """One matmul for several linear layers reading the same input (q/k/v, gate/up), ``out_features`` in
+        all. Their canonical weights are concatenated in the graph (a Concat of initializers: ONNX Runtime
+        folds it into one constant when the session loads and pre-packs that), so the weights file keeps
+        only canonical tensors while each step dispatches one kernel instead of three (or two)."""
+        biases = [f"{p}.bias" in self.weights for p in prefixes]
+        if not self.pack or len(set(biases)) > 1:
+            return self.op("Concat", *[self.linear(x, p, self.weights[f"{p}.weight"].shape[0]) for p in prefixes],
+                           axis=-1)
+
+        def cat(names: list[str]) -> str:
+            return self.op("Concat", *[self.w(n) for n in names], axis=0)
+
+        in_features = self.weights[f"{prefixes[0]}.weight"].shape[1]
+        bias = cat([f"{p}.bias" for p in prefixes]) if biases[0] else ""
+        if self.quantizer is not None:
+            q = self.quantizer
+            parts = [q.tensors(self.weights, f"{p}.weight") for p in prefixes]
+            args = [x, cat([t[0] for t in parts]), cat([t[1] for t in parts]),
+                    cat([t[2] for t in parts]) if parts[0][2] else "", "", bias]
+            while args[-1] == "":
+                args.pop()
+            return self.op("MatMulNBits", *args, domain=CONTRIB, K=in_features, N=out_features, bits=q.bits,
+                           block_size=q.block_size, accuracy_level=q.accuracy_level)
+        y = self.op("FusedMatMul", x, cat([f"{p}.weight" for p in prefixes]), domain=CONTRIB, transB=1)
+        return self.op("Add", y, bias) if bias else y
+
+    def mlp_on(self, i: int, x: str) -> str:
+        c = self.c
+        if c.mlp != "gated" or not self.pack:
+            return super().mlp_on(i, x)
+        both = self.linear_cat(x, [f"layers.{i}.mlp.gate", f"layers.{i}.mlp.up"], 2 * c.intermediate_size)
+        gate, up = self.op("Split", both, axis=-1, num_outputs=2, n_out=2)
+        return self.linear(self.op("Mul", self.act(gate), up), f"layers.{i}.mlp.down", c.hidden_size)
 
     def norm(self, x: str, prefix: str) -> str:
         c = self.c
@@ -473,7 +508,11 @@ class _FusedGraph(_Graph):
                 t = self.rotary(t, rope)
             return self.op("Reshape", t, self.const([0, 0, n * hd], np.int64))
 
-        q, k, v = proj("q", nh), proj("k", nkv), proj("v", nkv)
+        if self.pack and not c.qk_norm and (rope is None or self.gqa_rotary):
+            # packed QKV: GroupQueryAttention splits it itself
+            q, k, v = self.linear_cat(x, [f"{p}.q", f"{p}.k", f"{p}.v"], (nh + 2 * nkv) * hd), "", ""
+        else:
+            q, k, v = proj("q", nh), proj("k", nkv), proj("v", nkv)
         shape = ["batch", nkv, "max_len", hd]
         past_k = self.add_input(f"past_key_values.{i}.key", self.onnx_dtype, shape)
         past_v = self.add_input(f"past_key_values.{i}.value", self.onnx_dtype, shape)
@@ -522,13 +561,13 @@ def gqa_rotary_ok(config: ArchConfig) -> bool:
 
 def _build_fused(kind: str, name: str, config: ArchConfig, dtype: np.dtype, weights: dict[str, np.ndarray],
                  start: int, stop: int, skip_attn=frozenset(), skip_mlp=frozenset(),
-                 quantizer: _Quantizer | None = None) -> _FusedGraph:
+                 quantizer: _Quantizer | None = None, pack: bool = True) -> _FusedGraph:
     """``_build`` for the fused variant: same kinds, same blocks, same names of weights, inputs and outputs,
     except that past KV inputs are the whole cache buffers and the graph also takes ``seqlens_k``
     ([batch] int32: total length - 1) and ``total_sequence_length`` (int32 scalar), as
     GroupQueryAttention does."""
     c = config
-    g = _FusedGraph(name, config, dtype, weights, quantizer=quantizer)
+    g = _FusedGraph(name, config, dtype, weights, quantizer=quantizer, pack=pack)
     d = c.hidden_size
     attn_layers = [i for i in range(start, stop) if i not in skip_attn]
     if kind in ("full", "prefix"):
@@ -616,6 +655,8 @@ def export_options(record: dict[str, Any] | None) -> dict[str, Any]:
     if not record:
         return {}
     options: dict[str, Any] = {"variant": record.get("variant", "standard")}
+    if options["variant"] == "fused":
+        options["pack"] = record.get("packed_projections", True)
     quant = record.get("quantization")
     if quant:
         options.update(quantize=quant["scheme"], block_size=quant["block_size"], accuracy_level=quant["accuracy_level"])
@@ -654,7 +695,7 @@ def export_onnx(decoder, plans: dict[str, DraftPlan], out_dir: Path, dtype: str 
 def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan], out_dir: Path,
                         dtype: str = "float32", relative_to: Path | None = None, variant: str = "standard",
                         quantize: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                        accuracy_level: int = DEFAULT_ACCURACY_LEVEL) -> dict[str, Any]:
+                        accuracy_level: int = DEFAULT_ACCURACY_LEVEL, pack: bool = True) -> dict[str, Any]:
     """``export_onnx`` from an ``ArchConfig`` and canonical weights (name -> torch tensor or numpy array,
     as in weights/model.safetensors; a tied lm_head may be absent). No torch needed for numpy weights.
 
@@ -662,7 +703,8 @@ def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan]
     "fused" (ONNX Runtime contrib ops, KV cache updated in place; see ``_FusedGraph``). ``quantize``
     ("int8" / "int4", fused only): weight-only ``MatMulNBits`` for every linear layer and the head, in
     blocks of ``block_size`` along the input dimension; ``accuracy_level`` is MatMulNBits' (0: unset,
-    4: int8 activations, ONNX Runtime's fast CPU path)."""
+    4: int8 activations, ONNX Runtime's fast CPU path). ``pack`` (fused only): q/k/v and gate/up as one
+    matmul each, on weights concatenated in the graph (see ``_FusedGraph.linear_cat``)."""
     if dtype not in ("float32", "float16"):
         raise ValueError(f"ONNX export supports float32 and float16, not {dtype!r}")
     if variant not in VARIANTS:
@@ -682,7 +724,7 @@ def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan]
 
     if variant == "fused":
         def build(*args, **kwargs):
-            return _build_fused(*args, **kwargs, quantizer=quantizer)
+            return _build_fused(*args, **kwargs, quantizer=quantizer, pack=pack)
     else:
         build = _build
     graphs: dict[str, _Graph] = {"verify": build("full", "verify", config, np_dtype, weights, 0, L)}
@@ -762,6 +804,7 @@ def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan]
         "exporter": "speccompile.export_onnx (onnx.helper)",
         "variant": variant,
         "quantization": quantizer.record() if quantizer is not None else None,
+        "packed_projections": pack if variant == "fused" else False,
         "weights": rel(weights_path),
         "weights_bytes": total_bytes,
         "tensors": tensors,

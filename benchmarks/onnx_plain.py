@@ -1,0 +1,380 @@
+"""Plain greedy decoding on ONNX Runtime against the memory-bandwidth floor: speccompile's standard and
+fused graphs (fp32, int8, int4) and onnxruntime-genai (fp32, int4) on the same prompts, plus held-out loss
+per precision (issue 9).
+
+    python benchmarks/onnx_plain.py ARTIFACT [--threads 2] [--new-tokens 64] [--genai-venv DIR]
+                                    [--genai-models DIR] [--loss-text FILE] [--refcoder] [--sweep]
+
+ARTIFACT is a SmolLM2 artifact built with ``--backend torch,onnx`` (its canonical weights are re-exported
+here, so every variant has the same weights and plans): ``standard`` (ONNX ops only, past KV copied into
+each call), ``fused`` (ONNX Runtime contrib ops, KV cache in place) and ``fused`` with ``--quantize
+int8`` / ``int4`` (written into ``ARTIFACT-variants/``, the same exporter ``build --quantize`` runs).
+Plain decoding runs the ``verify`` graph alone. Figures per row: tokens/s over the 10 prompts (prefill
+included), the median 1-token step, the bytes one step reads (every weight a non-Gather node consumes,
+plus the KV cache at the step's position) divided by the step time, and that as a fraction of
+``--bandwidth`` (this machine's ~80 GB/s, per issue 9).
+
+onnxruntime-genai runs in its own virtual environment (its model builder needs transformers >= 5; this
+project pins < 4.58): ``--genai-venv`` (created with ``--system-site-packages`` and
+``pip install onnxruntime-genai onnx_ir "transformers>=5,<6"`` when missing); its models are built from
+the HF folder the artifact came from, into ``--genai-models``. Every timing run is meant to be wrapped in
+``flock /tmp/speccompile-timing.lock``.
+
+Held-out loss (mean next-token cross-entropy, nats) is measured through the same ORT backend in one
+teacher-forced pass per chunk: SmolLM2 on ``--loss-text`` (default: this repository's README.md,
+written after SmolLM2's training data was collected), and with ``--refcoder`` the bundled reference
+model on its own held-out sample (models/refcoder/heldout_sample.txt).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPTS = [
+    "The capital of France is",
+    "Write a short poem about the sea.",
+    "def fibonacci(n):",
+    "Explain photosynthesis in simple terms.",
+    "Once upon a time, in a small village,",
+    "What are the benefits of regular exercise?",
+    "Translate to French: Good morning, how are you?",
+    "List three uses of machine learning in medicine.",
+    "The history of the Roman Empire",
+    "How do I make a cup of tea?",
+]
+# (name, export options); the int4 block size and accuracy level are the --sweep's choice on this machine
+VARIANTS = {
+    "standard fp32": {"variant": "standard"},
+    "fused fp32": {"variant": "fused"},
+    "fused fp32 unpacked": {"variant": "fused", "pack": False},  # q/k/v and gate/up as separate matmuls
+    "fused int8": {"variant": "fused", "quantize": "int8", "block_size": 32, "accuracy_level": 0},
+    "fused int4": {"variant": "fused", "quantize": "int4", "block_size": 32, "accuracy_level": 0},
+}
+
+
+# -- artifacts ------------------------------------------------------------------------------------------
+def derive(src: Path, dst: Path, options: dict) -> Path:
+    """``src`` with its ONNX graphs re-exported with ``options`` (torch weights dropped), unless ``dst`` exists."""
+    from speccompile.artifact import read_canonical_weights
+    from speccompile.export_onnx import export_onnx_weights
+    from speccompile.runtime.manifest import file_record, read_manifest, write_manifest
+
+    if (dst / "manifest.json").is_file():
+        return dst
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    manifest = read_manifest(src)
+    shutil.copytree(src / "tokenizer", tmp / "tokenizer")
+    record = export_onnx_weights(manifest.config, read_canonical_weights(src, manifest), manifest.plans, tmp / "onnx",
+                                 "float32", **options)
+    manifest.backends = {"onnx": record}
+    manifest.files = {str(p.relative_to(tmp)): file_record(tmp, str(p.relative_to(tmp)))
+                      for p in sorted(tmp.rglob("*")) if p.is_file()}
+    write_manifest(tmp, manifest)
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.rename(dst)
+    return dst
+
+
+def step_bytes(root: Path, graph: str = "verify") -> int:
+    """Bytes of weights one step of ``graph`` reads: every initializer a node other than Gather consumes
+    (a Gather reads one embedding row)."""
+    import onnx
+
+    from speccompile.runtime.manifest import read_manifest
+
+    record = read_manifest(root, verify_files=False).backends["onnx"]
+    model = onnx.load(str(root / record["graphs"][graph]["file"]), load_external_data=False)
+    names = {i.name for i in model.graph.initializer}
+    read = {x for n in model.graph.node if n.op_type != "Gather" for x in n.input if x in names}
+    return sum(record["tensors"][n]["nbytes"] for n in read)
+
+
+# -- speccompile plain decoding ---------------------------------------------------------------------------
+class StepTimer:
+    """The backend protocol, timing each 1-token ``forward`` (a plain decode step)."""
+
+    def __init__(self, backend):
+        self.backend, self.steps = backend, []
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def forward(self, tokens, pos):
+        start = time.perf_counter()
+        out = self.backend.forward(tokens, pos)
+        if len(tokens) == 1:
+            self.steps.append((time.perf_counter() - start, pos))
+        return out
+
+
+def run_plain(root: Path, prompt_ids: list[list[int]], new_tokens: int, threads: int, **kwargs) -> dict:
+    from speccompile.runtime.manifest import read_manifest
+    from speccompile.runtime.onnx_backend import OnnxBackend
+    from speccompile.runtime.sampling import SamplingParams
+    from speccompile.runtime.speculative import DecodeRequest, decode_all
+
+    manifest = read_manifest(root, verify_files=False)
+    backend = OnnxBackend(root, manifest.backends["onnx"], manifest.config, threads=threads, roles=["verify"], **kwargs)
+    timer = StepTimer(backend)
+    decode_all(timer, DecodeRequest(prompt_ids[0], 8, SamplingParams(), frozenset(), None), None)  # warm-up
+    timer.steps.clear()
+    outputs, start = [], time.perf_counter()
+    for ids in prompt_ids:
+        tokens, _ = decode_all(timer, DecodeRequest(ids, new_tokens, SamplingParams(), frozenset(), None), None)
+        outputs.append(tokens)
+    elapsed = time.perf_counter() - start
+    c = manifest.config
+    times = np.array([t for t, _ in timer.steps])
+    mean_pos = float(np.mean([p for _, p in timer.steps]))
+    kv_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * mean_pos
+    return {"tokens_per_s": sum(map(len, outputs)) / elapsed, "ms_per_step": float(np.median(times)) * 1e3,
+            "bytes_per_step": step_bytes(root) + kv_bytes, "outputs": outputs}
+
+
+def heldout_loss(root: Path, ids: list[int], threads: int, chunk: int = 512) -> float:
+    """Mean next-token cross-entropy (nats) of ``ids`` in teacher-forced chunks of ``chunk`` tokens."""
+    from speccompile.runtime.manifest import read_manifest
+    from speccompile.runtime.onnx_backend import OnnxBackend
+
+    manifest = read_manifest(root, verify_files=False)
+    backend = OnnxBackend(root, manifest.backends["onnx"], manifest.config, threads=threads, roles=["verify"])
+    backend.reserve(chunk)
+    total, count = 0.0, 0
+    for start in range(0, len(ids) - 1, chunk):
+        piece = ids[start: start + chunk + 1]
+        if len(piece) < 2:
+            break
+        logits = backend.forward(piece[:-1], 0).astype(np.float64)
+        top = logits.max(-1, keepdims=True)
+        logz = np.log(np.exp(logits - top).sum(-1)) + top[:, 0]
+        total += float((logz - logits[np.arange(len(piece) - 1), piece[1:]]).sum())
+        count += len(piece) - 1
+    return total / count
+
+
+# -- onnxruntime-genai ------------------------------------------------------------------------------------
+_GENAI_CHILD = r"""
+import json, sys, time
+import numpy as np
+import onnxruntime_genai as og
+folder, prompts, new_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+model = og.Model(folder)
+def generate(ids, n):
+    params = og.GeneratorParams(model)
+    params.set_search_options(do_sample=False, max_length=len(ids) + n, batch_size=1)
+    gen = og.Generator(model, params)
+    gen.append_tokens(np.array(ids, dtype=np.int32))
+    out, steps = [], []
+    while not gen.is_done() and len(out) < n:
+        t = time.perf_counter()
+        gen.generate_next_token()
+        steps.append(time.perf_counter() - t)
+        out.append(int(gen.get_next_tokens()[0]))
+    return out, steps[1:]
+generate(prompts[0], 8)
+outputs, steps, start = [], [], time.perf_counter()
+for ids in prompts:
+    out, s = generate(ids, new_tokens)
+    outputs.append(out)
+    steps += s
+elapsed = time.perf_counter() - start
+print(json.dumps({"tokens_per_s": sum(map(len, outputs)) / elapsed, "ms_per_step": float(np.median(steps)) * 1e3,
+                  "outputs": outputs, "version": og.__version__}))
+"""
+
+
+def genai_python(venv: Path) -> Path:
+    python = venv / "bin" / "python"
+    if not python.is_file():
+        subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", "onnxruntime-genai>=0.18,<1", "onnx_ir",
+                        "transformers>=5,<6"], check=True)
+    return python
+
+
+def genai_model(python: Path, hf_folder: Path, out: Path, precision: str, threads: int) -> Path:
+    """Build (once) an onnxruntime-genai CPU model with its own builder; pin its intra-op threads."""
+    if not (out / "genai_config.json").is_file():
+        subprocess.run([str(python), "-m", "onnxruntime_genai.models.builder", "-m", hf_folder.name, "-i",
+                        str(hf_folder), "-o", str(out), "-p", precision, "-e", "cpu", "-c", str(out) + ".cache"],
+                       check=True, cwd=out.parent, capture_output=True)
+    config_path = out / "genai_config.json"
+    config = json.loads(config_path.read_text())
+    config["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = threads
+    config_path.write_text(json.dumps(config, indent=4))
+    return out
+
+
+def run_genai(python: Path, folder: Path, prompt_ids: list[list[int]], new_tokens: int) -> dict:
+    out = subprocess.run([str(python), "-c", _GENAI_CHILD, str(folder), json.dumps(prompt_ids), str(new_tokens)],
+                         capture_output=True, text=True, check=True, cwd=folder.parent)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+# -- speculative == plain on the quantized models ---------------------------------------------------------
+def rounding_gap(backend, prompt_ids: list[list[int]], k: int = 4) -> float:
+    """Largest |logit| difference between a k-token verify call and k 1-token steps over the same positions:
+    how far the two kernel paths round apart. A greedy divergence needs a top-2 gap below twice this."""
+    worst = 0.0
+    for ids in prompt_ids:
+        backend.reserve(len(ids) + k)
+        backend.forward(ids[:-k], 0)
+        together = backend.forward(ids[-k:], len(ids) - k)
+        apart = np.stack([backend.forward([t], len(ids) - k + j)[-1] for j, t in enumerate(ids[-k:])])
+        worst = max(worst, float(np.abs(together - apart).max()))
+    return worst
+
+
+def lossless(root: Path, prompt_ids: list[list[int]], new_tokens: int, threads: int) -> dict:
+    """Speculative greedy output (the artifact's default plan) against the same model's plain greedy output:
+    prompts that differ, and the plain model's top-2 logit gap at each divergence."""
+    from speccompile.runtime.manifest import read_manifest
+    from speccompile.runtime.onnx_backend import OnnxBackend
+    from speccompile.runtime.sampling import SamplingParams
+    from speccompile.runtime.speculative import DecodeRequest, decode_all
+
+    manifest = read_manifest(root, verify_files=False)
+    backend = OnnxBackend.from_artifact(root, manifest, threads=threads)
+    plan = manifest.plans[manifest.default_plan or next(iter(manifest.plans))]
+    probe = backend.replica()
+    gaps, accepted, rounds = [], 0, 0
+    for ids in prompt_ids:
+        request = DecodeRequest(ids, new_tokens, SamplingParams(), frozenset(), None)
+        plain, _ = decode_all(backend, request, None)
+        spec, stats = decode_all(backend, request, plan)
+        accepted, rounds = accepted + stats.accepted, rounds + stats.rounds
+        if spec != plain:
+            i = next((j for j, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
+            probe.reserve(len(ids) + i + 1)
+            top = np.sort(probe.forward(ids + plain[:i], 0)[-1])[-2:]
+            gaps.append(float(top[1] - top[0]))
+    return {"plan": plan.name, "diverging_prompts": len(gaps), "largest_gap_at_divergence": max(gaps, default=None),
+            "rounding_gap": rounding_gap(backend, prompt_ids), "accepted_per_round": accepted / max(rounds, 1)}
+
+
+# -- main -------------------------------------------------------------------------------------------------
+def refcoder_losses(variants_dir: Path, threads: int) -> dict[str, float]:
+    """Held-out loss of the bundled reference model per precision (ONNX graphs exported from its weights)."""
+    from speccompile.convert import arch_config, canonical_weights
+    from speccompile.export_onnx import export_onnx_weights
+    from speccompile.loading import load_source
+    from speccompile.runtime.manifest import Manifest, file_record, write_manifest
+
+    source = load_source("refcoder")
+    config = arch_config(source.model)
+    weights = canonical_weights(source.model, config)
+    ids = source.tokenizer((REPO / "models" / "refcoder" / "heldout_sample.txt").read_text())["input_ids"]
+    losses = {}
+    for name, options in VARIANTS.items():
+        root = variants_dir / ("refcoder-" + name.replace(" ", "-"))
+        if not (root / "manifest.json").is_file():
+            (root / "tokenizer").mkdir(parents=True, exist_ok=True)
+            source.tokenizer.save_pretrained(root / "tokenizer")
+            record = export_onnx_weights(config, weights, {}, root / "onnx", "float32", **options)
+            files = {str(p.relative_to(root)): file_record(root, str(p.relative_to(root)))
+                     for p in sorted(root.rglob("*")) if p.is_file()}
+            write_manifest(root, Manifest(config=config, plans={}, default_plan=None, files=files,
+                                          backends={"onnx": record}))
+        losses[name] = heldout_loss(root, ids, threads, chunk=min(512, config.max_position_embeddings))
+    return losses
+
+
+def sweep(artifact: Path, variants_dir: Path, prompt_ids, new_tokens: int, threads: int, loss_ids) -> None:
+    """int4 / int8 block size x accuracy level: step time and held-out loss (how VARIANTS was chosen)."""
+    for scheme in ("int4", "int8"):
+        for block in (32, 64, 128):
+            for level in (0, 4):
+                options = {"variant": "fused", "quantize": scheme, "block_size": block, "accuracy_level": level}
+                root = derive(artifact, variants_dir / f"{scheme}-b{block}-a{level}", options)
+                row = run_plain(root, prompt_ids[:3], new_tokens, threads)
+                loss = heldout_loss(root, loss_ids, threads)
+                print(f"sweep {scheme} block {block:4d} accuracy_level {level}: {row['tokens_per_s']:6.1f} tok/s, "
+                      f"{row['ms_per_step']:6.2f} ms/step, held-out loss {loss:.4f}", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("artifact", type=Path)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--bandwidth", type=float, default=80e9, help="memory bandwidth floor, bytes/s")
+    parser.add_argument("--genai-venv", type=Path, default=Path("/tmp/speccompile-genai-venv"))
+    parser.add_argument("--genai-models", type=Path, default=None, help="default: ARTIFACT-variants/")
+    parser.add_argument("--no-genai", action="store_true")
+    parser.add_argument("--loss-text", type=Path, default=REPO / "README.md")
+    parser.add_argument("--refcoder", action="store_true", help="also the reference model's held-out loss")
+    parser.add_argument("--sweep", action="store_true", help="quantization block size / accuracy level sweep")
+    parser.add_argument("--lossless", action="store_true",
+                        help="speculative vs plain greedy output and kernel rounding per variant (no timing)")
+    args = parser.parse_args()
+
+    from tokenizers import Tokenizer
+
+    from speccompile.runtime.manifest import read_manifest
+
+    artifact = args.artifact.resolve()
+    variants_dir = artifact.with_name(artifact.name + "-variants")
+    variants_dir.mkdir(exist_ok=True)
+    tokenizer = Tokenizer.from_file(str(artifact / "tokenizer" / "tokenizer.json"))
+    prompt_ids = [tokenizer.encode(p).ids for p in PROMPTS]
+    loss_ids = tokenizer.encode(args.loss_text.read_text()).ids
+    if args.sweep:
+        sweep(artifact, variants_dir, prompt_ids, args.new_tokens, args.threads, loss_ids)
+        return
+    if args.lossless:
+        for name, options in VARIANTS.items():
+            root = derive(artifact, variants_dir / name.replace(" ", "-"), options)
+            print(f"{name}: {json.dumps(lossless(root, prompt_ids, args.new_tokens, args.threads))}", flush=True)
+        return
+
+    rows, outputs = [], {}
+
+    def report(name, row, loss=None):
+        frac = row["bytes_per_step"] / (row["ms_per_step"] / 1e3) / args.bandwidth if row.get("bytes_per_step") else None
+        rows.append((name, row, frac, loss))
+        moved = f"{row['bytes_per_step'] / 1e6:7.1f} MB/step, {frac:.2f} of {args.bandwidth / 1e9:.0f} GB/s" \
+            if frac else "(bytes per step not counted)"
+        print(f"{name:28s} {row['tokens_per_s']:7.1f} tok/s {row['ms_per_step']:7.2f} ms/step  {moved}"
+              + (f"  held-out loss {loss:.4f}" if loss is not None else ""), flush=True)
+
+    for name, options in VARIANTS.items():
+        root = derive(artifact, variants_dir / name.replace(" ", "-"), options)
+        row = run_plain(root, prompt_ids, args.new_tokens, args.threads)
+        outputs[name] = row["outputs"]
+        report(f"speccompile ORT {name}", row, heldout_loss(root, loss_ids, args.threads))
+        if name == "fused fp32":
+            copy = run_plain(root, prompt_ids, args.new_tokens, args.threads, kv_in_place=False)
+            report("  same graphs, KV copied", copy)
+    if not args.no_genai:
+        python = genai_python(args.genai_venv)
+        hf_folder = Path(read_manifest(artifact, verify_files=False).source["path"])
+        models = args.genai_models or variants_dir
+        for precision in ("fp32", "int4"):
+            folder = genai_model(python, hf_folder, models / f"genai-{precision}", precision, args.threads)
+            row = run_genai(python, folder, prompt_ids, args.new_tokens)
+            outputs[f"genai {precision}"] = row["outputs"]
+            report(f"onnxruntime-genai {row['version']} {precision}", row)
+    reference = outputs["standard fp32"]
+    for name, outs in outputs.items():
+        same = sum(a == b for a, b in zip(outs, reference))
+        print(f"outputs equal to standard fp32: {name}: {same}/{len(reference)}")
+    if args.refcoder:
+        for name, loss in refcoder_losses(variants_dir, args.threads).items():
+            print(f"refcoder held-out loss {name}: {loss:.4f}")
+    print(f"(SmolLM2 held-out text: {args.loss_text}, {len(loss_ids)} tokens; {os.cpu_count()} CPUs, "
+          f"{args.threads} threads)")
+
+
+if __name__ == "__main__":
+    main()
