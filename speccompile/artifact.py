@@ -295,11 +295,14 @@ def read_canonical_weights(root: Path, manifest) -> dict:
 
 def check_rewritable(root: Path) -> Path:
     """The real (symlink-resolved) artifact folder ``tune`` will rewrite, refused early if its parent
-    folder is not writable (the new artifact is written next to it)."""
+    folder is not writable (the new artifact is written next to it) or if it holds files its manifest
+    does not list (the rewrite would drop them)."""
     real = resolve_out(root)
     if real.is_dir() and not os.access(real.parent, os.W_OK | os.X_OK):
         raise OutputError(f"cannot rewrite '{root}': its folder '{real.parent}' is not writable by this user; copy "
                           "the artifact somewhere writable and tune the copy")
+    if real.is_dir() and artifact_manifest(real) is not None:
+        check_replaceable(Path(root), real)  # files the manifest does not list would be lost by the rewrite
     return real
 
 

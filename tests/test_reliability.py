@@ -382,6 +382,14 @@ def test_tune_through_a_symlink_rewrites_the_real_artifact(artifact_copy, tmp_pa
     load(link)
 
 
+def test_tune_refuses_early_to_drop_unlisted_files(artifact_copy):
+    (artifact_copy / "notes.md").write_text("mine")
+    started = time.perf_counter()
+    result = invoke("tune", artifact_copy, "--method", "cosine", "--calibration-tokens", "8", "--quiet")
+    assert_one_line_error(result, "does not list", "notes.md")
+    assert (artifact_copy / "notes.md").is_file() and time.perf_counter() - started < 5
+
+
 # -- the error boundary ------------------------------------------------------------------------------------
 
 
