@@ -221,7 +221,7 @@ class Manifest:
         check_backend_records(self.backends)
         check_tokens(self.tokens)
         for relative in self.opened_files():
-            check_relative_path(relative, "backends")
+            check_relative_path(relative, "a backend record or plan")
             if relative not in self.files:
                 raise ArtifactError(
                     f"artifact file {relative!r} is used by the runtime but not listed with a sha256 in the manifest; "
@@ -282,7 +282,7 @@ def check_backend_records(backends: dict[str, dict[str, Any]]) -> None:
 
 
 def _file_values(value: Any, where: str) -> list[str]:
-    """String values under FILE_KEYS / ``*_file`` keys anywhere in a backend record."""
+    """String values under FILE_KEYS / ``*_file`` keys anywhere in a backend record or plan."""
     found: list[str] = []
     if isinstance(value, dict):
         for key, item in value.items():
@@ -321,8 +321,8 @@ def check_relative_path(relative: str, where: str) -> None:
            or str(path) != relative or any(part in ("..", ".") for part in path.parts))
     if bad:
         raise ArtifactError(
-            f"manifest {where} names the path {relative!r}, which is not a plain relative path inside the artifact; "
-            "the manifest was edited or damaged: rebuild the artifact"
+            f"manifest path {relative!r} (in {where}) is not a plain relative path inside the artifact; the manifest "
+            "was edited or damaged: rebuild the artifact"
         )
 
 
