@@ -33,11 +33,12 @@ class Reference:
     tokens: torch.Tensor  # [1, N]
     prompt_len: int
     cache: KVCache
+    exits: list[torch.Tensor] | None = None  # exits[E]: hidden state after block E-1, positions prompt_len..N-2
 
     @property
     def targets(self) -> np.ndarray:
         """The token each position should predict, for positions prompt_len..N-2."""
-        return self.tokens[0, self.prompt_len + 1 :].numpy()
+        return self.tokens[0, self.prompt_len + 1 :].cpu().numpy()
 
 
 @dataclass
@@ -46,6 +47,7 @@ class Profile:
 
     matches: list[np.ndarray]
     confidences: list[np.ndarray]
+    tops: list[np.ndarray] | None = None  # the draft's argmax at every position (for replaying drafters)
 
     @property
     def match_rate(self) -> float:
@@ -71,8 +73,9 @@ def reference_pass(decoder: Decoder, tokens: list[int], prompt_len: int, cosine:
     ``cosine`` is a ``[2, L]`` array (attention, MLP) to which this sequence's mean cos(h_in, h_out)
     over its positions is added.
     """
-    ids = torch.tensor([tokens])
-    cache = KVCache(decoder.config, len(tokens))
+    weight = decoder.embed.weight  # the device and dtype of the weights, everywhere (CPU or CUDA)
+    ids = torch.tensor([tokens], device=weight.device)
+    cache = KVCache(decoder.config, len(tokens), dtype=weight.dtype, device=weight.device)
     hooks = []
     if cosine is not None:
         inputs: dict = {}
@@ -95,12 +98,18 @@ def reference_pass(decoder: Decoder, tokens: list[int], prompt_len: int, cosine:
                 block.mlp_norm.register_forward_pre_hook(keep_input(("mlp", i))),
                 block.mlp.register_forward_hook(add_cosine(("mlp", i), 1, i)),
             ]
+    exits = [None]
     try:
-        decoder(ids, 0, cache)
+        # Block by block, keeping the hidden state at every exit: an early-exit draft at E is exactly the
+        # full model's state after block E-1, so scoring every exit layer needs only the head.
+        h = decoder.embed_tokens(ids, 0)
+        for i in range(decoder.config.num_layers):
+            h = decoder.run_blocks(h, 0, cache, i, i + 1)
+            exits.append(h[:, prompt_len:-1])
     finally:
         for hook in hooks:
             hook.remove()
-    return Reference(tokens=ids, prompt_len=prompt_len, cache=cache)
+    return Reference(tokens=ids, prompt_len=prompt_len, cache=cache, exits=exits)
 
 
 def _mixed_attention(decoder: Decoder, ref: Reference):
@@ -116,8 +125,8 @@ def _mixed_attention(decoder: Decoder, ref: Reference):
         if repeat > 1:
             keys, values, k_own, v_own = (x.repeat_interleave(repeat, dim=1) for x in (keys, values, k_own, v_own))
         scores = (q @ keys.transpose(-1, -2)) * config.scale
-        q_pos = torch.arange(n)[:, None]
-        k_pos = torch.arange(n)[None, :]
+        q_pos = torch.arange(n, device=h.device)[:, None]
+        k_pos = torch.arange(n, device=h.device)[None, :]
         allowed = k_pos < q_pos
         if config.sliding_window is not None:
             allowed &= k_pos > q_pos - config.sliding_window
@@ -132,8 +141,18 @@ def _mixed_attention(decoder: Decoder, ref: Reference):
 
 
 @torch.inference_mode()
-def draft_logits(decoder: Decoder, plan: DraftPlan, ref: Reference) -> torch.Tensor:
-    """The draft plan's logits at every position of the reference sequence, in one forward."""
+def draft_logits(decoder: Decoder, plan: DraftPlan, ref: Reference, head=None) -> torch.Tensor:
+    """The draft plan's logits at the continuation's positions (prompt_len..N-2), in one forward. ``head``
+    (a ``TorchDraftHead``: exit adapter and/or reduced vocabulary) replaces the shared head; its logits
+    are ``-inf`` outside the draft vocabulary."""
+    h = _draft_hidden(decoder, plan, ref)
+    return (decoder.head(h) if head is None else head.full_logits(h))[0]
+
+
+def _draft_hidden(decoder: Decoder, plan: DraftPlan, ref: Reference) -> torch.Tensor:
+    """The draft's hidden state before its head, at the continuation's positions."""
+    if plan.is_early_exit and ref.exits is not None:
+        return ref.exits[plan.exit_layer]
     h = decoder.embed_tokens(ref.tokens, 0)
     if plan.is_early_exit:
         h = decoder.run_blocks(h, 0, None, 0, plan.exit_layer)
@@ -142,18 +161,19 @@ def draft_logits(decoder: Decoder, plan: DraftPlan, ref: Reference) -> torch.Ten
             h, 0, None, skip_attn=set(plan.skip_attn), skip_mlp=set(plan.skip_mlp),
             attention=_mixed_attention(decoder, ref),
         )
-    return decoder.head(h)[0]
+    return h[:, ref.prompt_len : -1]
 
 
-def profile_plan(decoder: Decoder, plan: DraftPlan, references: list[Reference]) -> Profile:
-    matches, confidences = [], []
+def profile_plan(decoder: Decoder, plan: DraftPlan, references: list[Reference], head=None) -> Profile:
+    matches, confidences, tops = [], [], []
     for ref in references:
-        logits = draft_logits(decoder, plan, ref)[ref.prompt_len : -1]
+        logits = draft_logits(decoder, plan, ref, head)
         probs = torch.softmax(logits.float(), dim=-1)
         conf, top = probs.max(dim=-1)
-        matches.append(top.numpy() == ref.targets)
-        confidences.append(conf.numpy())
-    return Profile(matches=matches, confidences=confidences)
+        matches.append(top.cpu().numpy() == ref.targets)
+        confidences.append(conf.cpu().numpy())
+        tops.append(top.cpu().numpy())
+    return Profile(matches=matches, confidences=confidences, tops=tops)
 
 
 @dataclass

@@ -35,6 +35,23 @@ def skip_plan(ranking: list[tuple[str, int, float]], n: int, name: str = "layer-
     )
 
 
+def skip_counts(largest: int, score, grid: int = 10):
+    """Skip counts to score, coarse to fine: an even grid of about ``grid`` counts over 1..largest, then
+    halving steps around the best so far (``score(n)`` reads a count's result once it was scored). On a
+    30-block model that is ~16 scored plans instead of 59, each a parallel forward over the calibration set."""
+    step = max(1, largest // grid)
+    candidates = sorted(set(range(1, largest + 1, step)) | {largest})
+    yield from candidates
+    seen = set(candidates)
+    while step > 1:
+        step //= 2
+        best = max(seen, key=score)
+        for n in (best - step, best + step):
+            if 1 <= n <= largest and n not in seen:
+                seen.add(n)
+                yield n
+
+
 class CosineAutotune(Pass):
     name = "cosine_autotune"
 
@@ -44,12 +61,14 @@ class CosineAutotune(Pass):
     def run(self, ir: DecoderIR) -> DecoderIR:
         start = time.perf_counter()
         ranking = cosine_ranking(self.context)
-        best_n, best = 0, None
-        for n in tqdm(range(1, len(ranking)), desc="cosine: scoring skip counts", disable=not self.show_progress):
-            estimate = self.context.score(skip_plan(ranking, n))
-            self.context.cosine_scores[n] = estimate.expected_speedup
-            if best is None or estimate.expected_speedup > best.expected_speedup:
-                best_n, best = n, estimate
+        scores = {}
+        with tqdm(desc="cosine: scoring skip counts", disable=not self.show_progress) as bar:
+            for n in skip_counts(len(ranking) - 1, lambda n: scores[n].expected_speedup):
+                scores[n] = self.context.score(skip_plan(ranking, n))
+                self.context.cosine_scores[n] = scores[n].expected_speedup
+                bar.update(1)
+        best_n = max(scores, key=lambda n: scores[n].expected_speedup)
+        best = scores[best_n]
         plan = skip_plan(ranking, best_n, self.plan_name)
         measured = self.context.record(
             "cosine", best, tuning_seconds=round(time.perf_counter() - start, 2),
@@ -72,6 +91,7 @@ class ExitLayerAutotune(Pass):
             scores[exit_layer] = self.context.score(DraftPlan(name="candidate", exit_layer=exit_layer))
         exit_layer = max(scores, key=lambda e: scores[e].expected_speedup)
         best = scores[exit_layer]
+        ir.tuning["best_exit_layer"] = exit_layer
         measured = self.context.record(
             "early-exit", best, tuning_seconds=round(time.perf_counter() - start, 2),
             per_exit_layer={str(e): {"acceptance_rate": round(s.acceptance_rate, 4),

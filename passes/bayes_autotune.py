@@ -149,14 +149,20 @@ class BayesAutotune(Pass):
             ranked += [t for t in complete if tuple(sorted(t.params.items())) == cosine_key][:1]
         from .confirm import Confirmer
 
-        confirmer = Confirmer(ir.decoder(), self.context.confirm_prompts, self.context.confirm_tokens)
-        scored = []
-        for t in ranked:
-            plan = _plan(t.params, L, self.plan_name)
-            plan.max_draft, plan.threshold = t.user_attrs["max_draft"], t.user_attrs["threshold"]
+        candidates = []
+        for n, t in enumerate(ranked):
             if tuple(sorted(t.params.items())) == cosine_key:
                 # The cosine plan keeps its own tuned policy; it is timed once and the figure shared.
-                plan.max_draft, plan.threshold = cosine.max_draft, cosine.threshold
+                plan = cosine
+            else:
+                plan = _plan(t.params, L, f"{self.plan_name}-candidate-{n}")
+                plan.max_draft, plan.threshold = t.user_attrs["max_draft"], t.user_attrs["threshold"]
+            candidates.append((t, plan))
+        backend = self.context.runner.backend({**ir.plans, **{plan.name: plan for _, plan in candidates}})
+        confirmer = Confirmer(backend, self.context.confirm_prompts, self.context.confirm_tokens)
+        scored = []
+        for t, plan in candidates:
+            if plan is cosine:
                 cosine.measured.update(confirmer.measure(cosine))
                 scored.append((dict((k, v) for k, v in cosine.measured.items() if k.startswith("confirmed_")
                                     or k == "plain_tokens_per_s"), t, plan))

@@ -29,6 +29,7 @@ class CostModel:
     head: list[float]
     num_layers: int
     device: str = "cpu"
+    vocab_size: int = 0  # rows of the lm_head timed in ``head`` (0: unknown, reduced draft heads not priced)
 
     def _blocks(self, t: int, n_attn: float, n_mlp: float) -> float:
         return n_attn * self.attn[t - 1] + n_mlp * self.mlp[t - 1]
@@ -42,6 +43,15 @@ class CostModel:
         if plan.is_early_exit:
             return self.embed[0] + self._blocks(1, plan.exit_layer, plan.exit_layer) + self.head[0]
         return self.embed[0] + self._blocks(1, L - len(plan.skip_attn), L - len(plan.skip_mlp)) + self.head[0]
+
+    def draft_head_extra(self, plan: DraftPlan) -> float:
+        """What a plan's draft head (``runtime/adapter.py``) adds to one draft step over the shared head: an
+        exit adapter is a gated MLP of the model's MLP width, so one MLP sublayer; a reduced vocabulary
+        scales the head's matmul by ``draft_vocab / vocab_size`` (negative: a saving)."""
+        extra = self.mlp[0] if plan.head.startswith("adapter:") else 0.0
+        if plan.draft_vocab and self.vocab_size:
+            extra -= self.head[0] * (1.0 - min(plan.draft_vocab / self.vocab_size, 1.0))
+        return extra
 
     def verify(self, plan: DraftPlan, t: int) -> float:
         """Cost of verifying ``t`` tokens (the round's input token plus t-1 drafts)."""
@@ -124,4 +134,89 @@ def measure_costs(decoder: Decoder, max_tokens: int, context: int = 128, rounds:
     best[:, 1:3] /= L  # attention and MLP were timed over all blocks
     best = np.maximum.accumulate(best, axis=0)
     embed, attn, mlp, head = (best[:, k].tolist() for k in range(4))
-    return CostModel(embed=embed, attn=attn, mlp=mlp, head=head, num_layers=L, device=str(device))
+    return CostModel(embed=embed, attn=attn, mlp=mlp, head=head, num_layers=L, device=str(device),
+                     vocab_size=config.vocab_size)
+
+
+@dataclass
+class StepCosts:
+    """What a round costs on the backend that will run the artifact (DESIGN.md section 5).
+
+    ``forward[t-1]`` is one timed ``Backend.forward`` of ``t`` tokens after a realistic context, on that
+    backend (torch or ONNX Runtime): verify steps differ most between backends (an 8-token verify is
+    1.37x a step on ORT, 1.44x on torch for SmolLM2), so they are measured there. A model draft step
+    costs the plan's share of the full model, taken from the torch sublayer timings (``sublayers``), of
+    one measured step, plus the per-call overhead of turning logits into a draft token
+    (``draft_overhead``). ``lookup`` is one n-gram / retrieval lookup. Same interface as ``CostModel``
+    (``plain_step``, ``draft_step``, ``verify``), so every estimator works with either.
+    """
+
+    forward: list[float]
+    sublayers: CostModel
+    draft_overhead: float
+    lookup: float
+    backend: str
+
+    def full(self, t: int) -> float:
+        if t <= len(self.forward):
+            return self.forward[t - 1]
+        slope = self.forward[-1] - self.forward[-2] if len(self.forward) > 1 else self.forward[-1]
+        return self.forward[-1] + slope * (t - len(self.forward))
+
+    def plain_step(self) -> float:
+        return self.forward[0]
+
+    def _share(self, plan: DraftPlan) -> float:
+        return self.sublayers.draft_step(plan) / self.sublayers.plain_step()
+
+    def draft_step(self, plan: DraftPlan) -> float:
+        share = self._share(plan) + self.sublayers.draft_head_extra(plan) / self.sublayers.plain_step()
+        return self.forward[0] * share + self.draft_overhead
+
+    def verify(self, plan: DraftPlan | None, t: int, reuse: int | None = None) -> float:
+        """Verifying ``t`` tokens; for an early exit, ``reuse`` of them (default t-1) skip the prefix."""
+        if plan is None or not plan.is_early_exit:
+            return self.full(t)
+        reuse = t - 1 if reuse is None else reuse
+        prefix = self._share(plan)
+        return self.full(t) * (1 - prefix) + (self.full(t - reuse) * prefix if t > reuse else 0.0)
+
+    def as_dict(self) -> dict:
+        return {"backend": self.backend, "forward": self.forward, "draft_overhead": self.draft_overhead,
+                "lookup": self.lookup, "sublayers": self.sublayers.as_dict()}
+
+
+def measure_step_costs(backend, sublayers: CostModel, max_tokens: int, context: int = 128, rounds: int = 7) -> StepCosts:
+    """Time ``backend.forward`` of 1..max_tokens tokens after ``context`` cached positions (minimum over
+    interleaved repeats, made non-decreasing, as in ``measure_costs``), plus the draft-token overhead
+    and one lookup, through the Backend protocol only."""
+    from speccompile.runtime.drafters import RoundContext
+    from speccompile.runtime.ngram import NgramDrafter
+    from speccompile.runtime.sampling import SamplingParams, softmax
+
+    config = backend.config
+    context = max(1, min(context, config.max_position_embeddings - max_tokens - 1))
+    backend.reserve(context + max_tokens)
+    rng = np.random.default_rng(0)
+    prefix = rng.integers(0, config.vocab_size, context).tolist()
+    backend.forward(prefix, 0)
+    # A verify's cost grows smoothly with its token count: time a few counts, interpolate the rest.
+    sizes = sorted({t for t in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32) if t <= max_tokens} | {max_tokens})
+    inputs = [rng.integers(0, config.vocab_size, t).tolist() for t in sizes]
+    for ids in inputs:  # warm-up
+        backend.forward(ids, context)
+    timed = np.full(len(sizes), np.inf)
+    for _ in range(rounds):
+        for k, ids in enumerate(inputs):
+            timed[k] = min(timed[k], _best_seconds(lambda: backend.forward(ids, context)))
+    best = np.maximum.accumulate(np.interp(np.arange(1, max_tokens + 1), sizes, np.maximum.accumulate(timed)))
+    logits = rng.standard_normal(config.vocab_size).astype(np.float32)
+    overhead = min(_best_seconds(lambda: softmax(logits)[int(np.argmax(logits))]) for _ in range(20))
+    history = (prefix * 4)[: 4 * context]
+    drafter = NgramDrafter(1, 4, 8)
+    drafter.start(history)
+    ctx = RoundContext(history=history, pos=len(history) - 1, limit=8, params=SamplingParams(), rng=rng)
+    drafter.propose(ctx)  # indexes the history once
+    lookup = min(_best_seconds(lambda: drafter.propose(ctx)) for _ in range(20))
+    return StepCosts(forward=best.tolist(), sublayers=sublayers, draft_overhead=overhead, lookup=lookup,
+                     backend=getattr(backend, "name", type(backend).__name__))

@@ -21,6 +21,7 @@ class DecoderIR:
     tuning: dict[str, Any] = field(default_factory=dict)
     dtype: str = "float32"
     device: str = "cpu"
+    extra_files: dict[str, Any] = field(default_factory=dict)  # artifact-relative path -> file to copy there
     _decoder: Any = field(default=None, repr=False)
 
     def decoder(self):

@@ -1,12 +1,17 @@
-"""What both autotuners share: calibration references, the cost model, and plan scoring.
+"""What every autotuner shares: calibration references, the costs, the backend runner, and plan scoring.
 
-Built once per build (or tune) so that cosine ranking, exit-layer choice and (later) Bayesian search
-score plans with the same acceptance estimator and the same measured costs, and are comparable.
+Built once per build (or tune) so that cosine ranking, exit-layer choice, Bayesian search and the
+lookup / hybrid tuner score plans with the same acceptance estimator and the same measured costs, and
+are comparable. Costs and confirmation runs go through the *runner*: the backend that will run the
+artifact (torch here by default; ``speccompile`` supplies an ONNX Runtime runner for ONNX artifacts).
 """
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 from tqdm.auto import tqdm
@@ -14,8 +19,32 @@ from tqdm.auto import tqdm
 from speccompile.runtime.manifest import DraftPlan
 
 from .acceptance import Reference, RoundEstimate, best_policy, greedy_continuations, profile_plan, reference_pass
-from .cost_model import CostModel, device_name, measure_costs
+from .cost_model import CostModel, StepCosts, device_name, measure_costs, measure_step_costs
 from .ir import DecoderIR
+
+
+LOOKUP_MAX_DRAFT = 12  # longest lookup draft the tuner considers (the verify step costs are timed up to it)
+
+
+class Runner(Protocol):
+    """Makes the backend that runs the artifact, for timing: ``backend(plans)`` must be able to run
+    ``plans`` (an ONNX runner exports their graphs first)."""
+
+    name: str
+
+    def backend(self, plans: dict[str, DraftPlan] | None = None): ...
+
+
+class TorchRunner:
+    name = "torch"
+
+    def __init__(self, ir: DecoderIR):
+        self.ir = ir
+
+    def backend(self, plans: dict[str, DraftPlan] | None = None):
+        from speccompile.runtime.torch_backend import TorchBackend
+
+        return TorchBackend(self.ir.decoder(), device=self.ir.device)
 
 
 @dataclass
@@ -23,17 +52,22 @@ class TuningContext:
     ir: DecoderIR
     references: list[Reference]
     cosine: np.ndarray  # [2, L]: mean cos(h_in, h_out) of attention (row 0) and MLP (row 1) sublayers
-    cost: CostModel
+    cost: CostModel  # torch sublayer timings: the relative cost of any plan's subgraph
+    costs: StepCosts  # measured on the runner's backend: what every estimate uses
     max_draft: int
     device: str
+    runner: Runner = None
+    workdir: Path = None  # scratch files of this tuning run (exports, datastores)
     confirm_prompts: list[list[int]] = field(default_factory=list)
     confirm_tokens: int = 48
     cosine_scores: dict[int, float] = field(default_factory=dict)  # skip count -> expected speedup
 
     @classmethod
     def prepare(cls, ir: DecoderIR, prompts: list[list[int]], new_tokens: int, max_draft: int,
-                show_progress: bool = True, confirm_prompts: int = 4, confirm_tokens: int = 48) -> "TuningContext":
-        """Greedy-decode the calibration prompts with the full model, store its K/V, time the sublayers."""
+                show_progress: bool = True, confirm_prompts: int = 4, confirm_tokens: int = 48,
+                runner: Runner | None = None, workdir: Path | None = None) -> "TuningContext":
+        """Greedy-decode the calibration prompts with the full model, store its K/V, time the sublayers
+        and the runner's backend."""
         decoder = ir.decoder()
         with tqdm(total=len(prompts), desc="calibration: target continuations", disable=not show_progress) as bar:
             continuations = greedy_continuations(decoder, prompts, new_tokens, bar)
@@ -44,13 +78,31 @@ class TuningContext:
             references.append(reference_pass(decoder, prompt + continuation, len(prompt), cosine))
         cosine /= max(len(references), 1)
         cost = measure_costs(decoder, max_draft + 1)
-        return cls(ir=ir, references=references, cosine=cosine, cost=cost, max_draft=max_draft,
-                   device=device_name(cost.device), confirm_prompts=prompts[:confirm_prompts],
-                   confirm_tokens=confirm_tokens)
+        runner = runner or TorchRunner(ir)
+        workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="speccompile-tune-"))
+        costs = measure_step_costs(runner.backend({}), cost, max_draft + LOOKUP_MAX_DRAFT + 1)
+        return cls(ir=ir, references=references, cosine=cosine, cost=cost, costs=costs, max_draft=max_draft,
+                   device=f"{device_name(cost.device)}, {runner.name}", confirm_prompts=prompts[:confirm_prompts],
+                   confirm_tokens=confirm_tokens, runner=runner, workdir=workdir)
 
     def score(self, plan: DraftPlan) -> RoundEstimate:
         """Best draft-length policy for ``plan`` and its expected speedup over plain decoding."""
-        return best_policy(profile_plan(self.ir.decoder(), plan, self.references), plan, self.cost, self.max_draft)
+        return best_policy(self.profile(plan), plan, self.costs, self.max_draft)
+
+    def profile(self, plan: DraftPlan):
+        return profile_plan(self.ir.decoder(), plan, self.references, self.draft_head(plan))
+
+    def draft_head(self, plan: DraftPlan):
+        """The torch kernel of ``plan``'s draft head (exit adapter / reduced vocabulary, ``passes/adapter.py``),
+        read from this tuning run's files; None for the shared head."""
+        if plan.draft_head_file is None:
+            return None
+        from speccompile.runtime.adapter import load_draft_head
+        from speccompile.runtime.torch_backend import TorchDraftHead
+
+        c = self.ir.config
+        return TorchDraftHead.from_draft_head(self.ir.decoder(),
+                                              load_draft_head(self.workdir / plan.draft_head_file, c.hidden_size, c.vocab_size))
 
     def record(self, method: str, estimate: RoundEstimate, **extra) -> dict:
         """The 'measured' block of a plan in the manifest."""

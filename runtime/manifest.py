@@ -84,11 +84,18 @@ setattr(ArchConfig, REJECT_UNKNOWN, True)
 
 @dataclass
 class DraftPlan:
-    """A draft subgraph as data (DESIGN.md section 2).
+    """A draft plan as data (DESIGN.md section 2): which sources draft, and how.
 
-    Layer-skip plans run every block but drop the listed sublayers. Early-exit plans run blocks
-    0..exit_layer-1 and the shared head; the verifier then runs only blocks exit_layer..L-1 on the
-    draft's own hidden states and KV, which are exactly the full model's.
+    The model part: layer-skip plans run every block but drop the listed sublayers; early-exit plans
+    run blocks 0..exit_layer-1 and the shared head, and the verifier then runs only blocks
+    exit_layer..L-1 on the draft's own hidden states and KV, which are exactly the full model's. A plan
+    with neither has no model part.
+
+    The model-free part: ``lookup`` lists sources tried in order each round (``ngram``: prompt lookup
+    over the prompt and output, n-gram sizes ``ngram_max`` down to ``ngram_min``; ``retrieval``: the
+    artifact's ``datastore`` file), each drafting at most ``lookup_max_draft`` tokens. With both parts,
+    a lookup hit drafts the round and the model drafts otherwise, extended by a lookup continuation
+    when ``extend`` (``runtime/hybrid.py``).
     """
 
     name: str
@@ -101,11 +108,24 @@ class DraftPlan:
     threshold: float = 0.0
     adaptive: bool = True
     target_acceptance: float = 0.6  # the adaptive threshold steers the acceptance rate toward this
+    lookup: list[str] = field(default_factory=list)  # model-free sources, tried in order: "ngram", "retrieval"
+    ngram_min: int = 2
+    ngram_max: int = 4
+    lookup_max_draft: int = 8
+    datastore: str | None = None  # artifact-relative path of the retrieval datastore
+    extend: bool = True  # a lookup continuation may extend the model's draft
+    # The draft head (runtime/adapter.py): a trained exit adapter ("adapter:E") and/or the ids of a reduced
+    # draft vocabulary (draft_vocab tokens), in one safetensors file in the artifact.
+    draft_head_file: str | None = None
     measured: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_early_exit(self) -> bool:
         return self.exit_layer is not None
+
+    @property
+    def has_model_draft(self) -> bool:
+        return self.exit_layer is not None or bool(self.skip_attn) or bool(self.skip_mlp)
 
     def validate(self, num_layers: int) -> None:
         for name, layers in (("skip_attn", self.skip_attn), ("skip_mlp", self.skip_mlp)):
@@ -122,15 +142,41 @@ class DraftPlan:
                     f"plan '{self.name}': an early-exit plan cannot also skip sublayers (the verifier "
                     "reuses the draft's prefix, which must be the full model's)"
                 )
+        if not self.has_model_draft and not self.lookup:
+            raise ArtifactError(f"plan '{self.name}' drafts with nothing (no skipped sublayers, no exit layer, no "
+                                "lookup source); rebuild the artifact")
+        if not 1 <= self.ngram_min <= self.ngram_max:
+            raise ArtifactError(f"plan '{self.name}': n-gram sizes must satisfy 1 <= ngram_min <= ngram_max, got "
+                                f"{self.ngram_min}..{self.ngram_max}")
+        if self.lookup_max_draft < 1:
+            raise ArtifactError(f"plan '{self.name}': lookup_max_draft must be >= 1, got {self.lookup_max_draft}")
+        if "retrieval" in self.lookup and not self.datastore:
+            raise ArtifactError(f"plan '{self.name}' drafts by retrieval but names no datastore; rebuild the artifact")
+        if (self.head.startswith("adapter:") or self.draft_vocab is not None) and not self.draft_head_file:
+            raise ArtifactError(f"plan '{self.name}' drafts with an adapter or a reduced vocabulary but names no "
+                                "draft_head_file; rebuild the artifact")
+        if self.head.startswith("adapter:") and self.head != f"adapter:{self.exit_layer}":
+            raise ArtifactError(f"plan '{self.name}': head {self.head!r} does not match exit_layer {self.exit_layer}; "
+                                "rebuild the artifact")
+        if self.draft_vocab is not None and self.draft_vocab < 1:
+            raise ArtifactError(f"plan '{self.name}': draft_vocab must be >= 1, got {self.draft_vocab}")
         if self.max_draft < 1:
             raise ArtifactError(f"plan '{self.name}': max_draft must be >= 1, got {self.max_draft}")
         if not 0.0 <= self.threshold < 1.0:
             raise ArtifactError(f"plan '{self.name}': threshold must be in [0, 1), got {self.threshold}")
 
     def describe(self) -> str:
+        parts = []
+        names = {"ngram": f"n-gram lookup (n {self.ngram_max}..{self.ngram_min})", "retrieval": "retrieval"}
+        parts += [names.get(source, source) for source in self.lookup]
         if self.is_early_exit:
-            return f"early exit after block {self.exit_layer}"
-        return f"skip {len(self.skip_attn)} attention + {len(self.skip_mlp)} MLP sublayers"
+            adapter = " + trained adapter" if self.head.startswith("adapter:") else ""
+            parts.append(f"early exit after block {self.exit_layer}{adapter}")
+        elif self.has_model_draft:
+            parts.append(f"skip {len(self.skip_attn)} attention + {len(self.skip_mlp)} MLP sublayers")
+        if self.has_model_draft and self.draft_vocab is not None:
+            parts[-1] += f" (draft vocabulary {self.draft_vocab})"
+        return ", else ".join(parts) if len(parts) > 1 else parts[0]
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "plan") -> "DraftPlan":

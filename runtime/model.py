@@ -15,7 +15,7 @@ from typing import Iterator
 from .errors import BackendUnavailableError, InputError
 from .manifest import DraftPlan, Manifest, read_manifest
 from .sampling import SamplingParams
-from .speculative import DecodeRequest, DraftPolicy, Stats, decode, reserve_cache
+from .speculative import DecodeRequest, Stats, backend_drafter, decode, reserve_cache
 from .tokenizer import TextTokenizer
 
 TOKENIZER_FILE = "tokenizer/tokenizer.json"
@@ -146,6 +146,23 @@ class SpeculativeModel:
     def plan(self, name: str | None = None) -> DraftPlan:
         return self.manifest.plan(name)
 
+    def draft_plan(self, name: str | None = None) -> DraftPlan | None:
+        """The plan to draft with: ``name``, else the manifest's default; None (plain decoding) when the
+        artifact has no default plan because none beat plain decoding where it was tuned."""
+        if name is None and self.manifest.default_plan is None:
+            return None
+        return self.manifest.plan(name)
+
+    @property
+    def plain_reason(self) -> str | None:
+        """Why speculative requests decode plainly, or None when a default plan exists."""
+        if self.manifest.default_plan is not None:
+            return None
+        best = self.manifest.tuning.get("best_confirmed_speedup")
+        where = self.manifest.tuning.get("device", "the build machine")
+        figure = f" (best confirmed {best:.2f}x)" if isinstance(best, (int, float)) else ""
+        return f"no draft plan beat plain decoding on {where}{figure}, so this artifact decodes plainly"
+
     def encode_prompt(self, prompt: str | list[int]) -> list[int]:
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else [int(t) for t in prompt]
         if not ids or (isinstance(prompt, str) and not prompt.strip()):
@@ -173,21 +190,21 @@ class SpeculativeModel:
     ) -> Stream:
         check_request(prompt, max_new_tokens, temperature, top_k, top_p, seed, max_draft)
         prompt_ids = self.encode_prompt(prompt)
-        draft_plan = self.plan(plan) if speculate and self.manifest.plans else None
-        policy = DraftPolicy.from_plan(draft_plan, max_draft) if draft_plan else None
+        draft_plan = self.draft_plan(plan) if speculate else None
         request = DecodeRequest(
             prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
             params=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
             eos_ids=self.eos_ids, seed=seed,
         )
-        reserve_cache(self.backend, request, policy)
+        reserve_cache(self.backend, request, draft_plan, max_draft)
+        drafter = backend_drafter(self.backend, draft_plan, self.root, max_draft)
         stats = Stats()
         stream = Stream(iter(()))
 
         def chunks() -> Iterator[Chunk]:
             produced: list[int] = []
             text = ""
-            for new in decode(self.backend, request, draft_plan, policy, stats):
+            for new in decode(self.backend, request, drafter, stats):
                 produced.extend(new)
                 full = self.tokenizer.decode(produced)
                 # Hold back text that ends in an incomplete UTF-8 sequence until it completes.

@@ -1,25 +1,28 @@
-"""Draft-and-verify decoding, written once for every backend (gpt-fast style, in numpy).
+"""Draft-and-verify decoding, written once for every backend and every draft source (gpt-fast style, numpy).
 
-A backend provides three calls on its static KV cache (see ``runtime/backend.py``):
-``forward`` (full model), ``draft`` (one token through a plan's subgraph) and ``verify`` (full-model
-logits for a round's tokens; for early-exit plans it reuses the draft's prefix). Rollback after a
-rejection is only a smaller ``pos`` for the next call.
+A backend provides three calls on its static KV cache: ``forward`` (full model), ``draft`` (one token
+through a plan's subgraph) and ``verify`` (full-model logits for a round's tokens; for early-exit plans
+it reuses the draft's prefix). Rollback after a rejection is only a smaller ``pos`` for the next call.
 
+Each round asks a drafter (``runtime/drafters.py``) for candidates and verifies them in one call.
 Greedy: accept drafted tokens while they equal the verifier's argmax, then take the verifier's token
 (exact up to floating-point near-ties, DESIGN.md section 6). Sampling: Leviathan/Chen speculative
-sampling with rejection, so the output has the plain sampler's distribution.
+sampling with rejection over the draft's q (one-hot for lookup sources), so the output has the plain
+sampler's distribution.
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator, Protocol, Sequence
 
 import numpy as np
 
+from .drafters import BackendStep, Draft, DraftPolicy, RoundContext, make_drafter
 from .manifest import ArchConfig, DraftPlan
-from .sampling import SamplingParams, probabilities, sample, softmax
+from .sampling import SamplingParams, probabilities, sample
 
 
 class Backend(Protocol):
@@ -36,32 +39,6 @@ class Backend(Protocol):
 
 
 @dataclass
-class DraftPolicy:
-    """Adaptive draft length (Draft & Verify): stop drafting when the draft's top-1 probability falls
-    below ``threshold`` or at ``max_draft``; the threshold rises when acceptance falls below
-    ``target_acceptance`` and falls when it is above."""
-
-    max_draft: int
-    threshold: float = 0.0
-    adaptive: bool = True
-    target_acceptance: float = 0.6
-    step: float = 0.02
-
-    @classmethod
-    def from_plan(cls, plan: DraftPlan, max_draft: int | None = None) -> "DraftPolicy":
-        return cls(max_draft=max_draft or plan.max_draft, threshold=plan.threshold, adaptive=plan.adaptive,
-                   target_acceptance=plan.target_acceptance)
-
-    def update(self, drafted: int, accepted: int) -> None:
-        if not self.adaptive or drafted == 0:
-            return
-        if accepted / drafted < self.target_acceptance:
-            self.threshold = min(self.threshold + self.step, 0.95)
-        else:
-            self.threshold = max(self.threshold - self.step, 0.0)
-
-
-@dataclass
 class Stats:
     new_tokens: int = 0
     rounds: int = 0
@@ -72,6 +49,31 @@ class Stats:
     stop_reason: str = "length"
     speculative: bool = True
     round_log: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) per round
+    round_sources: list[str] = field(default_factory=list)  # per round: which sources drafted ("model+ngram")
+    per_source: dict[str, list[int]] = field(default_factory=dict)  # source -> [drafted, accepted]
+
+    def record(self, draft: Draft, accepted: int) -> None:
+        self.rounds += 1
+        self.drafted += len(draft.tokens)
+        self.accepted += accepted
+        self.round_log.append((len(draft.tokens), accepted))
+        self.round_sources.append(draft.label)
+        for i, source in enumerate(draft.sources):
+            counts = self.per_source.setdefault(source, [0, 0])
+            counts[0] += 1
+            counts[1] += i < accepted
+
+    @property
+    def source_mix(self) -> dict[str, int]:
+        """Rounds per combination of sources ("none": no candidate, a plain step)."""
+        mix: dict[str, int] = {}
+        for label in self.round_sources:
+            mix[label] = mix.get(label, 0) + 1
+        return mix
+
+    def source_report(self) -> dict[str, dict]:
+        return {source: {"drafted": d, "accepted": a, "acceptance_rate": round(a / d, 4) if d else None}
+                for source, (d, a) in self.per_source.items()}
 
     @property
     def mean_accepted(self) -> float | None:
@@ -96,6 +98,8 @@ class Stats:
             "drafted": self.drafted, "accepted": self.accepted, "mean_accepted": self.mean_accepted,
             "acceptance_rate": self.acceptance_rate, "tokens_per_s": self.tokens_per_s,
             "seconds": self.seconds, "prefill_seconds": self.prefill_seconds, "stop_reason": self.stop_reason,
+            "sources": self.source_report() if self.speculative else None,
+            "round_mix": self.source_mix if self.speculative else None,
         }
 
 
@@ -126,22 +130,19 @@ def _pick(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) 
     return int(np.argmax(logits)) if params.greedy else sample(probabilities(logits, params), rng)
 
 
-def decode(
-    backend: Backend,
-    request: DecodeRequest,
-    plan: DraftPlan | None,
-    policy: DraftPolicy | None,
-    stats: Stats,
-) -> Iterator[list[int]]:
-    """Yield the new tokens of each step (plain) or round (speculative) until a stop condition."""
+def decode(backend: Backend, request: DecodeRequest, drafter, stats: Stats) -> Iterator[list[int]]:
+    """Yield the new tokens of each step (plain, ``drafter`` None) or round (speculative) until a stop."""
     rng = np.random.default_rng(request.seed)
     params = request.params
-    stats.speculative = plan is not None
+    stats.speculative = drafter is not None
     start = time.perf_counter()
-    prompt = request.prompt_ids
+    prompt = list(request.prompt_ids)
     logits = backend.forward(prompt, 0)[-1]
     stats.prefill_seconds = time.perf_counter() - start
     token = _pick(logits, params, rng)
+    history = prompt + [token]
+    if drafter is not None:
+        drafter.start(prompt)
     new, stop = _emit([token], request, stats)
     stats.new_tokens += 1
     yield new
@@ -151,59 +152,67 @@ def decode(
         if budget <= 0:
             stats.stop_reason = "length" if stats.new_tokens >= request.max_new_tokens else "context"
             break
-        if plan is None or budget == 1:
-            token = _pick(backend.forward([token], pos)[-1], params, rng)
-            new = [token]
-            pos += 1
+        if drafter is None or budget == 1:
+            new = [_pick(backend.forward([token], pos)[-1], params, rng)]
         else:
-            new = _speculative_round(backend, plan, policy, params, rng, token, pos, budget, stats)
-            pos += len(new)
-            token = new[-1]
+            ctx = RoundContext(history=history, pos=pos, limit=budget - 1, params=params, rng=rng)
+            new = _speculative_round(backend, drafter, ctx, stats)
+        pos += len(new)
+        token = new[-1]
+        history.extend(new)
         new, stop = _emit(new, request, stats)
         stats.new_tokens += len(new)
         yield new
     stats.seconds = time.perf_counter() - start
 
 
-def reserve_cache(backend: Backend, request: DecodeRequest, policy: DraftPolicy | None) -> None:
+def draft_room(plan: DraftPlan | None, max_draft: int | None = None) -> int:
+    """Most tokens one round of ``plan`` may draft (what the KV cache must hold beyond the output)."""
+    if plan is None:
+        return 0
+    room = (max_draft or plan.max_draft) if plan.has_model_draft else 0
+    return room + (plan.lookup_max_draft if plan.lookup else 0)
+
+
+def reserve_cache(backend: Backend, request: DecodeRequest, plan: DraftPlan | None, max_draft: int | None = None) -> None:
     """Size the backend's static cache for ``request``: prompt, new tokens, one round's drafts, capped at
     the model's context (generation stops there)."""
-    room = policy.max_draft + 1 if policy is not None else 1
-    needed = len(request.prompt_ids) + request.max_new_tokens + room
+    needed = len(request.prompt_ids) + request.max_new_tokens + draft_room(plan, max_draft) + 1
     backend.reserve(min(backend.config.max_position_embeddings, needed))
 
 
-def decode_all(backend: Backend, request: DecodeRequest, plan: DraftPlan | None = None) -> tuple[list[int], Stats]:
-    """Decode ``request`` to the end (plain when ``plan`` is None); the new tokens and the stats."""
+def backend_drafter(backend: Backend, plan: DraftPlan | None, root: Path | None = None, max_draft: int | None = None):
+    """The drafter for ``plan`` running on ``backend`` (None, plain decoding, when ``plan`` is None)."""
+    if plan is not None and plan.draft_head_file is not None:  # an exit adapter / reduced vocabulary, from ``root``
+        backend.load_draft_head(plan, root)
+    return None if plan is None else make_drafter(plan, BackendStep(backend, plan), root, max_draft)
+
+
+def decode_all(backend: Backend, request: DecodeRequest, plan: DraftPlan | None = None,
+               root: Path | None = None) -> tuple[list[int], Stats]:
+    """Decode ``request`` to the end (plain when ``plan`` is None); the new tokens and the stats.
+    ``root`` is the artifact folder, for plans whose drafters read files (a retrieval datastore)."""
     stats = Stats()
-    policy = DraftPolicy.from_plan(plan) if plan is not None else None
-    reserve_cache(backend, request, policy)
+    reserve_cache(backend, request, plan)
     produced: list[int] = []
-    for new in decode(backend, request, plan, policy, stats):
+    for new in decode(backend, request, backend_drafter(backend, plan, root), stats):
         produced.extend(new)
     return produced, stats
 
 
-def _speculative_round(backend, plan, policy, params, rng, token, pos, budget, stats) -> list[int]:
-    """One draft-then-verify round starting from ``token`` at ``pos``; returns the tokens it commits."""
-    max_draft = min(policy.max_draft, budget - 1)
-    drafted: list[int] = []
-    draft_probs: list[np.ndarray] = []
-    current = token
-    for j in range(max_draft):
-        logits = backend.draft(plan, current, pos + j)
-        if params.greedy:
-            current = int(np.argmax(logits))
-            confidence = float(softmax(logits)[current])
-        else:
-            q = probabilities(logits, params)
-            current = sample(q, rng)
-            draft_probs.append(q)
-            confidence = float(q.max())
-        drafted.append(current)
-        if confidence < policy.threshold:
-            break
-    verify_logits = backend.verify(plan, [token] + drafted, pos, len(drafted))
+def _verify(backend: Backend, token: int, draft: Draft, pos: int) -> np.ndarray:
+    tokens = [token] + draft.tokens
+    if draft.verify_plan is not None:
+        return backend.verify(draft.verify_plan, tokens, pos, draft.reuse)
+    return backend.forward(tokens, pos)
+
+
+def _speculative_round(backend: Backend, drafter, ctx: RoundContext, stats: Stats) -> list[int]:
+    """One draft-then-verify round starting from the last token of ``ctx.history``; the tokens it commits."""
+    draft = drafter.propose(ctx)
+    token, params, rng = ctx.history[-1], ctx.params, ctx.rng
+    verify_logits = _verify(backend, token, draft, ctx.pos)
+    drafted = draft.tokens
     if params.greedy:
         targets = np.argmax(verify_logits, axis=-1)
         n = 0
@@ -214,19 +223,21 @@ def _speculative_round(backend, plan, policy, params, rng, token, pos, budget, s
         committed = []
         for i, d in enumerate(drafted):
             p = probabilities(verify_logits[i], params)
-            q = draft_probs[i]
-            if rng.random() < min(1.0, p[d] / q[d]):
+            q = draft.q[i]
+            q_d = 1.0 if q is None else q[d]  # a lookup source's q is one-hot on its token
+            if rng.random() < min(1.0, p[d] / q_d):
                 committed.append(d)
                 continue
-            residual = np.maximum(p - q, 0.0)
+            if q is None:
+                residual = p.copy()
+                residual[d] = 0.0
+            else:
+                residual = np.maximum(p - q, 0.0)
             committed.append(sample(residual / residual.sum(), rng) if residual.sum() > 0 else sample(p, rng))
             break
         else:
             committed.append(sample(probabilities(verify_logits[len(drafted)], params), rng))
         n = len(committed) - 1
-    stats.rounds += 1
-    stats.drafted += len(drafted)
-    stats.accepted += n
-    stats.round_log.append((len(drafted), n))
-    policy.update(len(drafted), n)
+    stats.record(draft, n)
+    drafter.feedback(draft, n)
     return committed

@@ -238,13 +238,23 @@ def write_backend_files(root: Path, ir, backends: list[str]) -> dict:
 
         onnx_dtype = "float16" if ir.dtype == "float16" else "float32"
         export = ir.tuning.get("onnx_export", {})  # graph variant, weight-only quantization (build --quantize)
-        records["onnx"] = export_onnx_weights(ir.config, ir.weights, ir.plans, root / "onnx", onnx_dtype, **export)
+        records["onnx"] = export_onnx_weights(ir.config, ir.weights, model_plans(ir.plans), root / "onnx", onnx_dtype, **export,
+                                              draft_heads=getattr(ir, "extra_files", {}))
+    for relative, source in getattr(ir, "extra_files", {}).items():  # plan resources, e.g. a retrieval datastore
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(source, root / relative)
     if "tensorrt" in backends:  # engines built from the standard ONNX graphs, refitted from weights.bin at load
         from speccompile.export_tensorrt import export_tensorrt
 
         graphs_for = {n: p for n, p in ir.plans.items() if getattr(p, "has_model_draft", True)}
         records["tensorrt"] = export_tensorrt(root, ir, records.get("onnx"), graphs_for)
     return records
+
+
+def model_plans(plans: dict) -> dict:
+    """The plans with a model subgraph: the only ones that need graphs of their own (lookup-only plans
+    verify with the full model)."""
+    return {name: plan for name, plan in plans.items() if plan.has_model_draft}
 
 
 def hash_files(root: Path) -> dict:

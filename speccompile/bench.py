@@ -28,8 +28,10 @@ def load_prompts(path: str | None, manifest) -> tuple[list[str], str]:
     return list(DEFAULT_CALIBRATION), "built-in"
 
 
-def _generate_all(model, prompt_ids, max_new_tokens, eos, pad, desc, progress):
-    """Greedy ``generate()`` of a transformers-API model (transformers or optimum) on every prompt."""
+def _generate_all(model, prompt_ids, max_new_tokens, eos, pad, desc, progress, **extra):
+    """Greedy ``generate()`` of a transformers-API model (transformers or optimum) on every prompt;
+    ``extra`` generation options select a peer's own speculation (``prompt_lookup_num_tokens``,
+    ``assistant_early_exit``)."""
     import torch
     from transformers import GenerationConfig
     from transformers.utils import logging as hf_logging
@@ -37,8 +39,8 @@ def _generate_all(model, prompt_ids, max_new_tokens, eos, pad, desc, progress):
     hf_logging.set_verbosity_error()  # generate() chatters about generation-config defaults on every model
     pad = pad if pad is not None else (eos or [0])[0]
     config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                              eos_token_id=eos or None, pad_token_id=pad)
-    warmup = GenerationConfig(max_new_tokens=4, do_sample=False, num_beams=1, pad_token_id=pad)
+                              eos_token_id=eos or None, pad_token_id=pad, **extra)
+    warmup = GenerationConfig(max_new_tokens=4, do_sample=False, num_beams=1, pad_token_id=pad, **extra)
     outputs, seconds = [], 0.0
     with torch.inference_mode():
         model.generate(torch.tensor([prompt_ids[0]]), generation_config=warmup)
@@ -85,9 +87,11 @@ def run_bench(artifact: str, prompts_path: str | None = None, max_new_tokens: in
     accepted = sum(r.stats.accepted for r in spec)
     drafted = sum(r.stats.drafted for r in spec)
     spec_same = [a.token_ids == b.token_ids for a, b in zip(plain, spec)]
+    draft_plan = model.draft_plan(plan)
     report = {
         "artifact": str(artifact),
-        "plan": model.plan(plan).name,
+        "plan": draft_plan.name if draft_plan is not None else None,
+        "plan_description": draft_plan.describe() if draft_plan is not None else model.plain_reason,
         "prompts": len(prompt_ids),
         "prompt_source": prompt_source,
         "max_new_tokens": max_new_tokens,
@@ -95,7 +99,8 @@ def run_bench(artifact: str, prompts_path: str | None = None, max_new_tokens: in
                            "new_tokens": sum(r.stats.new_tokens for r in plain)},
         "speculative": {"tokens_per_s": round(rate(spec), 2), "new_tokens": sum(r.stats.new_tokens for r in spec),
                         "mean_accepted": round((accepted + rounds) / max(rounds, 1), 3),
-                        "acceptance_rate": round(accepted / max(drafted, 1), 3), "rounds": rounds},
+                        "acceptance_rate": round(accepted / max(drafted, 1), 3), "rounds": rounds,
+                        "sources": _sources(spec), "round_mix": _mix(spec)},
         "backend": model.backend.name,
         "transformers": None,
         "speedup": {"speculative_vs_autoregressive": round(rate(spec) / rate(plain), 3)},
@@ -103,54 +108,101 @@ def run_bench(artifact: str, prompts_path: str | None = None, max_new_tokens: in
     }
     identical = all(spec_same)
     source_path = Path(model.manifest.source.get("path", ""))
-    baselines = []
     if with_transformers:
-        baselines.append(("transformers", _transformers_model, "bench: transformers generate"))
-        if model.backend.name == "onnx":
-            baselines.append(("optimum", _optimum_model, "bench: optimum ORTModelForCausalLM"))
-    for key, make, desc in baselines:
-        if not (source_path / "config.json").is_file():
-            report[f"{key}_skipped"] = f"source model folder {str(source_path)!r} is not available"
-            continue
-        try:
-            outputs, seconds = _generate_all(make(source_path), prompt_ids, max_new_tokens, sorted(model.eos_ids),
-                                             model.manifest.tokens.get("pad_token_id"), desc, progress)
-        except SpeccompileError:
-            raise
-        except Exception as exc:  # an external baseline failing must not hide our own figures
-            if key == "transformers":
+        for key, make, extra, desc in _baselines(model, draft_plan, max_new_tokens):
+            if not (source_path / "config.json").is_file():
+                report[f"{key}_skipped"] = f"source model folder {str(source_path)!r} is not available"
+                continue
+            if isinstance(extra, str):
+                report[f"{key}_skipped"] = extra
+                continue
+            try:
+                outputs, seconds = _generate_all(make(source_path), prompt_ids, max_new_tokens, sorted(model.eos_ids),
+                                                 model.manifest.tokens.get("pad_token_id"), desc, progress, **extra)
+            except SpeccompileError:
                 raise
-            report[f"{key}_skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-            continue
-        base_rate = sum(len(o) for o in outputs) / seconds
-        same = [o == r.token_ids for o, r in zip(outputs, plain)]
-        report[key] = {"tokens_per_s": round(base_rate, 2), "new_tokens": sum(len(o) for o in outputs)}
-        report["speedup"][f"speculative_vs_{key}"] = round(rate(spec) / base_rate, 3)
-        report["speedup"][f"autoregressive_vs_{key}"] = round(rate(plain) / base_rate, 3)
-        report["identical_detail"][f"{key}_vs_autoregressive"] = f"{sum(same)}/{len(same)}"
-        identical = identical and all(same)
+            except Exception as exc:  # an external baseline failing must not hide our own figures
+                if key == "transformers":
+                    raise
+                report[f"{key}_skipped"] = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+                continue
+            base_rate = sum(len(o) for o in outputs) / seconds
+            same = [o == r.token_ids for o, r in zip(outputs, plain)]
+            report[key] = {"tokens_per_s": round(base_rate, 2), "new_tokens": sum(len(o) for o in outputs)}
+            report["speedup"][f"speculative_vs_{key}"] = round(rate(spec) / base_rate, 3)
+            report["speedup"][f"autoregressive_vs_{key}"] = round(rate(plain) / base_rate, 3)
+            report["identical_detail"][f"{key}_vs_autoregressive"] = f"{sum(same)}/{len(same)}"
+            if key in ("transformers", "optimum"):  # plain decoders: they must agree with ours
+                identical = identical and all(same)
     report["identical"] = identical
     return report
 
 
+def _sources(results) -> dict:
+    """Per draft source: tokens drafted, accepted, and the acceptance rate, over all prompts."""
+    totals: dict[str, list[int]] = {}
+    for r in results:
+        for source, (d, a) in r.stats.per_source.items():
+            t = totals.setdefault(source, [0, 0])
+            t[0] += d
+            t[1] += a
+    return {k: {"drafted": d, "accepted": a, "acceptance_rate": round(a / d, 3) if d else None}
+            for k, (d, a) in sorted(totals.items())}
+
+
+def _mix(results) -> dict:
+    """Share of rounds per combination of sources (what the hybrid chose)."""
+    mix: dict[str, int] = {}
+    for r in results:
+        for label, count in r.stats.source_mix.items():
+            mix[label] = mix.get(label, 0) + count
+    total = sum(mix.values()) or 1
+    return {label: round(count / total, 3) for label, count in sorted(mix.items())}
+
+
+PROMPT_LOOKUP_TOKENS = 10  # transformers' prompt lookup: tokens drafted per match (its docs suggest 10)
+
+
+def _baselines(model, plan, max_new_tokens):
+    """(key, model factory, generate() options or a reason to skip, progress label) for each peer."""
+    exit_layer = plan.exit_layer if plan is not None and plan.exit_layer else model.manifest.tuning.get("best_exit_layer")
+    early_exit = ({"assistant_early_exit": int(exit_layer)} if exit_layer
+                  else "no exit layer was tuned for this artifact (build with --method auto or early-exit)")
+    peers = [
+        ("transformers", _transformers_model, {}, "bench: transformers generate"),
+        ("transformers_prompt_lookup", _transformers_model, {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS},
+         "bench: transformers prompt lookup"),
+        ("transformers_early_exit", _transformers_model, early_exit, "bench: transformers assistant_early_exit"),
+    ]
+    if model.backend.name == "onnx":
+        peers.append(("optimum", _optimum_model, {}, "bench: optimum ORTModelForCausalLM"))
+    return peers
+
+
+LABELS = {"transformers": "transformers generate()", "transformers_prompt_lookup": "transformers prompt lookup",
+          "transformers_early_exit": "transformers assistant_early_exit", "optimum": "optimum ORTModelForCausalLM"}
+
+
 def format_report(report: dict) -> str:
+    plan = report["plan"] or "none: plain decoding"
     lines = [f"bench: {report['prompts']} prompts ({report['prompt_source']}), {report['max_new_tokens']} new tokens, "
-             f"plan '{report['plan']}', backend {report['backend']}"]
+             f"plan '{plan}' ({report.get('plan_description')}), backend {report['backend']}"]
     rows = [(f"runtime {report['backend']} plain (autoregressive)", report["autoregressive"]["tokens_per_s"]),
             (f"runtime {report['backend']} speculative", report["speculative"]["tokens_per_s"])]
-    if report["transformers"]:
-        rows.append(("transformers generate()", report["transformers"]["tokens_per_s"]))
-    if report.get("optimum"):
-        rows.append(("optimum ORTModelForCausalLM", report["optimum"]["tokens_per_s"]))
+    rows += [(label, report[key]["tokens_per_s"]) for key, label in LABELS.items() if report.get(key)]
     for name, value in rows:
-        lines.append(f"  {name:32s} {value:9.1f} tokens/s")
+        lines.append(f"  {name:36s} {value:9.1f} tokens/s")
     spec = report["speculative"]
     lines.append(f"  mean accepted tokens per round {spec['mean_accepted']:.2f} "
                  f"(acceptance rate {spec['acceptance_rate']:.2f}, {spec['rounds']} rounds)")
+    if spec.get("sources"):
+        lines.append("  per source: " + ", ".join(f"{k} {v['accepted']}/{v['drafted']} accepted"
+                                                for k, v in spec["sources"].items()))
+        lines.append("  rounds by source: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in spec["round_mix"].items()))
     lines.append("  speedup: " + ", ".join(f"{k.replace('_', ' ')} {v:.2f}x" for k, v in report["speedup"].items()))
     lines.append("  identical outputs: " + ("yes" if report["identical"] else "NO") + " ("
                  + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in report["identical_detail"].items()) + ")")
-    for key in ("transformers", "optimum"):
+    for key in LABELS:
         if f"{key}_skipped" in report:
             lines.append(f"  {key} baseline skipped: {report[key + '_skipped']}")
     return "\n".join(lines)

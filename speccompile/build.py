@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -12,15 +14,18 @@ from speccompile.artifact import BACKENDS, check_output, output_lock, source_fol
 from speccompile.calibration import load_calibration
 from speccompile.convert import arch_config, canonical_weights
 from speccompile.loading import SourceModel, load_source
+from speccompile.runners import make_runner
+from speccompile.passes.adapter import DRAFT_HEADS_DIR, AdapterAutotune, DraftVocabTune
 from speccompile.passes.autotune import CosineAutotune, ExitLayerAutotune
 from speccompile.passes.base import PassManager
 from speccompile.passes.bayes_autotune import BayesAutotune
 from speccompile.passes.confirm import ChooseDefaultPlan, ConfirmPlans
 from speccompile.passes.ir import DecoderIR
+from speccompile.passes.lookup_autotune import LookupAutotune
 from speccompile.passes.tuning import TuningContext
 from speccompile.runtime.errors import SpeccompileError
 
-METHODS = ("auto", "cosine", "early-exit", "bayes")
+METHODS = ("auto", "cosine", "early-exit", "bayes", "lookup", "adapter")
 CONVERSION_TOLERANCE = 1e-3  # fp32 logits; conversions that are right agree to ~1e-6
 
 
@@ -37,6 +42,9 @@ class TuningOptions:
     time_budget: float | None = None
     study: str | None = None
     plot: str | None = None
+    retrieval: bool = True
+    exit_layer: int | None = None  # --method adapter: the exit to train at (None: auto)
+    adapter_tokens: int | None = None  # teacher-forced training positions for the adapter (None: its default)
     show_progress: bool = True
 
 
@@ -97,43 +105,75 @@ def calibration_prompts(texts: list[str], tokenizer, context: int, room: int) ->
     return prompts
 
 
-def tune_ir(ir: DecoderIR, prompts: list[list[int]], options, log: Callable[[str], None] = print):
-    """Calibrate, autotune by ``options.method``, confirm by timed runs, pick the default plan.
+def tuning_backend(backends) -> str:
+    """The backend a build tunes and confirms on: the first one listed (the one ``generate`` runs by
+    default); build once per backend for the best plan on each."""
+    return list(backends or ["torch"])[0]
 
-    Shared by ``build`` and ``tune``; returns the IR and the Bayesian pass (for its search trace) or None.
+
+def tune_ir(ir: DecoderIR, prompts: list[list[int]], options, log: Callable[[str], None] = print,
+            backend: str = "torch", encode: Callable[[str], list[int]] | None = None):
+    """Calibrate, autotune by ``options.method``, confirm by timed runs on ``backend``, pick the default plan.
+
+    Shared by ``build`` and ``tune``; returns the IR. ``encode`` (text -> token ids) lets the adapter pass
+    train on the offline default corpus.
     """
-    context = TuningContext.prepare(ir, prompts, options.calibration_tokens, options.max_draft, options.show_progress,
-                                    options.confirm_prompts, options.confirm_tokens)
-    bayes = None
-    if options.method == "auto":
-        passes = [CosineAutotune(context, show_progress=options.show_progress),
-                  ExitLayerAutotune(context, show_progress=options.show_progress)]
-    elif options.method == "early-exit":
-        passes = [ExitLayerAutotune(context, show_progress=options.show_progress)]
-    else:
-        passes = [CosineAutotune(context, show_progress=options.show_progress)]
-        if options.method == "bayes":
-            bayes = BayesAutotune(context, trials=options.trials, time_budget=options.time_budget,
-                                  study_path=options.study, show_progress=options.show_progress)
-            passes.append(bayes)
-    passes += [ConfirmPlans(context.confirm_prompts, options.confirm_tokens, options.show_progress),
-               ChooseDefaultPlan(keep_only_default=options.method == "auto")]
-    ir = PassManager(passes, log)(ir)
-    best = ir.plans[ir.default_plan].measured.get("confirmed_speedup", 0.0)
-    if best < 1.0:
-        log(f"warning: no draft plan beat plain decoding on {context.device} (best confirmed {best:.2f}x); "
-            "use --no-speculate there, or a larger model, where drafting pays off")
-    ir.tuning.update(
-        method=options.method, device=context.device,
-        calibration={"source": options.calibration or "built-in", "prompts": len(prompts),
-                     "new_tokens": options.calibration_tokens},
-        cost_model=context.cost.as_dict(),
-    )
-    if bayes is not None and options.plot:
-        from speccompile.plots import plot_search
+    with tempfile.TemporaryDirectory(prefix="speccompile-tune-") as workdir:
+        for relative, source in ir.extra_files.items():  # resources of plans already in the IR
+            (Path(workdir) / relative).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(source, Path(workdir) / relative)
+        runner = make_runner(backend, ir, Path(workdir))
+        context = TuningContext.prepare(ir, prompts, options.calibration_tokens, options.max_draft,
+                                        options.show_progress, options.confirm_prompts, options.confirm_tokens,
+                                        runner=runner, workdir=Path(workdir))
+        bayes = None
+        progress = options.show_progress
+        adapter = AdapterAutotune(context, encode, exit_layer=options.exit_layer, tokens=options.adapter_tokens or None,
+                                  time_budget=options.time_budget, show_progress=progress) if options.method in (
+                                      "auto", "adapter") else None
+        if options.method == "auto":
+            passes = [CosineAutotune(context, show_progress=progress), ExitLayerAutotune(context, show_progress=progress),
+                      adapter, DraftVocabTune(context, ("layer-skip", "early-exit")),
+                      LookupAutotune(context, retrieval=options.retrieval,
+                                     hybrid_with=("layer-skip", "early-exit", "adapter"), show_progress=progress)]
+        elif options.method == "adapter":
+            passes = [adapter]
+        elif options.method == "early-exit":
+            passes = [ExitLayerAutotune(context, show_progress=progress)]
+        elif options.method == "lookup":
+            passes = [LookupAutotune(context, retrieval=options.retrieval, show_progress=progress)]
+        else:
+            passes = [CosineAutotune(context, show_progress=progress)]
+            if options.method == "bayes":
+                bayes = BayesAutotune(context, trials=options.trials, time_budget=options.time_budget,
+                                      study_path=options.study, show_progress=progress)
+                passes.append(bayes)
+        passes += [ConfirmPlans(context, progress), ChooseDefaultPlan(keep_only_default=options.method == "auto")]
+        ir = PassManager(passes, log)(ir)
+        if ir.default_plan is None:
+            log(f"warning: no draft plan beat plain decoding on {context.device} (best confirmed "
+                f"{ir.tuning['best_confirmed_speedup']:.2f}x); the artifact decodes plainly by default")
+        ir.tuning.update(
+            method=options.method, device=context.device, backend=backend,
+            calibration={"source": options.calibration or "built-in", "prompts": len(prompts),
+                         "new_tokens": options.calibration_tokens},
+            cost_model=context.cost.as_dict(), step_costs=context.costs.as_dict(),
+        )
+        if bayes is not None and options.plot:
+            from speccompile.plots import plot_search
 
-        plot_search(options.plot, bayes.trace, ir)
-        log(f"wrote {options.plot}")
+            plot_search(options.plot, bayes.trace, ir)
+            log(f"wrote {options.plot}")
+        used_heads = {plan.draft_head_file for plan in ir.plans.values()}  # draft heads of plans auto dropped
+        for relative in [r for r in ir.extra_files if r.startswith(DRAFT_HEADS_DIR + "/") and r not in used_heads]:
+            del ir.extra_files[relative]
+        # Plan resources (a datastore) live in the scratch folder: keep them until the artifact is written.
+        if ir.extra_files:
+            keep = Path(tempfile.mkdtemp(prefix="speccompile-resources-"))
+            for relative, source in list(ir.extra_files.items()):
+                (keep / relative).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source, keep / relative)
+                ir.extra_files[relative] = keep / relative
     return ir
 
 
@@ -159,7 +199,8 @@ def _build_locked(options: BuildOptions, log: Callable[[str], None]) -> Path:
 
     room = options.calibration_tokens + options.max_draft + 2
     prompts = calibration_prompts(texts, source.tokenizer, config.max_position_embeddings, room)
-    ir = tune_ir(ir, prompts, options, log)
+    ir = tune_ir(ir, prompts, options, log, backend=tuning_backend(options.backends),
+                 encode=lambda text: source.tokenizer(text)["input_ids"])
     source_record = {
         "model": source.name, "path": str(source.path.resolve()), "revision": source.revision,
         "architecture": type(source.model).__name__, "model_type": config.model_type,
@@ -195,6 +236,10 @@ def check_options(options) -> None:
         raise SpeccompileError(f"unknown --method '{options.method}'; choose one of {', '.join(METHODS)}")
     if options.max_draft < 1:
         raise SpeccompileError("--max-draft must be at least 1")
+    if options.exit_layer is not None and options.method != "adapter":
+        raise SpeccompileError("--exit-layer chooses where the adapter is trained; use it with --method adapter")
+    if options.adapter_tokens is not None and options.adapter_tokens < 1:
+        raise SpeccompileError(f"--adapter-tokens must be at least 1, got {options.adapter_tokens}")
     if options.plot and options.method != "bayes":
         raise SpeccompileError("--plot draws the Bayesian search; use it with --method bayes")
     unknown = [b for b in getattr(options, "backends", ()) if b not in BACKENDS]
@@ -231,7 +276,12 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> Path:
     room = options.calibration_tokens + options.max_draft + 2
     texts = load_calibration(options.calibration)
     prompts = [ids[: max(1, manifest.config.max_position_embeddings - room)] for ids in map(tokenizer.encode, texts) if ids]
-    ir = tune_ir(ir, prompts, options, log)
+    for plan in ir.plans.values():  # resources of kept plans (a datastore) carry over
+        if plan.datastore:
+            ir.extra_files[plan.datastore] = root / plan.datastore
+        if plan.draft_head_file:
+            ir.extra_files[plan.draft_head_file] = root / plan.draft_head_file
+    ir = tune_ir(ir, prompts, options, log, backend=tuning_backend(manifest.backends), encode=tokenizer.encode)
 
     def update(m):
         m.plans = ir.plans

@@ -161,11 +161,39 @@ def bayes_options(command):
         click.option("--trials", type=click.IntRange(1), default=200, show_default=True,
                      help="Bayesian search: total trials in the study (a resumed study runs only the rest)."),
         click.option("--time-budget", type=FiniteFloat(min=1), default=None,
-                     help="Bayesian search: stop after this many seconds."),
+                     help="Bayesian search: stop after this many seconds; adapter: seconds for its whole pass "
+                          "(teacher pass, training, choices; default 300)."),
         click.option("--study", type=click.Path(), default=None,
                      help="Bayesian search: SQLite file for the optuna study; rerun with it to continue."),
         click.option("--plot", type=click.Path(), default=None,
                      help="Bayesian search: write the search trace and chosen skip pattern to this PNG."),
+    ]
+    for option in reversed(options):
+        command = option(command)
+    return command
+
+
+def exit_layer_value(ctx, param, value):
+    """--exit-layer: a block number, or auto (None)."""
+    if value is None or value.strip().lower() == "auto":
+        return None
+    try:
+        layer = int(value)
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is neither a block number nor auto") from None
+    if layer < 1:
+        raise click.BadParameter(f"{layer} is not a block number >= 1")
+    return layer
+
+
+def adapter_options(command):
+    """The exit adapter's options (--method adapter), shared by build and tune."""
+    options = [
+        click.option("--exit-layer", default=None, callback=exit_layer_value, metavar="E|auto",
+                     help="Adapter: train it on the hidden state after block E (auto: try a few, keep the best)."),
+        click.option("--adapter-tokens", type=click.IntRange(1), default=None,
+                     help="Adapter: teacher-forced training tokens (calibration, the model's continuations, then "
+                          "Python standard library sources) [default: 64 per hidden unit, at most 32768]."),
     ]
     for option in reversed(options):
         command = option(command)
@@ -183,11 +211,18 @@ def main():
 @main.command()
 @click.argument("model", required=False)
 @click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Artifact folder to write.")
-@click.option("--method", type=click.Choice(["auto", "cosine", "early-exit", "bayes"]), default="auto",
-              show_default=True,
+@click.option("--method", type=click.Choice(["auto", "cosine", "early-exit", "bayes", "lookup", "adapter"]),
+              default="auto", show_default=True,
               help="cosine: skip the sublayers whose input and output are most alike; early-exit: draft with the "
-                   "first E blocks and verify only the rest; auto: tune both, keep the faster by timed runs; bayes: "
-                   "Bayesian search over skipped sublayers, seeded with the cosine plans (keeps both).")
+                   "first E blocks and verify only the rest; adapter: early exit through a small trained adapter (the "
+                   "model stays frozen) and a reduced draft vocabulary; lookup: model-free drafts (n-gram lookup over "
+                   "prompt and output, retrieval from the calibration text); auto: tune all of these and hybrids of "
+                   "lookup with "
+                   "each model draft, keep the fastest by timed runs on the backend (plain decoding if none pays); "
+                   "bayes: Bayesian search over skipped sublayers, seeded with the cosine plans (keeps both).")
+@click.option("--retrieval/--no-retrieval", default=True, show_default=True,
+              help="Let lookup plans draft from a datastore of the calibration text and the model's continuations "
+                   "of it (stored in the artifact; kept only if it pays).")
 @click.option("--calibration", type=click.Path(), default=None,
               help="Calibration text: .jsonl with a 'text' or 'prompt' field per line, or plain text split on "
                    "blank lines. Default: a small built-in set.")
@@ -203,14 +238,15 @@ def main():
               help="Weight-only quantize the ONNX graphs' linear layers and head (ONNX Runtime MatMulNBits, blocks "
                    "of 32); the quantized model is then the one drafts are verified against.")
 @bayes_options
+@adapter_options
 @click.option("--device", type=DeviceType(check_torch=True), default="cpu", show_default=True,
               help="Device to tune and time on (cpu, cuda, cuda:1).")
 @click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
 @click.option("--trust-remote-code", is_flag=True, help="Allow model code from the model folder (off by default).")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @friendly_errors
-def build(model, out, method, calibration, max_draft, calibration_tokens, backends, dtype, quantize, trials, time_budget, study, plot,
-          device, force, trust_remote_code, quiet):
+def build(model, out, method, retrieval, calibration, max_draft, calibration_tokens, backends, dtype, quantize, trials, time_budget,
+          study, plot, exit_layer, adapter_tokens, device, force, trust_remote_code, quiet):
     """Build a self-speculative artifact from MODEL (a local folder, a cached hub id, or nothing for the
     bundled reference model)."""
     from speccompile.build import BuildOptions, build as run_build
@@ -219,7 +255,8 @@ def build(model, out, method, calibration, max_draft, calibration_tokens, backen
                            calibration_tokens=calibration_tokens, dtype=dtype, device=device, force=force,
                            backends=tuple(b.strip() for b in backends.split(",") if b.strip()), quantize=quantize,
                            trust_remote_code=trust_remote_code, trials=trials, time_budget=time_budget, study=study,
-                           plot=plot, show_progress=not quiet)
+                           plot=plot, retrieval=retrieval, exit_layer=exit_layer, adapter_tokens=adapter_tokens,
+                           show_progress=not quiet)
     path = run_build(options, log=lambda message: click.echo(message, err=True))
     report_plans(path, "wrote")
 
@@ -234,28 +271,36 @@ def report_plans(path: Path, verb: str) -> None:
         click.echo(f"{verb} {path}: plan '{name}' ({plan.describe()}{default}), expected speedup "
                    f"{m.get('expected_speedup', 0):.2f}x, confirmed {m.get('confirmed_speedup', 0):.2f}x, "
                    f"mean accepted {m.get('confirmed_mean_accepted', 0):.2f} tokens/round")
+    if manifest.default_plan is None:
+        click.echo(f"{verb} {path}: no plan beat plain decoding, so the artifact decodes plainly by default "
+                   "(pass --plan NAME to try one anyway)")
 
 
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--method", type=click.Choice(["auto", "cosine", "early-exit", "bayes"]), default="bayes",
-              show_default=True)
+@click.option("--method", type=click.Choice(["auto", "cosine", "early-exit", "bayes", "lookup", "adapter"]),
+              default="bayes", show_default=True)
+@click.option("--retrieval/--no-retrieval", default=True, show_default=True,
+              help="Let lookup plans draft from a datastore of the calibration text (as for build).")
 @click.option("--calibration", type=click.Path(), default=None, help="Calibration text (as for build).")
 @click.option("--calibration-tokens", type=click.IntRange(4, 1024), default=64, show_default=True)
 @click.option("--max-draft", type=click.IntRange(1, 32), default=8, show_default=True)
 @bayes_options
+@adapter_options
 @click.option("--device", type=DeviceType(check_torch=True), default="cpu", show_default=True,
               help="Device to tune and time on.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
 @friendly_errors
-def tune(artifact, method, calibration, calibration_tokens, max_draft, trials, time_budget, study, plot, device, quiet):
+def tune(artifact, method, retrieval, calibration, calibration_tokens, max_draft, trials, time_budget, study, plot,
+         exit_layer, adapter_tokens, device, quiet):
     """Retune an existing ARTIFACT's draft plans for another device or calibration set, without rebuilding.
     Plans of the same name are replaced; the manifest is rewritten atomically."""
     from speccompile.build import TuneOptions, tune as run_tune
 
     options = TuneOptions(artifact=artifact, method=method, calibration=calibration, max_draft=max_draft,
                           calibration_tokens=calibration_tokens, device=device, trials=trials,
-                          time_budget=time_budget, study=study, plot=plot, show_progress=not quiet)
+                          time_budget=time_budget, study=study, plot=plot, retrieval=retrieval, exit_layer=exit_layer,
+                          adapter_tokens=adapter_tokens, show_progress=not quiet)
     report_plans(run_tune(options, log=lambda message: click.echo(message, err=True)), "tuned")
 
 
@@ -281,9 +326,10 @@ def generate(artifact, prompt, max_new_tokens, temperature, top_k, top_p, seed, 
     model = load(artifact, backend=backend, device=device)
     kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
                   speculate=not no_speculate, plan=plan)
+    plain_note = model.plain_reason if not no_speculate and plan is None else None
     if as_json:
         result = model.generate(prompt, **kwargs)
-        click.echo(json.dumps(result.as_dict()))
+        click.echo(json.dumps({**result.as_dict(), "plain_reason": plain_note}))
         return
     stream = model.stream(prompt, **kwargs)
     for chunk in stream:
@@ -291,7 +337,12 @@ def generate(artifact, prompt, max_new_tokens, temperature, top_k, top_p, seed, 
     click.echo()
     s = stream.result.stats
     accepted = f", mean accepted {s.mean_accepted:.2f} tokens/round" if s.mean_accepted is not None else ""
+    if s.mean_accepted is not None and len(s.per_source) > 1:
+        accepted += " (" + ", ".join(f"{k}: {v['accepted']}/{v['drafted']} accepted"
+                                     for k, v in s.source_report().items()) + ")"
     click.echo(f"[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tokens/s{accepted}, stop: {s.stop_reason}]", err=True)
+    if plain_note:
+        click.echo(f"[plain decoding: {plain_note}]", err=True)
 
 
 @main.command()
@@ -361,6 +412,28 @@ def inspect(artifact, as_json):
                        f"{m.get('confirmed_speedup', 0):.2f}x, prediction error "
                        f"{100 * m.get('prediction_error', 0):+.0f}%), tuned by {m.get('method', '?')} in "
                        f"{m.get('tuning_seconds', 0):.0f}s" + (f" over {m['trials']} trials" if "trials" in m else ""))
+        if m.get("adapter"):
+            a = m["adapter"]
+            click.echo(f"      adapter after block {a['exit_layer']}: {a['parameters']} parameters, trained on {a['tokens']} "
+                       f"tokens in {a['train_seconds']:.0f}s ({a['loss']} loss {a['first_loss']} -> {a['final_loss']}, "
+                       f"{a['stopped_by']}); exit agreement {a['exit_agreement_before']:.2f} -> "
+                       f"{a['exit_agreement_after']:.2f} (held out {a['held_out_agreement_before']} -> "
+                       f"{a['held_out_agreement_after']})")
+        if plan.draft_vocab is not None:
+            ratio = f", head {m['head_cost_ratio']:.1f}x cheaper (timed {m.get('head_cost_ratio_timed', 0):.1f}x)" \
+                if "head_cost_ratio" in m else ""
+            click.echo(f"      draft vocabulary: the {plan.draft_vocab} most frequent tokens{ratio}")
+        if plan.lookup:
+            click.echo(f"      lookup {'+'.join(plan.lookup)}: n-gram sizes {plan.ngram_max}..{plan.ngram_min}, up to "
+                       f"{plan.lookup_max_draft} tokens" + (f", datastore {plan.datastore}" if plan.datastore else ""))
+        for key, what in (("round_mix", "rounds by source (calibration)"), ("confirmed_round_mix", "rounds by source (confirmation)")):
+            if m.get(key):
+                click.echo(f"      {what}: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in m[key].items()))
+        if m.get("chosen_over"):
+            click.echo("      chosen over: " + ", ".join(f"{k} {v:.2f}x" for k, v in m["chosen_over"].items() if v is not None))
+    if manifest.default_plan is None:
+        click.echo(f"  no default plan: none beat plain decoding (best confirmed "
+                   f"{manifest.tuning.get('best_confirmed_speedup', 0):.2f}x); generate decodes plainly unless --plan is given")
 
 
 @main.command()

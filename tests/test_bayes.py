@@ -56,7 +56,9 @@ def test_bayes_tune_resumes_study_and_keeps_plan_lossless(artifact, tmp_path):
     assert bayes["skip_attn"] or bayes["skip_mlp"], "a plan that skips nothing is never chosen"
     cosine = manifest["plans"]["layer-skip"]["measured"]
     assert bayes["measured"]["confirmed_speedup"] >= cosine["confirmed_speedup"], "timed together, bayes >= cosine"
-    assert manifest["default_plan"] in ("bayes", "layer-skip")
+    best = max(bayes["measured"]["confirmed_speedup"], cosine["confirmed_speedup"])
+    # the faster plan is the default, unless neither beat plain decoding in its confirmation
+    assert manifest["default_plan"] in (("bayes", "layer-skip") if best > 1.0 else (None,))
 
     model = load(artifact)
     plan = model.plan("bayes")
