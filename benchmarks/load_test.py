@@ -4,8 +4,9 @@ Starts ``speccompile serve ARTIFACT --slots N`` as a child process on 127.0.0.1 
 each prompt's expected greedy text with the runtime in this process first, then sends ``--requests``
 requests (half streamed, half not) with at most ``--concurrency`` in flight through the real ``openai``
 client (no retries, so 429s are counted, not hidden). It prints completed / failed / 429 counts,
-p50/p95 latency, total tokens/s, and the server's resident memory (RSS) idle, after a warm-up and after
-the run, then stops the server. Exit status 1 when an answer is wrong or lost, or memory grew over 5%.
+p50/p95 latency, total tokens/s, and the server's resident memory (RSS) idle, after a warm-up (each slot
+decodes the longest prompt once) and after the run, then stops the server. Exit status 1 when an answer
+is wrong or lost, or memory grew over 5%.
 
     flock /tmp/speccompile-timing.lock python benchmarks/load_test.py artifacts/refcoder --slots 4
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import json
 import socket
 import statistics
@@ -48,12 +50,23 @@ def load_prompts(artifact: Path, path: str | None, count: int) -> list[str]:
     return [row.get("prompt") or row["text"] for row in rows][:count]
 
 
-def expected_answers(artifact: Path, prompts: list[str], max_tokens: int, backend: str | None) -> dict[str, str]:
-    """Each prompt's greedy text from the runtime itself (what every server answer must equal)."""
+def expected_answers(artifact: Path, prompts: list[str], max_tokens: int, backend: str | None,
+                     cache: Path | None = None) -> dict[str, str]:
+    """Each prompt's greedy text from the runtime itself (what every server answer must equal). With
+    ``cache``, answers computed for the same manifest, backend, prompts and length are reused."""
     from speccompile.runtime import load
 
+    key = hashlib.sha256(json.dumps([(artifact / "manifest.json").read_text(), backend, prompts, max_tokens])
+                         .encode()).hexdigest()
+    if cache is not None and cache.is_file():
+        stored = json.loads(cache.read_text())
+        if stored.get("key") == key:
+            return stored["answers"]
     model = load(artifact, backend=backend)
-    return {p: model.generate(p, max_new_tokens=max_tokens, temperature=0.0).text for p in prompts}
+    answers = {p: model.generate(p, max_new_tokens=max_tokens, temperature=0.0).text for p in prompts}
+    if cache is not None:
+        cache.write_text(json.dumps({"key": key, "answers": answers}))
+    return answers
 
 
 def free_port() -> int:
@@ -147,12 +160,14 @@ def main() -> int:
     parser.add_argument("--prompts", default=None, help=".jsonl with 'prompt' or 'text' per line")
     parser.add_argument("--backend", default=None)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    parser.add_argument("--expected-cache", type=Path, default=None,
+                        help="JSON file to keep the expected answers in between runs (recomputed when stale)")
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     args = parser.parse_args()
 
     prompts = load_prompts(args.artifact, args.prompts, args.distinct_prompts)
     t0 = time.perf_counter()
-    expected = expected_answers(args.artifact, prompts, args.max_tokens, args.backend)
+    expected = expected_answers(args.artifact, prompts, args.max_tokens, args.backend, args.expected_cache)
     print(f"expected greedy answers for {len(prompts)} prompts computed in {time.perf_counter() - t0:.1f}s")
 
     port = free_port()
@@ -161,8 +176,11 @@ def main() -> int:
     try:
         model_name = httpx.get(base_url + "/health").json()["model"]
         rss_idle = rss_mib(server.pid)
+        # Warm-up: every slot decodes the longest prompt once, so each KV cache has reached the size the run
+        # needs; "before" is measured after it, so growth over the run means memory is not given back.
+        longest = [max(prompts, key=len)]
         warm = argparse.Namespace(**{**vars(args), "requests": args.slots, "concurrency": args.slots})
-        warmup = asyncio.run(run_load(base_url, model_name, prompts, expected, warm))
+        warmup = asyncio.run(run_load(base_url, model_name, longest, expected, warm))
         rss_before = rss_mib(server.pid)
         result = asyncio.run(run_load(base_url, model_name, prompts, expected, args))
         rss_after = rss_mib(server.pid)
