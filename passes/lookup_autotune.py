@@ -6,9 +6,9 @@ tuners (expected speedup from replayed rounds and the runner's measured step cos
 
 - ``lookup``: n-gram lookup over the prompt and output (and, with a datastore, retrieval from the
   calibration text), over a small grid of n-gram sizes and draft lengths;
-- ``hybrid``: the best lookup settings in front of each model plan already in the IR (a lookup hit
+- ``hybrid``: the best lookup sources in front of each model plan already in the IR (a lookup hit
   drafts the round, the model's subgraph drafts otherwise, extended by a lookup continuation), with
-  the model part's draft length and threshold re-chosen for the hybrid.
+  the model part's draft length and threshold and the smallest n-gram size re-chosen for the hybrid.
 
 Retrieval is scored honestly: each half of the calibration sequences is replayed against a datastore
 built from the *other* half (a datastore always contains the text it was built from); the artifact's
@@ -82,12 +82,16 @@ class LookupAutotune(Pass):
         return best
 
     def _best_hybrid(self, lookup: DraftPlan, model: DraftPlan) -> tuple[DraftPlan, object, list]:
+        """The model part's draft length and threshold, and the smallest n-gram size worth a lookup round
+        (a short match that beats the model's draft alone need not beat it in front of the model), chosen
+        together; the lookup's sources and draft length stay the lookup plan's."""
         profile = self.context.profile(model)
         best = None
-        for k, threshold in itertools.product(range(1, self.context.max_draft + 1), THRESHOLDS):
-            plan = replace(model, name="hybrid", lookup=list(lookup.lookup), ngram_min=lookup.ngram_min,
-                           ngram_max=lookup.ngram_max, lookup_max_draft=lookup.lookup_max_draft,
-                           datastore=lookup.datastore, max_draft=k, threshold=threshold, adaptive=False, measured={})
+        sizes = sorted(set(NGRAM_SIZES) | {(lookup.ngram_min, lookup.ngram_max)})
+        for (lo, hi), k, threshold in itertools.product(sizes, range(1, self.context.max_draft + 1), THRESHOLDS):
+            plan = replace(model, name="hybrid", lookup=list(lookup.lookup), ngram_min=lo, ngram_max=hi,
+                           lookup_max_draft=lookup.lookup_max_draft, datastore=lookup.datastore, max_draft=k,
+                           threshold=threshold, adaptive=False, measured={})
             estimate, rounds = self._score(plan, profile)
             if best is None or estimate.expected_speedup > best[1].expected_speedup:
                 best = (plan, estimate, rounds)
@@ -114,8 +118,7 @@ class LookupAutotune(Pass):
             plan, estimate, rounds, base, seconds = max(hybrids, key=lambda h: h[1].expected_speedup)
             plan.measured = self.context.record("hybrid", estimate, tuning_seconds=round(seconds, 2),
                                                 model_plan=base, round_mix=round_mix(rounds))
-            plan.adaptive = True
-            plan.target_acceptance = tuned_target(plan.measured)
+            plan.target_acceptance = tuned_target(plan.measured)  # adaptive stays off: the policy that was replayed
             ir.add_plan(plan)
         if any("retrieval" in p.lookup for p in ir.plans.values()):
             ir.extra_files[DATASTORE_FILE] = self.context.workdir / DATASTORE_FILE
