@@ -238,11 +238,9 @@ class AdapterTrainer:
 
     @torch.no_grad()
     def distillation_loss(self, rows: torch.Tensor | None = None) -> float:
-        """Mean training loss over ``rows`` (default: the held-out positions, else all)."""
-        if rows is None:
-            held = torch.nonzero(~self.data.train).flatten()
-            rows = held if len(held) else torch.arange(len(self.data.train))
-        return float(self.batch_loss(rows))
+        """Mean training loss over ``rows`` (default: the held-out positions); nan over no rows."""
+        rows = torch.nonzero(~self.data.train).flatten() if rows is None else rows
+        return float(self.batch_loss(rows)) if len(rows) else float("nan")
 
     def draft_head(self, vocab: np.ndarray | None) -> DraftHead:
         return DraftHead(adapter=self.kernel.adapter_arrays(), vocab=vocab, exit_layer=self.exit_layer)
@@ -361,8 +359,8 @@ class AdapterAutotune(Pass):
             exit_layer = exits[0]
             trainers[exit_layer] = AdapterTrainer(decoder, data, exit_layer, train_vocab, self.loss)
         trainer = trainers[exit_layer]
-        held = torch.nonzero(~data.train).flatten()
-        loss_before = AdapterTrainer(decoder, data, exit_layer, train_vocab, self.loss).distillation_loss(held if len(held) else None)
+        held = torch.nonzero(~data.train).flatten()  # empty without a corpus: held-out figures are then None
+        loss_before = AdapterTrainer(decoder, data, exit_layer, train_vocab, self.loss).distillation_loss(held)
         trainer.train(max(remaining() * 0.85, 1.0), show_progress=self.show_progress, desc=f"adapter: training exit {exit_layer}")
         log = trainer.log
 
@@ -380,7 +378,6 @@ class AdapterAutotune(Pass):
         plan, estimate, vocab = best
         final = trainer.draft_head(vocab)
         relative = write_head(context, self.plan_name, final)
-        rows = held if len(held) else torch.arange(len(data.train))
         shared_plan = DraftPlan(name="shared", exit_layer=exit_layer)
         measured = context.record(
             "adapter", estimate, tuning_seconds=round(time.perf_counter() - start, 2),
@@ -392,8 +389,8 @@ class AdapterAutotune(Pass):
                 "steps": log.steps, "epochs": round(log.samples / max(int(data.train.sum()), 1), 2),
                 "stopped_by": log.stopped_by, "first_loss": _round(log.first_loss), "final_loss": _round(log.final_loss),
                 "held_out_loss_before": _round(loss_before), "held_out_loss_after": _round(trainer.distillation_loss()),
-                "held_out_agreement_before": _round(exit_agreement(decoder, data, exit_layer, None, rows)),
-                "held_out_agreement_after": _round(exit_agreement(decoder, data, exit_layer, final, rows)),
+                "held_out_agreement_before": _round(exit_agreement(decoder, data, exit_layer, None, held)),
+                "held_out_agreement_after": _round(exit_agreement(decoder, data, exit_layer, final, held)),
                 "exit_agreement_before": round(self.context.profile(shared_plan).match_rate, 4),
                 "exit_agreement_after": round(context.profile(replace(plan, draft_head_file=relative)).match_rate, 4),
                 "exit_layer_scores": {str(e): round(s, 4) for e, s in exit_scores.items()},
