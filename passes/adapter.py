@@ -327,9 +327,6 @@ class AdapterAutotune(Pass):
         holdout = {len(own) + i for i in range(len(corpus)) if i % step == step - 1}
         return own + corpus, holdout
 
-    def _score(self, plan: DraftPlan):
-        return self.context.score(plan)
-
     def run(self, ir: DecoderIR) -> DecoderIR:
         start = time.perf_counter()
         context, decoder, L = self.context, ir.decoder(), ir.config.num_layers
@@ -353,7 +350,7 @@ class AdapterAutotune(Pass):
                 trainers[e].train(share, max_epochs=1, show_progress=self.show_progress, desc=f"adapter: trying exit {e}")
                 plan = self._plan(e, write_head(context, f"candidate-{e}", trainers[e].draft_head(train_vocab)),
                                   len(train_vocab) if train_vocab is not None else None)
-                exit_scores[e] = self._score(plan).expected_speedup
+                exit_scores[e] = context.score(plan).expected_speedup
             exit_layer = max(exit_scores, key=exit_scores.get)
         else:
             exit_layer = exits[0]
@@ -371,7 +368,7 @@ class AdapterAutotune(Pass):
             vocab = ranking[:n] if n is not None else None
             relative = write_head(context, f"{self.plan_name}-vocab-{n or 'full'}", trainer.draft_head(vocab))
             plan = self._plan(exit_layer, relative, n)
-            estimate = self._score(plan)
+            estimate = context.score(plan)
             vocab_scores[str(n or "full")] = round(estimate.expected_speedup, 4)
             if best is None or estimate.expected_speedup > best[1].expected_speedup:
                 best = (plan, estimate, vocab)
@@ -391,7 +388,7 @@ class AdapterAutotune(Pass):
                 "held_out_loss_before": _round(loss_before), "held_out_loss_after": _round(trainer.distillation_loss()),
                 "held_out_agreement_before": _round(exit_agreement(decoder, data, exit_layer, None, held)),
                 "held_out_agreement_after": _round(exit_agreement(decoder, data, exit_layer, final, held)),
-                "exit_agreement_before": round(self.context.profile(shared_plan).match_rate, 4),
+                "exit_agreement_before": round(context.profile(shared_plan).match_rate, 4),
                 "exit_agreement_after": round(context.profile(replace(plan, draft_head_file=relative)).match_rate, 4),
                 "exit_layer_scores": {str(e): round(s, 4) for e, s in exit_scores.items()},
             },

@@ -4,7 +4,6 @@ family and both backends, sampling keeps the target's distribution, and the head
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
