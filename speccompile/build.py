@@ -26,6 +26,7 @@ from speccompile.passes.tuning import TuningContext
 from speccompile.runtime.errors import SpeccompileError
 
 METHODS = ("auto", "cosine", "early-exit", "bayes", "lookup", "adapter")
+CONFIRM_TOP = 3  # --method auto times the three plans with the highest expected speedup
 CONVERSION_TOLERANCE = 1e-3  # fp32 logits; conversions that are right agree to ~1e-6
 
 
@@ -148,7 +149,8 @@ def tune_ir(ir: DecoderIR, prompts: list[list[int]], options, log: Callable[[str
                 bayes = BayesAutotune(context, trials=options.trials, time_budget=options.time_budget,
                                       study_path=options.study, show_progress=progress)
                 passes.append(bayes)
-        passes += [ConfirmPlans(context, progress), ChooseDefaultPlan(keep_only_default=options.method == "auto")]
+        passes += [ConfirmPlans(context, progress, top=CONFIRM_TOP if options.method == "auto" else None),
+                   ChooseDefaultPlan(keep_only_default=options.method == "auto")]
         ir = PassManager(passes, log)(ir)
         if ir.default_plan is None:
             log(f"warning: no draft plan beat plain decoding on {context.device} (best confirmed "

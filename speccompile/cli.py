@@ -269,7 +269,7 @@ def report_plans(path: Path, verb: str) -> None:
         m = plan.measured
         default = ", default" if name == manifest.default_plan else ""
         click.echo(f"{verb} {path}: plan '{name}' ({plan.describe()}{default}), expected speedup "
-                   f"{m.get('expected_speedup', 0):.2f}x, confirmed {m.get('confirmed_speedup', 0):.2f}x, "
+                   f"{m.get('expected_speedup', 0):.2f}x, confirmed {(m.get('confirmed_speedup') or 0):.2f}x, "
                    f"mean accepted {m.get('confirmed_mean_accepted', 0):.2f} tokens/round")
     if manifest.default_plan is None:
         click.echo(f"{verb} {path}: no plan beat plain decoding, so the artifact decodes plainly by default "
@@ -409,16 +409,17 @@ def inspect(artifact, as_json):
             click.echo(f"      acceptance {m.get('acceptance_rate', 0):.2f}, mean accepted "
                        f"{m.get('mean_accepted', 0):.2f} (confirmed {m.get('confirmed_mean_accepted', 0):.2f}), "
                        f"expected speedup {m.get('expected_speedup', 0):.2f}x (confirmed "
-                       f"{m.get('confirmed_speedup', 0):.2f}x, prediction error "
+                       f"{(m.get('confirmed_speedup') or 0):.2f}x, prediction error "
                        f"{100 * m.get('prediction_error', 0):+.0f}%), tuned by {m.get('method', '?')} in "
                        f"{m.get('tuning_seconds', 0):.0f}s" + (f" over {m['trials']} trials" if "trials" in m else ""))
         if m.get("adapter"):
             a = m["adapter"]
             click.echo(f"      adapter after block {a['exit_layer']}: {a['parameters']} parameters, trained on {a['tokens']} "
                        f"tokens in {a['train_seconds']:.0f}s ({a['loss']} loss {a['first_loss']} -> {a['final_loss']}, "
-                       f"{a['stopped_by']}); exit agreement {a['exit_agreement_before']:.2f} -> "
-                       f"{a['exit_agreement_after']:.2f} (held out {a['held_out_agreement_before']} -> "
-                       f"{a['held_out_agreement_after']})")
+                       f"{a['stopped_by']}; exit agreement {a['exit_agreement_before']:.2f} -> "
+                       f"{a['exit_agreement_after']:.2f} on the calibration continuations" +
+                       (f", {a['held_out_agreement_before']:.2f} -> {a['held_out_agreement_after']:.2f} on "
+                        f"{a['held_out_tokens']} held-out tokens)" if a.get("held_out_tokens") else ")"))
         if plan.draft_vocab is not None:
             ratio = f", head {m['head_cost_ratio']:.1f}x cheaper (timed {m.get('head_cost_ratio_timed', 0):.1f}x)" \
                 if "head_cost_ratio" in m else ""

@@ -34,7 +34,7 @@ def plot_search(path: str, trace, ir) -> None:
             rows.append([1 if i in skipped else 0 for i in range(L)])
             m = plan.measured
             labels.append(f"{name} {kind}")
-        labels[-2] += f"  (pred {m.get('expected_speedup', 0):.2f}x, conf {m.get('confirmed_speedup', 0):.2f}x)"
+        labels[-2] += f"  (pred {m.get('expected_speedup', 0):.2f}x, conf {(m.get('confirmed_speedup') or 0):.2f}x)"
     ax_plan.imshow(np.array(rows), cmap="Greys", vmin=0, vmax=1.4, aspect="auto")
     ax_plan.set_yticks(range(len(labels)), labels)
     ax_plan.set_xticks(range(L))

@@ -176,7 +176,8 @@ def test_auto_method_keeps_the_fastest_plan_or_plain(tiny_model_dir, tmp_path):
     (name, plan), = manifest["plans"].items()
     others = plan["measured"]["chosen_over"]
     assert {name, *others} >= {"layer-skip", "early-exit", "lookup"} and manifest["tuning"]["method"] == "auto"
-    assert all(plan["measured"]["confirmed_speedup"] >= speedup for speedup in others.values())
+    confirmed = [speedup for speedup in others.values() if speedup is not None]  # the top 3 predicted are timed
+    assert len(confirmed) == 2 and all(plan["measured"]["confirmed_speedup"] >= speedup for speedup in confirmed)
     pays = plan["measured"]["confirmed_speedup"] > 1.0
     assert manifest["default_plan"] == (name if pays else None)
     generated = invoke("generate", out, "--prompt", "def add(a, b):", "--max-new-tokens", "8")
