@@ -30,6 +30,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from .adapter import DraftHead, expand_logits, load_draft_head
 from .errors import ArtifactError, BackendUnavailableError
 from .manifest import ArchConfig, DraftPlan
 
@@ -146,6 +147,7 @@ class OnnxBackend:
         self.exit_hidden: np.ndarray | None = None
         self._kv_values: dict[str, Any] = {}  # "past_key_values.{i}.{key|value}" -> OrtValue over self.k / self.v
         self._bindings: dict[str, Any] = {}  # graph key -> IOBinding with the KV buffers bound
+        self.draft_heads: dict[str, DraftHead] = {}  # plan.draft_head_file -> its draft head (vocabulary ids)
 
     def _session(self, ort, key: str, g: dict, threads: int):
         path = self.root / g["file"]
@@ -203,6 +205,8 @@ class OnnxBackend:
         """Every plan must have graphs exported for exactly its subgraph (skip sets / exit layer)."""
         L = self.config.num_layers
         for name, plan in plans.items():
+            if not plan.has_model_draft:
+                continue  # a lookup-only plan verifies with the full model: no graphs of its own
             rec = self.plan_records.get(name)
             if rec is None:
                 raise ArtifactError(f"plan {name!r} has no ONNX graphs (exported plans: {sorted(self.plan_records)}); "
@@ -216,6 +220,7 @@ class OnnxBackend:
             if ok and graph in self.inputs:
                 kv = {int(n.split(".")[1]) for n in self.inputs[graph] if n.startswith("past_key_values.")}
                 ok = kv == layers
+            ok = ok and (plan.draft_head_file is None) == (rec.get("draft_head") is None)  # draft head graphs
             if not ok:
                 raise ArtifactError(f"plan {name!r} does not match its exported ONNX graphs ({plan.describe()}); "
                                     "re-export with --backend onnx after changing plans")
@@ -347,10 +352,30 @@ class OnnxBackend:
 
     def draft(self, plan: DraftPlan, token: int, pos: int) -> np.ndarray:
         rec = self._plan(plan)
+        if rec.get("draft_head"):  # exit adapter / reduced vocabulary (speccompile/export_adapter.py)
+            return self._draft_with_head(plan, rec, token, pos)
         if rec["kind"] == "early_exit":
             h = self._run(rec["prefix"], pos, ids=[token], hidden_out=self.exit_hidden[:, pos: pos + 1])["hidden"]
             return self._logits(self._run(rec["head"], pos, hidden=h)["logits"])[-1]
         return self._logits(self._run(rec["draft"], pos, ids=[token])["logits"])[-1]
+
+    def load_draft_head(self, plan: DraftPlan, root: Path | None) -> None:
+        """Read ``plan``'s draft head file (its vocabulary ids; the weights are in the graphs) for ``draft``."""
+        c = self.config
+        self.draft_heads[plan.draft_head_file] = load_draft_head(Path(root or self.root) / plan.draft_head_file,
+                                                                 c.hidden_size, c.vocab_size)
+
+    def _draft_with_head(self, plan: DraftPlan, rec: dict, token: int, pos: int) -> np.ndarray:
+        head = self.draft_heads.get(plan.draft_head_file)
+        if head is None:
+            raise ArtifactError(f"plan {plan.name!r} needs its draft head {plan.draft_head_file!r}, which was not loaded; "
+                                "open the artifact with speccompile.runtime.load")
+        if rec["kind"] == "early_exit":
+            h = self._run(rec["prefix"], pos, ids=[token], hidden_out=self.exit_hidden[:, pos: pos + 1])["hidden"]
+        else:
+            h = self._run(rec["draft"], pos, ids=[token])["hidden"]
+        logits = self._run(rec["draft_head"], pos, hidden=h)["logits"]
+        return expand_logits(self._logits(logits)[-1], head.vocab, self.config.vocab_size)
 
     def verify(self, plan: DraftPlan, tokens: Sequence[int], pos: int, n_reuse: int) -> np.ndarray:
         rec = self._plan(plan)

@@ -22,6 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from .decoder import Decoder, KVCache, build_decoder
+from .adapter import DraftHead, expand_logits, load_draft_head
+from .errors import ArtifactError
 from .manifest import ArchConfig, DraftPlan
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -51,6 +53,7 @@ class TorchBackend:
         self.max_len = 0
         self.cuda_graphs, self._capture = cuda_graphs, capture
         self.static = None  # torch_graphs.StaticSteps over the current cache, when graphs are on
+        self.draft_heads: dict[str, tuple[DraftHead, TorchDraftHead]] = {}  # plan.draft_head_file -> kernel
 
     @property
     def graphed(self) -> bool:
@@ -65,7 +68,9 @@ class TorchBackend:
 
     def replica(self) -> "TorchBackend":
         """Another backend over the same weights with its own KV cache (one per concurrent sequence)."""
-        return TorchBackend(self.decoder, device=self.device, cuda_graphs=self.cuda_graphs, capture=self._capture)
+        other = TorchBackend(self.decoder, device=self.device, cuda_graphs=self.cuda_graphs, capture=self._capture)
+        other.draft_heads = self.draft_heads
+        return other
 
     def reserve(self, max_len: int) -> None:
         """Make sure the static cache holds ``max_len`` positions; reuse it across requests. With graphs
@@ -100,6 +105,8 @@ class TorchBackend:
 
     @torch.inference_mode()
     def draft(self, plan: DraftPlan, token: int, pos: int) -> np.ndarray:
+        if plan.draft_head_file is not None:
+            return self._draft_with_head(plan, token, pos)
         if self.static is not None:
             return self._numpy(self.static.draft(plan, token, pos))[-1]
         d = self.decoder
@@ -122,3 +129,94 @@ class TorchBackend:
         h_new = d.run_blocks(d.embed_tokens(self._ids(fresh), pos + n_reuse), pos + n_reuse, self.cache, 0, exit_layer)
         h = torch.cat((self.exit_hidden[:, pos : pos + n_reuse], h_new), dim=1)
         return self._numpy(d.head(d.run_blocks(h, pos, self.cache, exit_layer)))
+
+    # -- draft heads: trained exit adapters and reduced vocabularies (runtime/adapter.py) ------------
+    def load_draft_head(self, plan: DraftPlan, root: Path | None) -> None:
+        """Make ``plan``'s draft head ready for ``draft`` (called when a drafter for ``plan`` is made)."""
+        if plan.draft_head_file is None:
+            return
+        c = self.config
+        head = load_draft_head(Path(root or ".") / plan.draft_head_file, c.hidden_size, c.vocab_size)
+        cached = self.draft_heads.get(plan.draft_head_file)
+        if cached is None or cached[0] is not head:
+            self.draft_heads[plan.draft_head_file] = (head, TorchDraftHead.from_draft_head(self.decoder, head))
+
+    @torch.inference_mode()
+    def _draft_with_head(self, plan: DraftPlan, token: int, pos: int) -> np.ndarray:
+        if plan.draft_head_file not in self.draft_heads:
+            raise ArtifactError(f"plan {plan.name!r} needs its draft head {plan.draft_head_file!r}, which was not loaded; "
+                                "open the artifact with speccompile.runtime.load")
+        head, kernel = self.draft_heads[plan.draft_head_file]
+        d = self.decoder
+        h = d.embed_tokens(self._ids([token]), pos)
+        if plan.is_early_exit:
+            h = d.run_blocks(h, pos, self.cache, 0, plan.exit_layer)
+            self.exit_hidden[:, pos : pos + 1] = h  # the model's own state at E: the verifier reuses it
+        else:
+            h = d.run_blocks(h, pos, self.cache, skip_attn=set(plan.skip_attn), skip_mlp=set(plan.skip_mlp))
+        return expand_logits(self._numpy(kernel(h))[-1], head.vocab, self.config.vocab_size)
+
+
+class TorchDraftHead(torch.nn.Module):
+    """A draft head in torch: the exit adapter (a gated MLP added to the residual stream, no KV), then the
+    model's own final norm and the lm_head rows of the draft vocabulary (all rows when not reduced). The
+    model's modules are held, not registered, so training this module never touches the target."""
+
+    def __init__(self, decoder: Decoder, width: int | None, vocab: np.ndarray | None = None):
+        super().__init__()
+        from .decoder import _ACTIVATIONS, Norm
+
+        c, d = decoder.config, decoder.config.hidden_size
+        weight, dtype = decoder.embed.weight, decoder.embed.weight.dtype
+        self.norm = self.gate = self.up = self.down = None
+        if width:
+            self.norm = Norm(c, d).to(weight.device, dtype)
+            self.gate, self.up = (torch.nn.Linear(d, width, bias=False, device=weight.device, dtype=dtype) for _ in "gu")
+            self.down = torch.nn.Linear(width, d, bias=False, device=weight.device, dtype=dtype)
+            torch.nn.init.zeros_(self.down.weight)  # an untrained adapter is exactly the shared-head exit
+        self.act = _ACTIVATIONS[c.activation]
+        rows = decoder.lm_head.weight.detach()
+        if vocab is not None:
+            rows = rows[torch.as_tensor(vocab, dtype=torch.long, device=rows.device)].clone()
+        elif rows.is_inference():  # weights made under inference_mode cannot take part in training
+            rows = rows.clone()
+        final = Norm(c, d).to(weight.device, dtype)  # a copy of the model's final norm (d weights), frozen
+        final.load_state_dict({name: t.clone() for name, t in decoder.norm.state_dict().items()})
+        self._shared = (final.requires_grad_(False), rows)  # a tuple: not parameters of this module
+        self.vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.long, device=rows.device)
+        self.vocab_size = c.vocab_size
+
+    def adapt(self, h: torch.Tensor) -> torch.Tensor:
+        if self.gate is None:
+            return h
+        x = self.norm(h)
+        return h + self.down(self.act(self.gate(x)) * self.up(x))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """Hidden states after block E ``[..., d]`` -> draft logits over the draft vocabulary ``[..., N]``."""
+        norm, rows = self._shared
+        return torch.nn.functional.linear(norm(self.adapt(h)), rows)
+
+    def full_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``forward`` over the whole vocabulary: ``-inf`` outside the draft vocabulary."""
+        logits = self(h)
+        if self.vocab is None:
+            return logits
+        full = logits.new_full(logits.shape[:-1] + (self.vocab_size,), float("-inf"))
+        full[..., self.vocab] = logits
+        return full
+
+    def adapter_arrays(self) -> dict[str, np.ndarray]:
+        if self.gate is None:
+            return {}
+        return {f"adapter.{name}": t.detach().float().cpu().numpy() for name, t in self.state_dict().items()}
+
+    @classmethod
+    def from_draft_head(cls, decoder: Decoder, head: DraftHead) -> "TorchDraftHead":
+        width = head.adapter["adapter.gate.weight"].shape[0] if head.has_adapter else None
+        kernel = cls(decoder, width, head.vocab)
+        if width:
+            weight = decoder.embed.weight
+            kernel.load_state_dict({name.removeprefix("adapter."): torch.from_numpy(a).to(weight.device, weight.dtype)
+                                    for name, a in head.adapter.items()})
+        return kernel.eval().requires_grad_(False)

@@ -695,7 +695,8 @@ def export_onnx(decoder, plans: dict[str, DraftPlan], out_dir: Path, dtype: str 
 def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan], out_dir: Path,
                         dtype: str = "float32", relative_to: Path | None = None, variant: str = "standard",
                         quantize: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                        accuracy_level: int = DEFAULT_ACCURACY_LEVEL, pack: bool = True) -> dict[str, Any]:
+                        accuracy_level: int = DEFAULT_ACCURACY_LEVEL, pack: bool = True,
+                        draft_heads: dict[str, Path] | None = None) -> dict[str, Any]:
     """``export_onnx`` from an ``ArchConfig`` and canonical weights (name -> torch tensor or numpy array,
     as in weights/model.safetensors; a tied lm_head may be absent). No torch needed for numpy weights.
 
@@ -704,7 +705,9 @@ def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan]
     ("int8" / "int4", fused only): weight-only ``MatMulNBits`` for every linear layer and the head, in
     blocks of ``block_size`` along the input dimension; ``accuracy_level`` is MatMulNBits' (0: unset,
     4: int8 activations, ONNX Runtime's fast CPU path). ``pack`` (fused only): q/k/v and gate/up as one
-    matmul each, on weights concatenated in the graph (see ``_FusedGraph.linear_cat``)."""
+    matmul each, on weights concatenated in the graph (see ``_FusedGraph.linear_cat``). ``draft_heads`` maps
+    plans' draft head files (exit adapters, reduced vocabularies) to where they are now; their graphs:
+    ``speccompile/export_adapter.py``."""
     if dtype not in ("float32", "float16"):
         raise ValueError(f"ONNX export supports float32 and float16, not {dtype!r}")
     if variant not in VARIANTS:
@@ -749,6 +752,10 @@ def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan]
                 graphs[key] = build("full", key, config, np_dtype, weights, 0, L, frozenset(skips[0]),
                                     frozenset(skips[1]))
             plan_records[plan_name] = {"kind": "layer_skip", "draft": key, "verify": "verify"}
+        if plan.draft_head_file is not None:  # exit adapter / reduced vocabulary: extra graphs, same weights file
+            from speccompile.export_adapter import add_draft_head_graphs
+
+            add_draft_head_graphs(graphs, plan_records[plan_name], plan, config, np_dtype, weights, draft_heads, build)
 
     # One weights file: every tensor any graph uses, de-duplicated by content.
     used = []
@@ -793,7 +800,8 @@ def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan]
         if variant == "standard":  # the checker does not know ONNX Runtime's contrib ops
             onnx.checker.check_model(str(path), full_check=True)
         graph_records[key] = {
-            "file": rel(path), "variant": variant, "inputs": g.input_records, "outputs": g.output_records,
+            "file": rel(path), "variant": getattr(g, "variant", variant), "inputs": g.input_records,
+            "outputs": g.output_records,
             "initializers": list(g.used),
         }
 
