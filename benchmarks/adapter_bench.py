@@ -3,6 +3,7 @@
     flock /tmp/speccompile-timing.lock python benchmarks/adapter_bench.py loss  [--model smollm2] [--exit-layer 8] [--seconds 120]
     flock /tmp/speccompile-timing.lock python benchmarks/adapter_bench.py build [--model smollm2] [--exit-layer auto] [--time-budget 420]
     flock /tmp/speccompile-timing.lock python benchmarks/adapter_bench.py compare   # refcoder: adapter vs shared-head early exit
+    flock /tmp/speccompile-timing.lock python benchmarks/adapter_bench.py form  [--model smollm2] [--exit-layer 8] [--seconds 120]
 
 ``loss`` trains the same adapter (same data, same seconds) with the KL and the top-1 loss and prints the
 exit agreement each reaches (held-out corpus positions and the calibration continuations) and the
@@ -10,7 +11,10 @@ expected speedup: how the default loss was chosen. ``build`` builds an artifact 
 (ONNX first, so the plan is tuned and confirmed on ONNX Runtime, plus torch), then benches the adapter plan
 against plain decoding on both backends with the benchmark prompts and prints the closing table.
 ``compare`` builds refcoder with ``--method early-exit`` and with ``--method adapter`` and prints both
-confirmed speedups.
+confirmed speedups. ``form`` trains, on the same data for the same seconds, the shipped adapter (a gated MLP,
+no KV) and an attention + MLP block of the model's width (initialised from block E, causal attention over
+the chunk, as it would run with its own KV cache) and prints the held-out exit agreement of each: how the
+adapter's form was chosen.
 """
 
 from __future__ import annotations
@@ -51,19 +55,17 @@ def speccompile(*args: str) -> str:
 
 
 # -- loss: KL against top-1, same data and time -------------------------------------------------------
-def loss_experiment(args) -> None:
-    import torch
+def prepare_data(args):
+    """The tuning context, teacher data and training vocabulary the adapter pass would use, at one exit."""
     from transformers import AutoTokenizer
 
     from speccompile.build import calibration_prompts
     from speccompile.calibration import load_calibration
-    from speccompile.loading import load_source
     from speccompile.convert import arch_config, canonical_weights
-    from speccompile.passes.adapter import (AdapterTrainer, AdapterAutotune, TRAIN_VOCAB, exit_agreement, teacher_data,
-                                            vocab_ranking, write_head)
+    from speccompile.loading import load_source
+    from speccompile.passes.adapter import TRAIN_VOCAB, AdapterAutotune, teacher_data, vocab_ranking
     from speccompile.passes.ir import DecoderIR
     from speccompile.passes.tuning import TuningContext
-    from speccompile.runtime.manifest import DraftPlan
 
     model, build_extra, _ = model_and_data(args.model)
     source = load_source(model)
@@ -80,6 +82,16 @@ def loss_experiment(args) -> None:
     continuations = [ref.targets.tolist() for ref in context.references]
     ranking = vocab_ranking(continuations, data.argmax[data.train], config.vocab_size)
     train_vocab = ranking[:TRAIN_VOCAB] if config.vocab_size > TRAIN_VOCAB else None
+    return ir, context, data, train_vocab, chunks, holdout
+
+
+def loss_experiment(args) -> None:
+    import torch
+
+    from speccompile.passes.adapter import AdapterTrainer, exit_agreement, write_head
+    from speccompile.runtime.manifest import DraftPlan
+
+    ir, context, data, train_vocab, _, _ = prepare_data(args)
     held = torch.nonzero(~data.train).flatten()
     rows = {}
     shared = DraftPlan(name="shared", exit_layer=args.exit_layer)
@@ -157,9 +169,73 @@ def compare(args) -> None:
               f"{m['expected_speedup']}x | {m.get('confirmed_speedup')}x | {m.get('confirmed_mean_accepted')} |")
 
 
+def form_experiment(args) -> None:
+    import copy
+
+    import torch
+    import torch.nn.functional as F
+
+    from speccompile.passes.adapter import AdapterTrainer, exit_agreement
+
+    ir, context, data, train_vocab, chunks, holdout = prepare_data(args)
+    decoder, E = ir.decoder(), args.exit_layer
+    lengths = [len(c) for c in chunks]
+    held = torch.nonzero(~data.train).flatten()
+    results = {"shared head": exit_agreement(decoder, data, E, None, held)}
+    mlp = AdapterTrainer(decoder, data, E, train_vocab, "kl")
+    mlp.train(args.seconds, max_epochs=1000)
+    results["gated MLP adapter (shipped)"] = exit_agreement(decoder, data, E, mlp.draft_head(None), held)
+
+    # An attention + MLP block of the model's width, initialised from block E, trained on whole chunks.
+    block = copy.deepcopy(decoder.layers[E])
+    block.load_state_dict({k: v.clone() for k, v in decoder.layers[E].state_dict().items()})
+    block.requires_grad_(True).train()
+    kernel = mlp.kernel.__class__(decoder, None, train_vocab)  # final norm + the training-vocabulary head rows
+    starts = torch.tensor([0] + lengths).cumsum(0)
+    index = mlp.target_index
+
+    def run_block(h):
+        t = h.shape[1]
+        q, k, v = block.attn.project(block.attn_norm(h), decoder.rope_at(0, t))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=decoder.config.scale,
+                                             enable_gqa=block.attn.n_kv != block.attn.n_heads)
+        h = h + block.attn.o(out.transpose(1, 2).reshape(1, t, -1))
+        return h + block.mlp(block.mlp_norm(h))
+
+    train_chunks = [c for c in range(len(chunks)) if c not in holdout]
+    optimizer = torch.optim.AdamW([p for p in block.parameters()], lr=5e-4)
+    start, steps = time.perf_counter(), 0
+    gen = torch.Generator().manual_seed(0)
+    while time.perf_counter() - start < args.seconds:
+        c = train_chunks[int(torch.randint(len(train_chunks), (1,), generator=gen))]
+        rows = torch.arange(starts[c], starts[c + 1])
+        logq = F.log_softmax(kernel(run_block(data.hidden[E][rows][None]))[0].float(), -1)
+        present = index[rows] >= 0
+        p = data.top_logprobs[rows].exp() * present
+        p = p / p.sum(-1, keepdim=True).clamp(min=1e-9)
+        loss = (torch.special.xlogy(p, p) - p * logq.gather(1, index[rows].clamp(min=0))).sum(-1).mean()
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        steps += 1
+    hits = total = 0
+    full = mlp.kernel.__class__(decoder, None, None)
+    with torch.no_grad():
+        for c in sorted(holdout):
+            rows = torch.arange(starts[c], starts[c + 1])
+            hits += int((full(run_block(data.hidden[E][rows][None]))[0].argmax(-1) == data.argmax[rows]).sum())
+            total += len(rows)
+    results[f"attention + MLP block ({steps} chunk steps)"] = hits / max(total, 1)
+    print(f"\n{args.model}, exit after block {E}, {int(data.train.sum())} training tokens, {len(held)} held out, "
+          f"{args.seconds:.0f}s each")
+    print("| draft at the exit | held-out exit agreement |\n|---|---|")
+    for name, value in results.items():
+        print(f"| {name} | {value:.3f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("part", choices=["loss", "build", "compare"])
+    parser.add_argument("part", choices=["loss", "build", "compare", "form"])
     parser.add_argument("--model", default="smollm2")
     parser.add_argument("--exit-layer", default=None)
     parser.add_argument("--seconds", type=float, default=120.0, help="loss: training seconds per loss")
@@ -169,9 +245,9 @@ def main() -> None:
     parser.add_argument("--out-dir", type=Path, default=REPO / "artifacts")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
-    if args.part == "loss":
+    if args.part in ("loss", "form"):
         args.exit_layer = int(args.exit_layer or 8)
-        loss_experiment(args)
+        (loss_experiment if args.part == "loss" else form_experiment)(args)
     elif args.part == "build":
         args.exit_layer_text = args.exit_layer or "auto"
         build_and_bench(args)
