@@ -4,6 +4,9 @@ family and both backends, sampling keeps the target's distribution, and the head
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -258,6 +261,13 @@ def test_build_adapter_artifact_inspect_generate_and_tamper(tiny_model_dir, tmp_
         assert spec.token_ids == plain.token_ids and spec.stats.rounds > 0
         outputs.append(spec.token_ids)
     assert outputs[0] == outputs[1]
+    # The ONNX side runs without torch: the draft head file is read with safetensors' numpy API.
+    prompt = load(out, backend="onnx").encode_prompt("def add(a, b):")
+    blocked = subprocess.run([sys.executable, str(Path(__file__).parent / "torch_blocker.py"), str(out), json.dumps(prompt),
+                              "24", "adapter"], capture_output=True, text=True, timeout=300)
+    assert blocked.returncode == 0, blocked.stderr[-2000:]
+    got = json.loads(blocked.stdout.strip().splitlines()[-1])
+    assert got["torch_blocked"] and not got["torch_loaded"] and got["spec"] == got["plain"] == outputs[1]
     # A tampered draft head is refused by the artifact's hash check, before anything runs.
     head = out / plan["draft_head_file"]
     data = bytearray(head.read_bytes())
