@@ -56,7 +56,7 @@ WEIGHTS_NAME = "weights.bin"
 ALIGN = 64
 FORMAT_VERSION = 1
 DEFAULT_BLOCK_SIZE = 32
-DEFAULT_ACCURACY_LEVEL = 0
+DEFAULT_ACCURACY_LEVEL = 4  # int8 activations: onnxruntime's fast CPU MatMulNBits path (int8 at level 0 has none)
 
 CONTRIB = "com.microsoft"
 VARIANTS = ("standard", "fused")
