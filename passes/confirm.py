@@ -8,6 +8,8 @@ decoding in its own confirmation never becomes the default.
 
 from __future__ import annotations
 
+import dataclasses
+
 from tqdm.auto import tqdm
 
 from speccompile.runtime.manifest import DraftPlan
@@ -98,7 +100,10 @@ class ConfirmPlans(Pass):
             if plan.measured.get("confirmed_speedup") is None:
                 confirmer = confirmer or Confirmer(c.runner.backend(ir.plans), c.confirm_prompts, c.confirm_tokens,
                                                    root=c.workdir)
-                plan.measured.update(confirmer.measure(plan))
+                timed = plan
+                if plan.datastore and c.confirm_datastore:  # never confirm on a datastore holding the prompts' answers
+                    timed = dataclasses.replace(plan, datastore=c.confirm_datastore)
+                plan.measured.update(confirmer.measure(timed))
             predicted = plan.measured.get("expected_speedup")
             if predicted:
                 error = (predicted - plan.measured["confirmed_speedup"]) / plan.measured["confirmed_speedup"]

@@ -32,6 +32,7 @@ from .replay import estimate_rounds, replay, round_mix
 from .tuning import LOOKUP_MAX_DRAFT, TuningContext
 
 DATASTORE_FILE = "retrieval/datastore.safetensors"
+HELD_OUT_DATASTORE_FILE = "retrieval/confirm-held-out.safetensors"  # tuning only, never in the artifact
 NGRAM_SIZES = ((1, 3), (2, 3), (2, 5), (3, 5))
 LOOKUP_DRAFTS = (2, 4, 6, 8, LOOKUP_MAX_DRAFT)
 
@@ -69,6 +70,11 @@ class LookupAutotune(Pass):
         for fold in (0, 1):
             Datastore.build([s for i, s in enumerate(sequences) if i % 2 == fold]).save(folder / f"fold{fold}.safetensors")
         Datastore.build(sequences).save(self.context.workdir / DATASTORE_FILE)
+        # Confirmation decodes the first calibration prompts: it must not find their own continuations in
+        # the datastore (a leak that once "confirmed" 5x), so it reads one built from the other sequences.
+        held_out = sequences[len(self.context.confirm_prompts):] or [[]]
+        Datastore.build(held_out).save(self.context.workdir / HELD_OUT_DATASTORE_FILE)
+        self.context.confirm_datastore = HELD_OUT_DATASTORE_FILE
 
     def _best_lookup(self) -> tuple[DraftPlan, object, list]:
         sources = [["ngram"]] + ([["ngram", "retrieval"], ["retrieval"]] if self.retrieval else [])

@@ -61,6 +61,7 @@ class TuningContext:
     confirm_prompts: list[list[int]] = field(default_factory=list)
     confirm_tokens: int = 48
     cosine_scores: dict[int, float] = field(default_factory=dict)  # skip count -> expected speedup
+    confirm_datastore: str | None = None  # datastore for confirming retrieval plans, without the confirm prompts
 
     @classmethod
     def prepare(cls, ir: DecoderIR, prompts: list[list[int]], new_tokens: int, max_draft: int,
