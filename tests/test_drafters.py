@@ -238,3 +238,25 @@ def test_replay_matches_the_real_loop(family, tiny_decoder, tmp_path):
         else:
             assert replayed == real
         assert sum(a for _, a, _ in real) > 0
+
+
+def test_retrieval_plans_are_confirmed_without_their_own_answers(tiny_decoder):
+    """The datastore is built from the calibration continuations and confirmation decodes the first
+    calibration prompts: confirmation must read a datastore without those sequences, or a retrieval plan
+    'confirms' by looking its answers up."""
+    from speccompile.passes.ir import DecoderIR
+    from speccompile.passes.lookup_autotune import DATASTORE_FILE, LookupAutotune
+    from speccompile.passes.tuning import TuningContext
+
+    _, decoder = tiny_decoder("llama")
+    ir = DecoderIR(decoder.config, {})
+    ir._decoder = decoder
+    prompts = random_prompts(decoder.config.vocab_size, seed=21)
+    context = TuningContext.prepare(ir, prompts, 12, 3, show_progress=False, confirm_prompts=2, confirm_tokens=8)
+    LookupAutotune(context, retrieval=True, show_progress=False).run(ir)
+    sequences = [ref.tokens[0].tolist() for ref in context.references]
+    full = Datastore.load(context.workdir / DATASTORE_FILE)
+    held_out = Datastore.load(context.workdir / context.confirm_datastore)
+    body = lambda store: [t for t in store.tokens.tolist() if t >= 0]  # noqa: E731
+    assert body(full) == [t for s in sequences for t in s]
+    assert body(held_out) == [t for s in sequences[2:] for t in s]
