@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
@@ -204,16 +205,26 @@ class SpeculativeModel:
         def chunks() -> Iterator[Chunk]:
             produced: list[int] = []
             text = ""
-            for new in decode(self.backend, request, drafter, stats):
-                produced.extend(new)
-                full = self.tokenizer.decode(produced)
-                # Hold back text that ends in an incomplete UTF-8 sequence until it completes.
-                delta = full[len(text):] if not full.endswith("\ufffd") else ""
-                text += delta
-                yield Chunk(text=delta, token_ids=new)
-            stream.result = GenerationResult(
-                text=self.tokenizer.decode(produced), token_ids=produced, prompt_ids=prompt_ids, stats=stats
-            )
+            start = time.perf_counter()
+            try:
+                for new in decode(self.backend, request, drafter, stats):
+                    produced.extend(new)
+                    full = self.tokenizer.decode(produced)
+                    # Hold back text that ends in an incomplete UTF-8 sequence until it completes.
+                    delta = full[len(text):] if not full.endswith("\ufffd") else ""
+                    text += delta
+                    yield Chunk(text=delta, token_ids=new)
+            finally:
+                # Also when the caller stops early (a stop string, a client that hung up): the result
+                # then holds what was produced so far, with its round statistics.
+                if stream.result is None and not stats.seconds:
+                    stats.seconds = time.perf_counter() - start
+                if stream.result is None:
+                    if stats.stop_reason == "length" and stats.new_tokens < request.max_new_tokens:
+                        stats.stop_reason = "cancelled"
+                    stream.result = GenerationResult(
+                        text=self.tokenizer.decode(produced), token_ids=produced, prompt_ids=prompt_ids, stats=stats
+                    )
 
         stream._chunks = chunks()
         return stream
