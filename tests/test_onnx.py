@@ -33,7 +33,7 @@ from speccompile.runtime.manifest import Manifest, DraftPlan, file_record, read_
 from speccompile.runtime.onnx_backend import OnnxBackend  # noqa: E402
 from speccompile.runtime.sampling import SamplingParams  # noqa: E402
 from speccompile.runtime.torch_backend import TorchBackend  # noqa: E402
-from tiny_models import FAMILIES, make_model  # noqa: E402
+from tiny_models import FAMILIES, make_model, make_tokenizer  # noqa: E402
 
 TESTS = Path(__file__).parent
 PROMPTS = 6
@@ -53,8 +53,10 @@ def plans(num_layers: int) -> dict[str, DraftPlan]:
 
 
 def make_artifact(decoder, plan_map: dict[str, DraftPlan], root: Path) -> Path:
-    """A minimal ONNX-only artifact folder: onnx/ + manifest.json (no tokenizer, no torch weights)."""
+    """A minimal ONNX-only artifact folder: onnx/ + tokenizer/ + manifest.json (no torch weights). The
+    runtime requires the tokenizer to be listed and hashed like every file it opens."""
     root.mkdir(parents=True, exist_ok=True)
+    make_tokenizer(root / "tokenizer")
     record = export_onnx(decoder, plan_map, root / "onnx")
     files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
     manifest = Manifest(config=decoder.config, plans=plan_map, default_plan=next(iter(plan_map)),
