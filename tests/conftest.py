@@ -64,4 +64,19 @@ def tiny_artifact(tiny_model_dir, tmp_path_factory):
     return build(options, log=lambda message: None)
 
 
+@pytest.fixture(scope="session")
+def small_vocab_llama(tmp_path_factory):
+    """A tiny random Llama over a 12-token vocabulary, for sampling tests that enumerate exact
+    distributions (shared by the drafter and draft-head sampling tests)."""
+    from transformers import AutoModelForCausalLM
+
+    from speccompile.convert import arch_config, canonical_weights
+    from speccompile.runtime.decoder import build_decoder
+
+    folder = make_model("llama", tmp_path_factory.mktemp("sv") / "llama", seed=4, vocab_size=12, initializer_range=0.15)
+    hf = AutoModelForCausalLM.from_pretrained(folder).eval()
+    config = arch_config(hf)
+    return build_decoder(config, canonical_weights(hf, config))
+
+
 __all__ = ["FAMILIES"]

@@ -15,8 +15,10 @@ NEAR_TIE = 1e-4
 
 
 def run(backend: TorchBackend, prompt: list[int], new_tokens: int, plan: DraftPlan | None = None,
-        params: SamplingParams = SamplingParams(), seed: int | None = None, eos=frozenset()) -> tuple[list[int], Stats]:
-    return decode_all(backend, DecodeRequest(prompt, new_tokens, params, eos, seed), plan)
+        params: SamplingParams = SamplingParams(), seed: int | None = None, eos=frozenset(),
+        root=None) -> tuple[list[int], Stats]:
+    """Decode to the end with the runtime's own loop; ``root`` holds files a plan's drafter reads."""
+    return decode_all(backend, DecodeRequest(prompt, new_tokens, params, eos, seed), plan, root)
 
 
 @torch.inference_mode()

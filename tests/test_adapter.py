@@ -17,7 +17,7 @@ from lossless import assert_same_greedy, chi_square_pvalue, exact_marginals, nex
 from speccompile.runtime.adapter import DraftHead
 from speccompile.runtime.manifest import DraftPlan
 from speccompile.runtime.sampling import SamplingParams
-from speccompile.runtime.speculative import DecodeRequest, Stats, backend_drafter, decode, reserve_cache
+from speccompile.runtime.speculative import backend_drafter
 from speccompile.runtime.torch_backend import TorchBackend
 from tiny_models import FAMILIES
 
@@ -40,13 +40,7 @@ def random_head(config, vocab: np.ndarray | None, seed: int, width: int = 32, sc
 
 
 def decode_plan(backend, prompt, plan, root, params=SamplingParams(), seed=None, new_tokens=NEW_TOKENS):
-    request = DecodeRequest(prompt, new_tokens, params, frozenset(), seed)
-    stats = Stats()
-    reserve_cache(backend, request, plan)
-    out = []
-    for new in decode(backend, request, backend_drafter(backend, plan, root), stats):
-        out.extend(new)
-    return out, stats
+    return run(backend, prompt, new_tokens, plan, params, seed, root=root)
 
 
 # -- training ------------------------------------------------------------------------------------------
@@ -171,23 +165,9 @@ SEED_BASE = 10_000  # seeds SEED_BASE.. (checked once with 20,000 other seeds: p
 ALPHA = 1e-3
 
 
-@pytest.fixture(scope="module")
-def small_vocab(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    from speccompile.convert import arch_config, canonical_weights
-    from speccompile.runtime.decoder import build_decoder
-    from tiny_models import make_model
-
-    folder = make_model("llama", tmp_path_factory.mktemp("sv") / "llama", seed=4, vocab_size=VOCAB, initializer_range=0.15)
-    hf = AutoModelForCausalLM.from_pretrained(folder).eval()
-    config = arch_config(hf)
-    return build_decoder(config, canonical_weights(hf, config))
-
-
 @pytest.mark.parametrize("kind", ["adapter", "reduced-skip"])
-def test_sampling_with_draft_heads_matches_target_distribution(small_vocab, kind, tmp_path):
-    decoder = small_vocab
+def test_sampling_with_draft_heads_matches_target_distribution(small_vocab_llama, kind, tmp_path):
+    decoder = small_vocab_llama
     config = decoder.config
     if kind == "adapter":
         head = random_head(config, None, 3, scale=0.3)

@@ -12,7 +12,6 @@ from speccompile.runtime.manifest import DraftPlan
 from speccompile.runtime.ngram import NgramDrafter, NgramIndex
 from speccompile.runtime.retrieval import Datastore
 from speccompile.runtime.sampling import SamplingParams
-from speccompile.runtime.speculative import DecodeRequest, Stats, backend_drafter, decode, reserve_cache
 from speccompile.runtime.torch_backend import TorchBackend
 from tiny_models import FAMILIES
 
@@ -128,13 +127,7 @@ def check_lossless(decoder, backend, root: Path, plan_map: dict[str, DraftPlan])
 
 
 def decode_plan(backend, prompt, plan, root, params=SamplingParams(), seed=None, new_tokens=NEW_TOKENS):
-    request = DecodeRequest(prompt, new_tokens, params, frozenset(), seed)
-    stats = Stats()
-    reserve_cache(backend, request, plan)
-    out = []
-    for new in decode(backend, request, backend_drafter(backend, plan, root), stats):
-        out.extend(new)
-    return out, stats
+    return run(backend, prompt, new_tokens, plan, params, seed, root=root)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -160,27 +153,13 @@ SAMPLES = 2000
 ALPHA = 1e-3
 
 
-@pytest.fixture(scope="module")
-def small_vocab(tmp_path_factory):
-    from transformers import AutoModelForCausalLM
-
-    from speccompile.convert import arch_config, canonical_weights
-    from speccompile.runtime.decoder import build_decoder
-    from tiny_models import make_model
-
-    folder = make_model("llama", tmp_path_factory.mktemp("sv") / "llama", seed=4, vocab_size=VOCAB, initializer_range=0.15)
-    hf = AutoModelForCausalLM.from_pretrained(folder).eval()
-    config = arch_config(hf)
-    return build_decoder(config, canonical_weights(hf, config))
-
-
 @pytest.mark.parametrize("plan", [
     DraftPlan(name="ngram", lookup=["ngram"], ngram_min=1, ngram_max=2, lookup_max_draft=2),
     DraftPlan(name="hybrid", lookup=["ngram"], ngram_min=2, ngram_max=2, lookup_max_draft=2,
               skip_attn=[1, 2], skip_mlp=[1, 2], max_draft=1, adaptive=False),
 ], ids=["ngram", "hybrid-skip"])
-def test_sampling_with_lookup_drafts_matches_target_distribution(small_vocab, plan):
-    decoder = small_vocab
+def test_sampling_with_lookup_drafts_matches_target_distribution(small_vocab_llama, plan):
+    decoder = small_vocab_llama
     backend = TorchBackend(decoder)
     params = SamplingParams(temperature=1.0)
     target2, target3 = exact_marginals(next_token_logits(decoder), params, PROMPT, VOCAB)
