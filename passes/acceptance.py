@@ -75,7 +75,7 @@ def reference_pass(decoder: Decoder, tokens: list[int], prompt_len: int, cosine:
     """
     weight = decoder.embed.weight  # the device and dtype of the weights, everywhere (CPU or CUDA)
     ids = torch.tensor([tokens], device=weight.device)
-    cache = KVCache(decoder.config, len(tokens), dtype=weight.dtype, device=weight.device)
+    cache = decoder.new_cache(len(tokens), dtype=weight.dtype, device=weight.device)
     hooks = []
     if cosine is not None:
         inputs: dict = {}

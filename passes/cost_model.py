@@ -105,7 +105,7 @@ def measure_costs(decoder: Decoder, max_tokens: int, context: int = 128, rounds:
     config = decoder.config
     device = decoder.embed.weight.device
     sync = torch.cuda.synchronize if device.type == "cuda" else None
-    cache = KVCache(config, context + max_tokens, dtype=decoder.embed.weight.dtype, device=device)
+    cache = decoder.new_cache(context + max_tokens, dtype=decoder.embed.weight.dtype, device=device)
     generator = torch.Generator().manual_seed(0)
     prefix = torch.randint(0, config.vocab_size, (1, context), generator=generator).to(device)
     decoder(prefix, 0, cache)

@@ -167,6 +167,11 @@ class Decoder(nn.Module):
             self._rope_cache = ((emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype))
         return self._rope_cache
 
+    def new_cache(self, max_len: int, dtype=None, device=None) -> KVCache:
+        """A static KV cache for ``max_len`` positions (the generic path's decoder offers the same call)."""
+        weight = self.embed.weight
+        return KVCache(self.config, max_len, dtype=dtype or weight.dtype, device=device or weight.device)
+
     # -- forward pieces --------------------------------------------------------------------------
     def embed_tokens(self, tokens: Tensor, pos: int) -> Tensor:
         """tokens ``[B, T]`` at absolute positions pos..pos+T-1 -> hidden ``[B, T, d]``."""

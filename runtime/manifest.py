@@ -61,6 +61,7 @@ class ArchConfig:
     sliding_window: int | None = None
     max_position_embeddings: int = 2048
     attn_scale: float | None = None  # None: head_dim ** -0.5
+    decoder: str = "canonical"  # "canonical": runtime/decoder.py | "generic": the model's own modules (torch only)
 
     @property
     def scale(self) -> float:

@@ -57,6 +57,8 @@ class TorchBackend:
 
     @property
     def graphed(self) -> bool:
+        if getattr(self.decoder, "whole_blocks", False):  # the generic path runs eagerly
+            return False
         return self._capture is not None or (self.cuda_graphs and torch.device(self.device).type == "cuda")
 
     @classmethod
@@ -80,7 +82,7 @@ class TorchBackend:
             if self.graphed:
                 rounded = -(-max_len // GRAPH_CACHE_STEP) * GRAPH_CACHE_STEP
                 size = max(max_len, min(rounded, self.config.max_position_embeddings))
-            self.cache = KVCache(self.config, size, dtype=self.dtype, device=self.device)
+            self.cache = self.decoder.new_cache(size, dtype=self.dtype, device=self.device)
             self.exit_hidden = torch.zeros(1, size, self.config.hidden_size, dtype=self.dtype, device=self.device)
             self.static = self._static_steps() if self.graphed else None
         self.max_len = max_len
@@ -120,7 +122,7 @@ class TorchBackend:
 
     @torch.inference_mode()
     def verify(self, plan: DraftPlan, tokens: Sequence[int], pos: int, n_reuse: int) -> np.ndarray:
-        if not plan.is_early_exit:
+        if not plan.is_early_exit or not getattr(self.decoder, "prefix_reuse", True):
             return self.forward(tokens, pos)
         if self.static is not None and self.static.fits(len(tokens)) and n_reuse < len(tokens):
             return self._numpy(self.static.verify_exit(plan, tokens, pos, n_reuse))

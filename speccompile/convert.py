@@ -101,6 +101,62 @@ def check_supported(model_type: str) -> None:
         )
 
 
+# Layers that carry recurrent state (state-space, linear-attention, convolution mixers): the state after a
+# rejected draft token cannot be cut back to a length, so drafting them losslessly needs state snapshots.
+_RECURRENT_MARKERS = ("mamba", "ssm", "rwkv", "recurrent", "lineardeltanet", "gateddeltanet", "linearattention",
+                      "shortconv", "xlstm", "mlstm", "slstm", "retention", "mixer")
+
+
+def recurrent_layer(model) -> str | None:
+    """The class name of a layer in ``model`` that keeps recurrent state, or None."""
+    for module in model.modules():
+        name = type(module).__name__
+        if any(marker in name.lower() for marker in _RECURRENT_MARKERS):
+            return name
+    return None
+
+
+@dataclass
+class DecoderPath:
+    """Which decoder runs a model, and why: ``canonical`` (converted to runtime/decoder.py: every plan,
+    every backend) or ``generic`` (its own modules through ``runtime/hf_decoder.py``: torch only,
+    whole-block plans); ``decoder`` is the ready generic decoder."""
+
+    path: str
+    why: str
+    decoder: object = None
+
+
+def choose_path(model) -> DecoderPath:
+    """The decoder path for ``model``; raises ``UnsupportedModelError`` with the reason when neither path
+    can draft it losslessly."""
+    config = model.config
+    mt = config.model_type
+    if getattr(config, "is_encoder_decoder", False):
+        raise UnsupportedModelError(f"'{mt}' is an encoder-decoder model; speccompile drafts decoder-only causal LMs")
+    layer = recurrent_layer(model)
+    if layer is not None:
+        raise UnsupportedModelError(
+            f"'{mt}' has recurrent or state-space layers ({layer}) whose state cannot be cut back after a rejected "
+            "draft, so it cannot be drafted losslessly; use an attention-only model")
+    if mt in LAYOUTS:
+        try:
+            arch_config(model)
+            return DecoderPath("canonical", f"'{mt}' has a canonical conversion (sublayer plans, ONNX and TensorRT export)")
+        except UnsupportedModelError as exc:
+            reason = str(exc)
+    else:
+        reason = f"no canonical conversion for '{mt}'"
+    from speccompile.runtime.hf_decoder import HFDecoder, LayerStackError
+
+    try:
+        decoder = HFDecoder(model)
+    except LayerStackError as exc:
+        raise UnsupportedModelError(f"'{mt}' cannot be drafted: {reason}, and the generic path cannot run it: {exc}") from None
+    return DecoderPath("generic", f"{reason}: the model's own modules run on torch (whole-block plans, early exit, "
+                                  "lookup)", decoder)
+
+
 def _refuse(condition: bool, message: str) -> None:
     if condition:
         raise UnsupportedModelError(message)
