@@ -91,7 +91,11 @@ def reference_pass(decoder: Decoder, tokens: list[int], prompt_len: int, cosine:
                 cosine[row, layer] += torch.nn.functional.cosine_similarity(h_in, h_in + output, dim=-1).mean().item()
             return hook
 
-        for i, block in enumerate(decoder.layers):
+        if getattr(decoder, "whole_blocks", False):  # the generic path: one cosine per block, in both rows
+            for i, block in enumerate(decoder.layers):
+                hooks += [block.register_forward_pre_hook(_keep_block_input(inputs, i), with_kwargs=True),
+                          block.register_forward_hook(_add_block_cosine(inputs, cosine, i))]
+        for i, block in enumerate([] if getattr(decoder, "whole_blocks", False) else decoder.layers):
             hooks += [
                 block.attn_norm.register_forward_pre_hook(keep_input(("attn", i))),
                 block.attn.o.register_forward_hook(add_cosine(("attn", i), 0, i)),
@@ -110,6 +114,21 @@ def reference_pass(decoder: Decoder, tokens: list[int], prompt_len: int, cosine:
         for hook in hooks:
             hook.remove()
     return Reference(tokens=ids, prompt_len=prompt_len, cache=cache, exits=exits)
+
+
+def _keep_block_input(inputs: dict, layer: int):
+    def hook(module, args, kwargs):
+        inputs[("block", layer)] = args[0] if args else kwargs["hidden_states"]
+    return hook
+
+
+def _add_block_cosine(inputs: dict, cosine: np.ndarray, layer: int):
+    def hook(module, args, kwargs_or_output, output=None):
+        out = output if output is not None else kwargs_or_output
+        out = out[0] if isinstance(out, (tuple, list)) else out
+        value = torch.nn.functional.cosine_similarity(inputs[("block", layer)], out, dim=-1).mean().item()
+        cosine[:, layer] += value
+    return hook
 
 
 def _mixed_attention(decoder: Decoder, ref: Reference):
@@ -157,10 +176,10 @@ def _draft_hidden(decoder: Decoder, plan: DraftPlan, ref: Reference) -> torch.Te
     if plan.is_early_exit:
         h = decoder.run_blocks(h, 0, None, 0, plan.exit_layer)
     else:
-        h = decoder.run_blocks(
-            h, 0, None, skip_attn=set(plan.skip_attn), skip_mlp=set(plan.skip_mlp),
-            attention=_mixed_attention(decoder, ref),
-        )
+        # The generic path has no attention of its own to mix: its layer-skip draft reads its own K/V at
+        # every position (DESIGN.md section 5's plain parallel estimate).
+        mixed = None if getattr(decoder, "whole_blocks", False) else _mixed_attention(decoder, ref)
+        h = decoder.run_blocks(h, 0, None, skip_attn=set(plan.skip_attn), skip_mlp=set(plan.skip_mlp), attention=mixed)
     return h[:, ref.prompt_len : -1]
 
 

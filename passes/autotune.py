@@ -20,18 +20,27 @@ from .plans import EarlyExitHeads, LayerSkip
 from .tuning import TuningContext
 
 
+def skip_units(context: TuningContext) -> list[tuple[str, int]]:
+    """What a layer-skip plan can drop: every attention and MLP sublayer, or, on the generic path (which
+    runs a model's blocks whole), every block but the first (block 0 always runs there)."""
+    L = context.ir.config.num_layers
+    if getattr(context.ir.decoder(), "whole_blocks", False):
+        return [("block", i) for i in range(1, L)]
+    return [(kind, i) for kind in ("attn", "mlp") for i in range(L)]
+
+
 def cosine_ranking(context: TuningContext) -> list[tuple[str, int, float]]:
-    """Sublayers, most skippable (highest cosine similarity) first."""
-    rows = [("attn", i, float(c)) for i, c in enumerate(context.cosine[0])]
-    rows += [("mlp", i, float(c)) for i, c in enumerate(context.cosine[1])]
+    """Skippable units, most skippable (highest cosine similarity of input and output) first."""
+    rows = [(kind, i, float(context.cosine[1 if kind == "mlp" else 0, i])) for kind, i in skip_units(context)]
     return sorted(rows, key=lambda row: -row[2])
 
 
 def skip_plan(ranking: list[tuple[str, int, float]], n: int, name: str = "layer-skip") -> DraftPlan:
+    """Skip the first ``n`` units of ``ranking`` (a skipped block drops both of its sublayers)."""
     chosen = ranking[:n]
     return DraftPlan(
-        name=name, skip_attn=sorted(i for kind, i, _ in chosen if kind == "attn"),
-        skip_mlp=sorted(i for kind, i, _ in chosen if kind == "mlp"),
+        name=name, skip_attn=sorted(i for kind, i, _ in chosen if kind in ("attn", "block")),
+        skip_mlp=sorted(i for kind, i, _ in chosen if kind in ("mlp", "block")),
     )
 
 

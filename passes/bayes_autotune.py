@@ -25,7 +25,7 @@ from tqdm.auto import tqdm
 from speccompile.runtime.errors import SpeccompileError
 from speccompile.runtime.manifest import DraftPlan
 
-from .autotune import cosine_ranking, skip_plan
+from .autotune import cosine_ranking, skip_plan, skip_units
 from .base import Pass
 from .ir import DecoderIR
 from .plans import LayerSkip
@@ -35,14 +35,15 @@ GP_MAX_TRIALS = 300
 STUDY_NAME = "speccompile-layer-skip"
 
 
-def _params(plan: DraftPlan, num_layers: int) -> dict[str, int]:
-    return {**{f"attn_{i}": int(i in plan.skip_attn) for i in range(num_layers)},
-            **{f"mlp_{i}": int(i in plan.skip_mlp) for i in range(num_layers)}}
+def _params(plan: DraftPlan, units: list[tuple[str, int]]) -> dict[str, int]:
+    skipped = {"attn": plan.skip_attn, "mlp": plan.skip_mlp, "block": plan.skip_attn}
+    return {f"{kind}_{i}": int(i in skipped[kind]) for kind, i in units}
 
 
-def _plan(params: dict[str, int], num_layers: int, name: str = "bayes") -> DraftPlan:
-    return DraftPlan(name=name, skip_attn=[i for i in range(num_layers) if params[f"attn_{i}"]],
-                     skip_mlp=[i for i in range(num_layers) if params[f"mlp_{i}"]])
+def _plan(params: dict[str, int], units: list[tuple[str, int]], name: str = "bayes") -> DraftPlan:
+    on = [(kind, i) for kind, i in units if params[f"{kind}_{i}"]]
+    return DraftPlan(name=name, skip_attn=sorted(i for kind, i in on if kind in ("attn", "block")),
+                     skip_mlp=sorted(i for kind, i in on if kind in ("mlp", "block")))
 
 
 def open_study(path: str | None, trials: int, seed: int, num_layers: int, model_type: str) -> optuna.Study:
@@ -85,9 +86,9 @@ class BayesAutotune(Pass):
         self.study: optuna.Study | None = None
 
     def objective(self, trial: optuna.Trial) -> float:
-        L = self.context.ir.config.num_layers
-        params = {f"{kind}_{i}": trial.suggest_int(f"{kind}_{i}", 0, 1) for kind in ("attn", "mlp") for i in range(L)}
-        plan = _plan(params, L)
+        units = skip_units(self.context)
+        params = {f"{kind}_{i}": trial.suggest_int(f"{kind}_{i}", 0, 1) for kind, i in units}
+        plan = _plan(params, units)
         if not plan.skip_attn and not plan.skip_mlp:
             # Skipping nothing makes the draft the target itself: never a speedup, so never a candidate.
             trial.set_user_attr("degenerate", "skips nothing")
@@ -106,9 +107,9 @@ class BayesAutotune(Pass):
         the trial budget so that the sampler gets the other half."""
         ranking = cosine_ranking(self.context)
         by_count = self.context.cosine_scores
-        counts = sorted(range(1, 2 * L), key=lambda n: -by_count.get(n, 0.0))[: max(1, self.trials // 2)]
+        counts = sorted(range(1, len(ranking)), key=lambda n: -by_count.get(n, 0.0))[: max(1, self.trials // 2)]
         for n in counts:
-            study.enqueue_trial(_params(skip_plan(ranking, n), L), user_attrs={"seed": f"cosine-{n}"})
+            study.enqueue_trial(_params(skip_plan(ranking, n), skip_units(self.context)), user_attrs={"seed": f"cosine-{n}"})
 
     def run(self, ir: DecoderIR) -> DecoderIR:
         L = ir.config.num_layers
@@ -144,7 +145,7 @@ class BayesAutotune(Pass):
                 seen.add(key)
                 ranked.append(t)
         cosine = ir.plans.get("layer-skip")
-        cosine_key = tuple(sorted(_params(cosine, L).items())) if cosine is not None else None
+        cosine_key = tuple(sorted(_params(cosine, skip_units(self.context)).items())) if cosine is not None else None
         if cosine_key is not None and cosine_key not in seen:
             ranked += [t for t in complete if tuple(sorted(t.params.items())) == cosine_key][:1]
         from .confirm import Confirmer
@@ -155,7 +156,7 @@ class BayesAutotune(Pass):
                 # The cosine plan keeps its own tuned policy; it is timed once and the figure shared.
                 plan = cosine
             else:
-                plan = _plan(t.params, L, f"{self.plan_name}-candidate-{n}")
+                plan = _plan(t.params, skip_units(self.context), f"{self.plan_name}-candidate-{n}")
                 plan.max_draft, plan.threshold = t.user_attrs["max_draft"], t.user_attrs["threshold"]
             candidates.append((t, plan))
         backend = self.context.runner.backend({**ir.plans, **{plan.name: plan for _, plan in candidates}})

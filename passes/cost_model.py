@@ -111,9 +111,19 @@ def measure_costs(decoder: Decoder, max_tokens: int, context: int = 128, rounds:
     decoder(prefix, 0, cache)
     L = config.num_layers
     jobs = []  # per token count: (embed, attention, mlp, head) callables
+    whole_blocks = getattr(decoder, "whole_blocks", False)  # the generic path: blocks are timed whole
     for t in range(1, max_tokens + 1):
         ids = torch.randint(0, config.vocab_size, (1, t), generator=generator).to(device)
         h = decoder.embed_tokens(ids, context)
+        if whole_blocks:
+            h = decoder.run_blocks(h, context, cache, 0, 1)
+            jobs.append((
+                lambda: None,  # the embedding runs inside every call of the model's forward
+                lambda h=h: [decoder.run_blocks(h, context, cache, i, i + 1) for i in range(L)],
+                lambda: None,  # a block's cost is all booked to its first sublayer row (attn)
+                lambda h=h: decoder.head(h),
+            ))
+            continue
         rope = decoder.rope_at(context, t)
         mask = decoder.attention_mask(context, t, context + t, device)
         jobs.append((

@@ -24,8 +24,14 @@ class DecoderIR:
     extra_files: dict[str, Any] = field(default_factory=dict)  # artifact-relative path -> file to copy there
     _decoder: Any = field(default=None, repr=False)
 
+    def attach_decoder(self, decoder) -> None:
+        """Use ``decoder`` (the generic path's ``HFDecoder``, which holds its own weights) for the passes."""
+        self._decoder = decoder
+
     def decoder(self):
         """The runnable torch decoder for these weights (built once, shared by the passes)."""
+        if self._decoder is None and self.config.decoder == "generic":
+            raise RuntimeError("a generic-path IR carries its decoder: call attach_decoder first")
         if self._decoder is None:
             import torch
 

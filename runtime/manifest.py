@@ -70,6 +70,9 @@ class ArchConfig:
     def validate(self) -> None:
         sizes = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                  "intermediate_size", "max_position_embeddings")
+        if self.decoder not in ("canonical", "generic"):
+            raise ArtifactError(f"manifest config.decoder is {self.decoder!r}, not 'canonical' or 'generic'; this artifact "
+                                "needs a newer speccompile, or rebuild it")
         bad = [name for name in sizes if getattr(self, name) < 1]
         if bad:
             raise ArtifactError(f"manifest config has non-positive sizes {bad}; the manifest is damaged: rebuild the artifact")

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from .errors import BackendUnavailableError, InputError
+from .errors import ArtifactError, BackendUnavailableError, InputError
 from .manifest import DraftPlan, Manifest, read_manifest
 from .sampling import SamplingParams
 from .speculative import DecodeRequest, Stats, backend_drafter, decode, reserve_cache
@@ -107,12 +107,22 @@ def _open_backend(root: Path, manifest: Manifest, backend: str | None, device: s
         )
     if name == "torch":
         try:
-            from .torch_backend import TorchBackend
+            from .torch_backend import DTYPES, TorchBackend
         except ImportError:
             raise BackendUnavailableError(
                 "the torch backend needs PyTorch; install it (pip install torch) or use an ONNX artifact"
             ) from None
         _check_torch_device(device)
+        if manifest.config.decoder == "generic":  # the model's own modules, through transformers
+            from .hf_decoder import HFDecoder
+
+            from .hf_decoder import HF_FOLDER
+
+            if manifest.backends["torch"].get("hf_folder") != HF_FOLDER:
+                raise ArtifactError(f"manifest backends['torch'] of a generic-path artifact must name its model folder "
+                                    f"{HF_FOLDER!r}; the manifest is damaged: rebuild the artifact")
+            decoder = HFDecoder.from_folder(root / HF_FOLDER, DTYPES[manifest.dtype], device)
+            return TorchBackend(decoder, device=device)
         return TorchBackend.from_files(
             root / manifest.backends["torch"]["weights"], manifest.config, dtype=manifest.dtype, device=device
         )

@@ -227,7 +227,13 @@ def write_backend_files(root: Path, ir, backends: list[str]) -> dict:
     import torch
 
     records = {}
-    if "torch" in backends:
+    if "torch" in backends and ir.config.decoder == "generic":
+        # The model's own files (config.json + safetensors), loaded by transformers at run time; never remote code.
+        from speccompile.runtime.hf_decoder import HF_FOLDER
+
+        ir.decoder().model.save_pretrained(root / HF_FOLDER, safe_serialization=True, max_shard_size="1000GB")
+        records["torch"] = {"weights": WEIGHTS_FILE, "hf_folder": HF_FOLDER}
+    elif "torch" in backends:
         (root / "weights").mkdir(exist_ok=True)
         dtype = getattr(torch, ir.dtype)
         weights = {k: (v if k == "rope_inv_freq" else v.to(dtype)).contiguous() for k, v in ir.weights.items()}

@@ -12,7 +12,7 @@ import torch
 
 from speccompile.artifact import BACKENDS, check_output, output_lock, source_folder, write_artifact
 from speccompile.calibration import load_calibration
-from speccompile.convert import arch_config, canonical_weights
+from speccompile.convert import arch_config, canonical_weights, choose_path
 from speccompile.loading import SourceModel, load_source
 from speccompile.runners import make_runner
 from speccompile.passes.adapter import DRAFT_HEADS_DIR, AdapterAutotune, DraftVocabTune
@@ -131,8 +131,12 @@ def tune_ir(ir: DecoderIR, prompts: list[list[int]], options, log: Callable[[str
         progress = options.show_progress
         adapter = AdapterAutotune(context, encode, exit_layer=options.exit_layer, tokens=options.adapter_tokens or None,
                                   time_budget=options.time_budget, show_progress=progress) if options.method in (
-                                      "auto", "adapter") else None
-        if options.method == "auto":
+                                      "auto", "adapter") and ir.config.decoder != "generic" else None
+        if options.method == "auto" and ir.config.decoder == "generic":  # no draft heads on the generic path
+            passes = [CosineAutotune(context, show_progress=progress), ExitLayerAutotune(context, show_progress=progress),
+                      LookupAutotune(context, retrieval=options.retrieval, hybrid_with=("layer-skip", "early-exit"),
+                                     show_progress=progress)]
+        elif options.method == "auto":
             passes = [CosineAutotune(context, show_progress=progress), ExitLayerAutotune(context, show_progress=progress),
                       adapter, DraftVocabTune(context, ("layer-skip", "early-exit")),
                       LookupAutotune(context, retrieval=options.retrieval,
@@ -189,14 +193,25 @@ def build(options: BuildOptions, log: Callable[[str], None] = print) -> Path:
 def _build_locked(options: BuildOptions, log: Callable[[str], None]) -> Path:
     texts = load_calibration(options.calibration)
     source = load_source(options.model, trust_remote_code=options.trust_remote_code)
+    path = choose_path(source.model)  # refuses, in one line, what cannot be drafted losslessly
     log(f"loaded {source.name} ({source.model.config.model_type}, "
         f"{sum(p.numel() for p in source.model.parameters()) / 1e6:.1f}M parameters) from {source.path}")
-
-    config = arch_config(source.model)
-    ir = DecoderIR(config, canonical_weights(source.model, config), dtype=options.dtype, device=options.device)
-    ir.tuning["onnx_export"] = onnx_export_options(options)
-    diff = check_conversion(ir, source)
-    log(f"canonical decoder matches transformers: max |logit diff| = {diff:.1e}")
+    if path.path == "generic":
+        check_generic_options(options, source.model.config.model_type, path.why)
+        ir = DecoderIR(path.decoder.config, {}, dtype="float32", device="cpu")
+        ir.attach_decoder(path.decoder)
+        diff = check_conversion(ir, source)  # the same modules, so this checks the hooks, in fp32 on CPU
+        ir.dtype, ir.device = options.dtype, options.device
+        path.decoder.to(device=options.device, dtype=getattr(torch, options.dtype))  # the source model is not used again
+    else:
+        config = arch_config(source.model)
+        ir = DecoderIR(config, canonical_weights(source.model, config), dtype=options.dtype, device=options.device)
+        ir.tuning["onnx_export"] = onnx_export_options(options)
+        diff = check_conversion(ir, source)
+    config = ir.config
+    ir.tuning["decoder_path"] = {"path": path.path, "why": path.why}
+    log(f"decoder path: {path.path} ({path.why})")
+    log(f"{path.path} decoder matches transformers: max |logit diff| = {diff:.1e}")
     ir.tuning["conversion_max_abs_diff"] = diff
 
     room = options.calibration_tokens + options.max_draft + 2
@@ -228,6 +243,19 @@ def onnx_export_of(manifest) -> dict:
     from speccompile.export_onnx import export_options
 
     return export_options(manifest.backends["onnx"])
+
+
+def check_generic_options(options, model_type: str, why: str) -> None:
+    """What the generic torch path cannot do, refused in one line before any tuning."""
+    others = [b for b in options.backends if b != "torch"]
+    if others:
+        raise SpeccompileError(f"'{model_type}' runs on the generic torch path ({why.split(':')[0]}); "
+                               f"--backend {','.join(others)} needs a canonical conversion: use --backend torch")
+    if options.method == "adapter":
+        raise SpeccompileError(f"--method adapter needs a canonical family; '{model_type}' runs on the generic path: "
+                               "use --method auto, early-exit, cosine, bayes or lookup")
+    if options.dtype != "float32" and options.device == "cpu":
+        raise SpeccompileError(f"--dtype {options.dtype} on CPU is not supported on the generic path; use --dtype float32")
 
 
 def check_options(options) -> None:
@@ -267,10 +295,17 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> Path:
     root = Path(options.artifact)
     check_rewritable(root)  # fail before the slow part
     manifest = read_manifest(root)
-    ir = DecoderIR(manifest.config, read_canonical_weights(root, manifest), dtype=manifest.dtype,
+    generic = manifest.config.decoder == "generic"
+    ir = DecoderIR(manifest.config, {} if generic else read_canonical_weights(root, manifest), dtype=manifest.dtype,
                    device=options.device, plans=dict(manifest.plans), default_plan=manifest.default_plan,
-                   tuning={"conversion_max_abs_diff": manifest.tuning.get("conversion_max_abs_diff"),
-                           "onnx_export": onnx_export_of(manifest)})
+                   tuning={key: manifest.tuning.get(key) for key in ("conversion_max_abs_diff", "decoder_path")})
+    ir.tuning["onnx_export"] = onnx_export_of(manifest)
+    if generic:
+        from speccompile.runtime.hf_decoder import HF_FOLDER, HFDecoder
+
+        if options.method == "adapter":
+            raise SpeccompileError("--method adapter needs a canonical family; this artifact runs on the generic path")
+        ir.attach_decoder(HFDecoder.from_folder(root / HF_FOLDER, getattr(torch, manifest.dtype), options.device))
     for plan in ir.plans.values():  # figures measured elsewhere are re-measured here
         for key in [k for k in plan.measured if k.startswith("confirmed_") or k == "plain_tokens_per_s"]:
             del plan.measured[key]

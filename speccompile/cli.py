@@ -394,6 +394,8 @@ def inspect(artifact, as_json):
     click.echo(f"  geometry    {c.num_layers} blocks, hidden {c.hidden_size}, {c.num_heads} heads "
                f"({c.num_kv_heads} kv, head_dim {c.head_dim}), vocab {c.vocab_size}, context "
                f"{c.max_position_embeddings}, {manifest.dtype}")
+    path = manifest.tuning.get("decoder_path") or {"path": c.decoder, "why": "built before decoder paths were recorded"}
+    click.echo(f"  decoder     {path['path']}: {path['why']}")
     click.echo(f"  backends    {', '.join(manifest.backends)}; tuned on {manifest.tuning.get('device', '?')} "
                f"by {manifest.tuning.get('method', '?')}")
     total = sum(f["bytes"] for f in manifest.files.values())

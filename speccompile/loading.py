@@ -13,7 +13,6 @@ from pathlib import Path
 
 from safetensors import SafetensorError, safe_open
 
-from speccompile.convert import check_supported
 from speccompile.runtime.errors import SpeccompileError
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -130,8 +129,29 @@ def check_safetensors(path: Path) -> None:
                                    "re-save the model with save_pretrained() or download it again") from None
 
 
+# Rope scalings whose frequencies depend on the current sequence length: a k-token verify and a 1-token
+# step then rotate the same position differently, so speculative output could differ from plain output.
+LENGTH_DEPENDENT_ROPE = ("dynamic", "longrope")
+
+
+def check_drafts_losslessly(config) -> None:
+    """Refuse, before the weights are read, configurations that cannot be drafted losslessly."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    if getattr(config, "is_encoder_decoder", False):
+        raise SpeccompileError(f"'{config.model_type}' is an encoder-decoder model; speccompile drafts decoder-only "
+                               "causal LMs")
+    scaling = getattr(text, "rope_scaling", None) or {}
+    rope_type = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
+    if rope_type in LENGTH_DEPENDENT_ROPE:
+        raise SpeccompileError(
+            f"rope scaling '{rope_type}' changes the rotary frequencies with the sequence length, so a verify of "
+            "several tokens and a one-token step would disagree; set rope_scaling in config.json to a static type "
+            "(linear, yarn, llama3) or remove it")
+
+
 def load_source(name: str | None, trust_remote_code: bool = False, dtype: str = "float32") -> SourceModel:
-    """Load config, tokenizer and weights; refuse unsupported architectures before loading weights.
+    """Load config, tokenizer and weights (which decoder path runs the model is decided once it is loaded:
+    ``speccompile.convert.choose_path``).
 
     A ``.gguf`` file goes through transformers' GGUF support (``speccompile.gguf_input``)."""
     import torch
@@ -142,13 +162,18 @@ def load_source(name: str | None, trust_remote_code: bool = False, dtype: str = 
 
         return load_gguf(Path(name).expanduser(), dtype=dtype)
     path, revision = resolve_model_path(name)
-    check_supported(read_model_type(path))
+    read_model_type(path)  # a one-line error for a broken config.json; the architecture is judged once loaded
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (ValueError, OSError) as exc:
         raise SpeccompileError(f"cannot read {path}/config.json ({_first_line(exc)}); "
                                "pass --trust-remote-code only if you trust the model's code") from None
+    check_drafts_losslessly(config)
     check_safetensors(path)
+    from transformers.utils import logging as hf_logging
+
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # kernel and init notices of the model classes; speccompile reports what matters
     try:
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=getattr(torch, dtype), attn_implementation="eager", use_safetensors=True,
@@ -157,6 +182,11 @@ def load_source(name: str | None, trust_remote_code: bool = False, dtype: str = 
     except (SafetensorError, OSError) as exc:
         raise SpeccompileError(f"cannot load the weights in {path} ({_first_line(exc)}); re-save the model with "
                                "save_pretrained() or download it again") from None
+    except ValueError as exc:  # transformers has no *ForCausalLM class for this config
+        raise SpeccompileError(f"'{config.model_type}' has no causal-LM class in transformers ({_first_line(exc, 80)}); "
+                               "speccompile drafts decoder-only causal LMs") from None
+    finally:
+        hf_logging.set_verbosity(verbosity)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:

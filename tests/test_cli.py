@@ -101,15 +101,23 @@ def test_missing_local_folder(tmp_path):
 
 
 def test_unsupported_architecture(tmp_path):
+    """Models that cannot be drafted losslessly are refused with the reason: an encoder-decoder (from its
+    config, before the weights are read) and a state-space model (its recurrent state cannot be cut back)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, T5Config
 
-    model_dir = tmp_path / "bloom"
-    config = AutoConfig.for_model("bloom", vocab_size=320, hidden_size=32, n_layer=2, n_head=4)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(model_dir)
-    make_tokenizer(model_dir)
-    result = invoke("build", model_dir, "-o", tmp_path / "out")
-    assert_one_line_error(result, "'bloom' is not supported", "llama", "gpt_neox", "opt")
+    t5 = tmp_path / "t5"
+    t5.mkdir()
+    T5Config(vocab_size=320, d_model=32, num_layers=1, num_heads=2, d_ff=64).save_pretrained(t5)
+    make_tokenizer(t5)
+    assert_one_line_error(invoke("build", t5, "-o", tmp_path / "out"), "'t5' is an encoder-decoder model")
+
+    mamba = tmp_path / "mamba"
+    config = AutoConfig.for_model("mamba", vocab_size=320, hidden_size=32, num_hidden_layers=2, state_size=4)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(mamba)
+    make_tokenizer(mamba)
+    assert_one_line_error(invoke("build", mamba, "-o", tmp_path / "out"), "'mamba' has recurrent or state-space layers",
+                          "cannot be drafted losslessly")
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 

@@ -42,6 +42,18 @@ CONFIGS: dict[str, dict] = {
 }
 FAMILIES = tuple(CONFIGS)
 
+# Families without a canonical conversion: they build on the generic torch path (runtime/hf_decoder.py).
+GENERIC_CONFIGS: dict[str, dict] = {
+    "olmo2": dict(_COMMON),  # q/k norm over the whole projection, norms after the sublayers
+    "cohere": dict(_COMMON),  # parallel attention and MLP on one LayerNorm, logit scale
+    "falcon": dict(_COMMON, num_kv_heads=1, multi_query=True, new_decoder_architecture=False, parallel_attn=True),
+    "phi": dict(_COMMON, partial_rotary_factor=0.5),  # parallel block, partial rotary, lm_head bias
+    "stablelm": dict(_COMMON, partial_rotary_factor=0.25),
+    "gemma3_text": dict(_COMMON, head_dim=16, sliding_window=12, final_logit_softcapping=30.0),  # sandwich norms
+    "mixtral": dict(_COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),  # routed experts
+}
+GENERIC_FAMILIES = tuple(GENERIC_CONFIGS)
+
 
 def make_tokenizer(folder: Path):
     """A byte-level BPE tokenizer (transformers format) with VOCAB entries; ids 0/1/2 are pad/bos/eos."""
@@ -66,7 +78,7 @@ def make_model(family: str, folder: Path, seed: int = 0, **overrides) -> Path:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    config = AutoConfig.for_model(family, **{**CONFIGS[family], **overrides})
+    config = AutoConfig.for_model(family, **{**{**CONFIGS, **GENERIC_CONFIGS}[family], **overrides})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     folder = Path(folder)
