@@ -76,39 +76,23 @@ def reference_pass(decoder: Decoder, tokens: list[int], prompt_len: int, cosine:
     weight = decoder.embed.weight  # the device and dtype of the weights, everywhere (CPU or CUDA)
     ids = torch.tensor([tokens], device=weight.device)
     cache = decoder.new_cache(len(tokens), dtype=weight.dtype, device=weight.device)
-    hooks = []
-    if cosine is not None:
+    hooks, observe = [], None
+    if cosine is not None and getattr(decoder, "whole_blocks", False):  # the generic path: one cosine per block
         inputs: dict = {}
-
-        def keep_input(key):
-            def hook(module, args):
-                inputs[key] = args[0]
-            return hook
-
-        def add_cosine(key, row, layer):
-            def hook(module, args, output):
-                h_in = inputs[key]
-                cosine[row, layer] += torch.nn.functional.cosine_similarity(h_in, h_in + output, dim=-1).mean().item()
-            return hook
-
-        if getattr(decoder, "whole_blocks", False):  # the generic path: one cosine per block, in both rows
-            for i, block in enumerate(decoder.layers):
-                hooks += [block.register_forward_pre_hook(_keep_block_input(inputs, i), with_kwargs=True),
-                          block.register_forward_hook(_add_block_cosine(inputs, cosine, i))]
-        for i, block in enumerate([] if getattr(decoder, "whole_blocks", False) else decoder.layers):
-            hooks += [
-                block.attn_norm.register_forward_pre_hook(keep_input(("attn", i))),
-                block.attn.o.register_forward_hook(add_cosine(("attn", i), 0, i)),
-                block.mlp_norm.register_forward_pre_hook(keep_input(("mlp", i))),
-                block.mlp.register_forward_hook(add_cosine(("mlp", i), 1, i)),
-            ]
+        for i, block in enumerate(decoder.layers):
+            hooks += [block.register_forward_pre_hook(_keep_block_input(inputs, i), with_kwargs=True),
+                      block.register_forward_hook(_add_block_cosine(inputs, cosine, i))]
+    elif cosine is not None:
+        def observe(kind, i, h_in, branch):
+            similarity = torch.nn.functional.cosine_similarity(h_in, h_in + branch, dim=-1).mean().item()
+            cosine[0 if kind == "attn" else 1, i] += similarity
     exits = [None]
     try:
         # Block by block, keeping the hidden state at every exit: an early-exit draft at E is exactly the
         # full model's state after block E-1, so scoring every exit layer needs only the head.
         h = decoder.embed_tokens(ids, 0)
         for i in range(decoder.config.num_layers):
-            h = decoder.run_blocks(h, 0, cache, i, i + 1)
+            h = decoder.run_blocks(h, 0, cache, i, i + 1, **({"observe": observe} if observe else {}))
             exits.append(h[:, prompt_len:-1])
     finally:
         for hook in hooks:
@@ -137,7 +121,7 @@ def _mixed_attention(decoder: Decoder, ref: Reference):
 
     def attend(i, h, pos, cache, rope, mask):
         block = decoder.layers[i]
-        q, k_own, v_own = block.attn.project(block.attn_norm(h), rope)
+        q, k_own, v_own = block.attn.project(block.attn_input(h), decoder.layer_rope(i, rope))
         n = h.shape[1]
         keys, values = ref.cache.k[i, :, :, :n], ref.cache.v[i, :, :, :n]
         repeat = config.num_heads // config.num_kv_heads
@@ -154,7 +138,7 @@ def _mixed_attention(decoder: Decoder, ref: Reference):
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
         p_diag = probs.diagonal(dim1=-2, dim2=-1)
         out = (probs - torch.diag_embed(p_diag)) @ values + p_diag[..., None] * v_own
-        return block.attn.o(out.transpose(1, 2).reshape(1, n, -1))
+        return block.attn_output(out.transpose(1, 2).reshape(1, n, -1))
 
     return attend
 

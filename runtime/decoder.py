@@ -66,16 +66,20 @@ class Attention(nn.Module):
         self.k = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attn_qkv_bias)
         self.v = nn.Linear(c.hidden_size, c.num_kv_heads * c.head_dim, bias=c.attn_qkv_bias)
         self.o = nn.Linear(c.num_heads * c.head_dim, c.hidden_size, bias=c.attn_out_bias)
-        self.q_norm = Norm(c, c.head_dim) if c.qk_norm else None
-        self.k_norm = Norm(c, c.head_dim) if c.qk_norm else None
+        self.over_proj = c.qk_norm_over == "proj"  # OLMo 2: one norm over all heads of the projection
+        self.q_norm = Norm(c, c.num_heads * c.head_dim if self.over_proj else c.head_dim) if c.qk_norm else None
+        self.k_norm = Norm(c, c.num_kv_heads * c.head_dim if self.over_proj else c.head_dim) if c.qk_norm else None
 
     def project(self, x: Tensor, rope: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor, Tensor]:
         """q, k, v as ``[B, heads, T, head_dim]``, with q/k norm and rotary applied."""
         b, t, _ = x.shape
-        q = self.q(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.k(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = self.q(x), self.k(x)
+        if self.q_norm is not None and self.over_proj:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = q.view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         v = self.v(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.over_proj:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rotary(q, rope), apply_rotary(k, rope)
@@ -98,12 +102,31 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """One block's sublayers and norms. The residual schedule (which norm runs where) lives in the three
+    methods below, the only place the torch decoder, its CUDA-graph steps and the acceptance estimator
+    read it from: pre-norms (most families), post-norms (OLMo 2) or both (a sandwich)."""
+
     def __init__(self, config: ArchConfig):
         super().__init__()
-        self.attn_norm = Norm(config, config.hidden_size)
+        d = config.hidden_size
+        self.attn_norm = Norm(config, d) if config.pre_norm else None
         self.attn = Attention(config)
-        self.mlp_norm = Norm(config, config.hidden_size)
+        self.mlp_norm = Norm(config, d) if config.pre_norm else None
         self.mlp = MLP(config)
+        self.attn_post_norm = Norm(config, d) if config.post_norm else None
+        self.mlp_post_norm = Norm(config, d) if config.post_norm else None
+
+    def attn_input(self, h: Tensor) -> Tensor:
+        return self.attn_norm(h) if self.attn_norm is not None else h
+
+    def attn_output(self, out: Tensor) -> Tensor:
+        """Heads ``[B, T, heads * head_dim]`` -> the attention sublayer's residual branch."""
+        out = self.attn.o(out)
+        return self.attn_post_norm(out) if self.attn_post_norm is not None else out
+
+    def mlp_branch(self, h: Tensor) -> Tensor:
+        out = self.mlp(self.mlp_norm(h) if self.mlp_norm is not None else h)
+        return self.mlp_post_norm(out) if self.mlp_post_norm is not None else out
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -134,7 +157,8 @@ class Decoder(nn.Module):
         )
         self.layers = nn.ModuleList(Block(c) for _ in range(c.num_layers))
         self.norm = Norm(c, c.hidden_size)
-        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=False)
+        self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=c.lm_head_bias)
+        self._nope = frozenset(c.nope_layers)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         if c.positions == "rotary":
@@ -203,9 +227,13 @@ class Decoder(nn.Module):
             mask &= k_pos > q_pos - window
         return mask
 
+    def layer_rope(self, i: int, rope):
+        """Block ``i``'s rotary table: none for a NoPE block (SmolLM3)."""
+        return None if i in self._nope else rope
+
     def attention_sublayer(self, i: int, h: Tensor, pos: int, cache: KVCache | None, rope, mask) -> Tensor:
         block = self.layers[i]
-        q, k, v = block.attn.project(block.attn_norm(h), rope)
+        q, k, v = block.attn.project(block.attn_input(h), self.layer_rope(i, rope))
         t = h.shape[1]
         if cache is not None:
             cache.k[i, :, :, pos : pos + t] = k
@@ -215,11 +243,10 @@ class Decoder(nn.Module):
             q, k, v, attn_mask=mask, scale=self.config.scale, enable_gqa=block.attn.n_kv != block.attn.n_heads
         )
         b = h.shape[0]
-        return block.attn.o(out.transpose(1, 2).reshape(b, t, -1))
+        return block.attn_output(out.transpose(1, 2).reshape(b, t, -1))
 
     def mlp_sublayer(self, i: int, h: Tensor) -> Tensor:
-        block = self.layers[i]
-        return block.mlp(block.mlp_norm(h))
+        return self.layers[i].mlp_branch(h)
 
     def run_blocks(
         self,
@@ -231,10 +258,13 @@ class Decoder(nn.Module):
         skip_attn: frozenset[int] | set[int] = frozenset(),
         skip_mlp: frozenset[int] | set[int] = frozenset(),
         attention=None,
+        observe=None,
     ) -> Tensor:
         """Blocks start..stop-1 on hidden ``[B, T, d]`` at positions pos..; a skipped sublayer passes
         the residual stream through unchanged and writes no KV. ``attention`` replaces the attention
-        sublayer (same signature as ``attention_sublayer``); the acceptance estimator uses it."""
+        sublayer (same signature as ``attention_sublayer``); the acceptance estimator uses it.
+        ``observe(kind, i, h_in, branch)`` sees every sublayer that ran ("attn" / "mlp"), its input
+        stream and its residual branch (the tuner's cosine similarities)."""
         attend = attention or self.attention_sublayer
         stop = self.config.num_layers if stop is None else stop
         t = h.shape[1]
@@ -243,8 +273,12 @@ class Decoder(nn.Module):
         mask = self.attention_mask(pos if cache is not None else 0, t, total, h.device)
         for i in range(start, stop):
             attn_out = None if i in skip_attn else attend(i, h, pos, cache, rope, mask)
+            if observe is not None and attn_out is not None:
+                observe("attn", i, h, attn_out)
             if self.config.parallel_residual:
                 mlp_out = None if i in skip_mlp else self.mlp_sublayer(i, h)
+                if observe is not None and mlp_out is not None:
+                    observe("mlp", i, h, mlp_out)
                 if attn_out is not None:
                     h = h + attn_out
                 if mlp_out is not None:
@@ -253,12 +287,18 @@ class Decoder(nn.Module):
                 if attn_out is not None:
                     h = h + attn_out
                 if i not in skip_mlp:
-                    h = h + self.mlp_sublayer(i, h)
+                    mlp_out = self.mlp_sublayer(i, h)
+                    if observe is not None:
+                        observe("mlp", i, h, mlp_out)
+                    h = h + mlp_out
         return h
 
     def head(self, h: Tensor) -> Tensor:
-        """Final norm + lm_head: the one head shared by the full model and every early exit."""
-        return self.lm_head(self.norm(h))
+        """Final norm + lm_head (+ its bias, logit scale): the one head shared by the full model and every exit."""
+        logits = self.lm_head(self.norm(h))
+        if self.config.logit_scale is not None:
+            logits = logits * self.config.logit_scale
+        return logits
 
     def forward(self, tokens: Tensor, pos: int = 0, cache: KVCache | None = None) -> Tensor:
         """Full-model logits ``[B, T, vocab]`` for tokens at positions pos..pos+T-1."""

@@ -61,6 +61,12 @@ class ArchConfig:
     sliding_window: int | None = None
     max_position_embeddings: int = 2048
     attn_scale: float | None = None  # None: head_dim ** -0.5
+    pre_norm: bool = True  # a norm before each sublayer (OLMo 2 has none: its norms follow the sublayers)
+    post_norm: bool = False  # a norm on each sublayer's output before the residual add (OLMo 2; Gemma 3's sandwich)
+    qk_norm_over: str = "head"  # q/k norm over each head ("head": Qwen3) or the whole projection ("proj": OLMo 2)
+    nope_layers: list[int] = field(default_factory=list)  # blocks without rotary (SmolLM3's NoPE layers)
+    lm_head_bias: bool = False  # Phi-2
+    logit_scale: float | None = None  # logits multiplied by this (Cohere)
     decoder: str = "canonical"  # "canonical": runtime/decoder.py | "generic": the model's own modules (torch only)
 
     @property
@@ -73,6 +79,10 @@ class ArchConfig:
         if self.decoder not in ("canonical", "generic"):
             raise ArtifactError(f"manifest config.decoder is {self.decoder!r}, not 'canonical' or 'generic'; this artifact "
                                 "needs a newer speccompile, or rebuild it")
+        if self.qk_norm_over not in ("head", "proj"):
+            raise ArtifactError(f"manifest config.qk_norm_over is {self.qk_norm_over!r}, not 'head' or 'proj'; rebuild the artifact")
+        if any(not 0 <= i < self.num_layers for i in self.nope_layers):
+            raise ArtifactError("manifest config.nope_layers names blocks outside the model; rebuild the artifact")
         bad = [name for name in sizes if getattr(self, name) < 1]
         if bad:
             raise ArtifactError(f"manifest config has non-positive sizes {bad}; the manifest is damaged: rebuild the artifact")

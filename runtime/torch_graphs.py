@@ -141,14 +141,14 @@ class StaticSteps:
 
     def _attention(self, i: int, h: Tensor, positions: Tensor, rope, mask: Tensor) -> Tensor:
         block = self.decoder.layers[i]
-        q, k, v = block.attn.project(block.attn_norm(h), rope)
+        q, k, v = block.attn.project(block.attn_input(h), self.decoder.layer_rope(i, rope))
         keys, values = self.cache.k[i], self.cache.v[i]  # views: [B, kv_heads, max_len, head_dim]
         keys.index_copy_(2, positions, k)
         values.index_copy_(2, positions, v)
         out = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, scale=self.decoder.config.scale,
                                              enable_gqa=block.attn.n_kv != block.attn.n_heads)
         b, t = h.shape[0], h.shape[1]
-        return block.attn.o(out.transpose(1, 2).reshape(b, t, -1))
+        return block.attn_output(out.transpose(1, 2).reshape(b, t, -1))
 
     def _blocks(self, h: Tensor, positions: Tensor, start: int, stop: int, skip_attn=frozenset(),
                 skip_mlp=frozenset()) -> Tensor:

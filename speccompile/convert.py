@@ -9,6 +9,8 @@ time: fused qkv / gate-up projections are split, GPT-2's Conv1D weights are tran
 
 from __future__ import annotations
 
+import re
+
 from dataclasses import dataclass, field
 
 import torch
@@ -43,10 +45,11 @@ class Layout:
     layer: dict[str, str]
     lm_head: str = "lm_head"
     pos_embed: str | None = None
-    fused_qkv: str | None = None  # "concat" [q; k; v] rows | "per_head" [heads, 3, head_dim] rows
+    fused_qkv: str | None = None  # "concat" [q; k; v] | "per_head" [heads, 3, hd] | "grouped" [kv, q/kv + 2, hd] rows
     fused_gate_up: bool = False  # Phi-3: gate_up_proj = [gate; up]
     conv1d: bool = False  # GPT-2: weights stored [in, out]
     norm_plus_one: bool = False  # Gemma: RMSNorm scales by (1 + w)
+    interleaved_rotary: bool = False  # Cohere: rotary pairs (2j, 2j+1); q/k rows are permuted to halves
     notes: dict[str, str] = field(default_factory=dict)
 
 
@@ -81,7 +84,44 @@ LAYOUTS: dict[str, Layout] = {
         pos_embed="embed_positions",
     ),
 }
-SUPPORTED_MODEL_TYPES = tuple(LAYOUTS)
+_OLMO2_LAYER = {**{k: v for k, v in _LLAMA_LAYER.items() if k not in ("attn_norm", "mlp_norm")},
+                "attn_post_norm": "post_attention_layernorm", "mlp_post_norm": "post_feedforward_layernorm"}
+_SHARED_NORM = {"attn_norm": "input_layernorm", "mlp_norm": "input_layernorm"}  # one norm feeds both branches
+LAYOUTS.update({
+    "smollm3": Layout("model", "embed_tokens", "layers", "norm", _LLAMA_LAYER),
+    "olmo2": Layout("model", "embed_tokens", "layers", "norm", _OLMO2_LAYER),
+    "phi": Layout(
+        "model", "embed_tokens", "layers", "final_layernorm",
+        {**_SHARED_NORM, "attn.q": "self_attn.q_proj", "attn.k": "self_attn.k_proj", "attn.v": "self_attn.v_proj",
+         "attn.o": "self_attn.dense", "mlp.up": "mlp.fc1", "mlp.down": "mlp.fc2"},
+    ),
+    "cohere": Layout(
+        "model", "embed_tokens", "layers", "norm",
+        {**{k: v for k, v in _LLAMA_LAYER.items() if not k.endswith("norm")}, **_SHARED_NORM},
+        interleaved_rotary=True,
+    ),
+})
+_FALCON_LAYER = {"attn.qkv": "self_attention.query_key_value", "attn.o": "self_attention.dense",
+                 "mlp.up": "mlp.dense_h_to_4h", "mlp.down": "mlp.dense_4h_to_h"}
+
+
+def layout_for(config) -> Layout:
+    """The family's layout; Falcon's depends on its config (three block designs, three qkv layouts)."""
+    if config.model_type != "falcon":
+        return LAYOUTS[config.model_type]
+    if config.new_decoder_architecture:
+        norms = ({"attn_norm": "ln_attn", "mlp_norm": "ln_mlp"} if (config.num_ln_in_parallel_attn or 2) == 2
+                 else _SHARED_NORM)
+        qkv = "grouped"
+    elif config.parallel_attn:
+        norms, qkv = _SHARED_NORM, "concat" if config.multi_query else "per_head"
+    else:
+        norms = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
+        qkv = "concat" if config.multi_query else "per_head"
+    return Layout("transformer", "word_embeddings", "h", "ln_f", {**_FALCON_LAYER, **norms}, fused_qkv=qkv)
+
+
+SUPPORTED_MODEL_TYPES = (*LAYOUTS, "falcon")  # falcon's layout comes from layout_for
 
 _ACTIVATIONS = {
     "silu": "silu", "swish": "silu", "gelu": "gelu", "gelu_new": "gelu_tanh",
@@ -95,7 +135,7 @@ class UnsupportedModelError(SpeccompileError):
 
 
 def check_supported(model_type: str) -> None:
-    if model_type not in LAYOUTS:
+    if model_type not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(
             f"architecture '{model_type}' is not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
         )
@@ -107,13 +147,25 @@ _RECURRENT_MARKERS = ("mamba", "ssm", "rwkv", "recurrent", "lineardeltanet", "ga
                       "shortconv", "xlstm", "mlstm", "slstm", "retention", "mixer")
 
 
+def _words(name: str) -> str:
+    """A class name with a space before each CamelCase word: markers must start and end on a word, so
+    "ssm" matches ``MambaSSM`` but not ``GptOssModel``."""
+    return " " + re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", " ", name).lower() + " "
+
+
 def recurrent_layer(model) -> str | None:
-    """The class name of a layer in ``model`` that keeps recurrent state, or None."""
+    """The class name of a module in ``model`` that keeps recurrent state (a whole-word marker match), or
+    None. Of several matches, the one with the most own parameters and direct submodules: the mixer itself
+    rather than the model class or a norm named after the family."""
+    best, best_size = None, -1
     for module in model.modules():
         name = type(module).__name__
-        if any(marker in name.lower() for marker in _RECURRENT_MARKERS):
-            return name
-    return None
+        words = _words(name)
+        if any(re.search(r"(?<= )" + r"\s?".join(marker) + r"(?= )", words) for marker in _RECURRENT_MARKERS):
+            size = len(list(module.parameters(recurse=False))) + len(list(module.children()))
+            if size > best_size:
+                best, best_size = name, size
+    return best
 
 
 @dataclass
@@ -139,7 +191,7 @@ def choose_path(model) -> DecoderPath:
         raise UnsupportedModelError(
             f"'{mt}' has recurrent or state-space layers ({layer}) whose state cannot be cut back after a rejected "
             "draft, so it cannot be drafted losslessly; use an attention-only model")
-    if mt in LAYOUTS:
+    if mt in SUPPORTED_MODEL_TYPES:
         try:
             arch_config(model)
             return DecoderPath("canonical", f"'{mt}' has a canonical conversion (sublayer plans, ONNX and TensorRT export)")
@@ -228,8 +280,38 @@ def arch_config(model) -> ArchConfig:
             attn_qkv_bias=hf.attention_bias, attn_out_bias=hf.attention_bias, mlp_bias=True,
         )
 
-    # Llama-like families: llama, mistral, qwen2, qwen3, gemma, phi3.
-    if mt in ("qwen2", "qwen3"):
+    if mt == "falcon":
+        _refuse(hf.alibi, "falcon with alibi positions is not supported by the canonical decoder")
+        _refuse(hf.new_decoder_architecture and not hf.parallel_attn, "falcon with the new decoder architecture and "
+                "parallel_attn=False is not supported")
+        heads = hf.num_attention_heads
+        kv = hf.num_kv_heads if hf.new_decoder_architecture else (1 if hf.multi_query else heads)
+        return ArchConfig(
+            **common, num_kv_heads=kv, head_dim=hf.hidden_size // heads, intermediate_size=hf.ffn_hidden_size,
+            norm="layer", norm_eps=hf.layer_norm_epsilon, mlp="plain", activation=_activation(hf.activation),
+            parallel_residual=bool(hf.new_decoder_architecture or hf.parallel_attn), attn_qkv_bias=hf.bias,
+            attn_out_bias=hf.bias, mlp_bias=hf.bias,
+        )
+    if mt == "phi":
+        _refuse(hf.qk_layernorm, "phi with qk_layernorm is not supported by the canonical decoder")
+        return ArchConfig(
+            **common, num_kv_heads=hf.num_key_value_heads or hf.num_attention_heads,
+            head_dim=hf.hidden_size // hf.num_attention_heads, intermediate_size=hf.intermediate_size, norm="layer",
+            norm_eps=hf.layer_norm_eps, mlp="plain", activation=_activation(hf.hidden_act), parallel_residual=True,
+            attn_qkv_bias=True, attn_out_bias=True, mlp_bias=True, lm_head_bias=True,
+        )
+    if mt == "cohere":
+        # Per-head q/k LayerNorm weights ([heads, head_dim]) have no canonical form yet.
+        _refuse(hf.use_qk_norm, "cohere with use_qk_norm is not supported by the canonical decoder")
+        return ArchConfig(
+            **common, num_kv_heads=hf.num_key_value_heads or hf.num_attention_heads,
+            head_dim=hf.hidden_size // hf.num_attention_heads, intermediate_size=hf.intermediate_size, norm="layer",
+            norm_eps=hf.layer_norm_eps, mlp="gated", activation=_activation(hf.hidden_act), parallel_residual=True,
+            attn_qkv_bias=hf.attention_bias, attn_out_bias=hf.attention_bias, logit_scale=float(hf.logit_scale),
+        )
+
+    # Llama-like families: llama, mistral, qwen2, qwen3, gemma, phi3, smollm3, olmo2.
+    if mt in ("qwen2", "qwen3", "smollm3"):
         _refuse(bool(getattr(hf, "use_sliding_window", False)), f"{mt} with use_sliding_window=True is not supported")
         window = None
     else:
@@ -240,7 +322,9 @@ def arch_config(model) -> ArchConfig:
     return ArchConfig(
         **common, num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
         head_dim=head_dim, intermediate_size=hf.intermediate_size, norm="rms", norm_eps=hf.rms_norm_eps,
-        mlp="gated", activation=_activation(act), qk_norm=mt == "qwen3",
+        mlp="gated", activation=_activation(act), qk_norm=mt in ("qwen3", "olmo2"),
+        qk_norm_over="proj" if mt == "olmo2" else "head", pre_norm=mt != "olmo2", post_norm=mt == "olmo2",
+        nope_layers=[i for i, use in enumerate(getattr(hf, "no_rope_layers", None) or []) if not use],
         embed_scale=float(hf.hidden_size**0.5) if mt == "gemma" else None,
         attn_qkv_bias=attention_bias or mt == "qwen2", attn_out_bias=attention_bias,
         mlp_bias=bool(getattr(hf, "mlp_bias", False)), sliding_window=window,
@@ -253,6 +337,12 @@ def _split_qkv(weight: Tensor, config: ArchConfig, how: str) -> tuple[Tensor, Te
     kv_rows = config.num_kv_heads * config.head_dim
     if how == "concat":
         return weight[:q_rows], weight[q_rows : q_rows + kv_rows], weight[q_rows + kv_rows :]
+    if how == "grouped":  # Falcon's new architecture: per kv group, its query heads then one key and one value
+        per_group = config.num_heads // config.num_kv_heads
+        grouped = weight.reshape(config.num_kv_heads, per_group + 2, config.head_dim, *weight.shape[1:])
+        return (grouped[:, :per_group].reshape(q_rows, *weight.shape[1:]),
+                grouped[:, per_group].reshape(kv_rows, *weight.shape[1:]),
+                grouped[:, per_group + 1].reshape(kv_rows, *weight.shape[1:]))
     # GPT-NeoX: rows are laid out per head as [q_h, k_h, v_h].
     per_head = weight.reshape(config.num_heads, 3, config.head_dim, *weight.shape[1:])
     return tuple(per_head[:, j].reshape(q_rows, *weight.shape[1:]) for j in range(3))
@@ -260,7 +350,7 @@ def _split_qkv(weight: Tensor, config: ArchConfig, how: str) -> tuple[Tensor, Te
 
 def canonical_weights(model, config: ArchConfig) -> dict[str, Tensor]:
     """The model's weights under canonical names (see runtime/decoder.py), float32, contiguous."""
-    layout = LAYOUTS[config.model_type]
+    layout = layout_for(model.config)
     state = {k: v.detach().float() for k, v in model.state_dict().items()}
     base = layout.base + "."
 
@@ -275,8 +365,8 @@ def canonical_weights(model, config: ArchConfig) -> dict[str, Tensor]:
     def put_norm(canonical: str, hf_name: str) -> None:
         weight = state[hf_name + ".weight"]
         out[canonical + ".weight"] = weight + 1.0 if layout.norm_plus_one else weight
-        if config.norm == "layer":
-            out[canonical + ".bias"] = state[hf_name + ".bias"]
+        if config.norm == "layer":  # a LayerNorm without bias (Cohere) gets zeros
+            out[canonical + ".bias"] = state.get(hf_name + ".bias", torch.zeros_like(weight))
 
     for i in range(config.num_layers):
         prefix = f"{base}{layout.layers}.{i}."
@@ -301,6 +391,26 @@ def canonical_weights(model, config: ArchConfig) -> dict[str, Tensor]:
     put_norm("norm", base + layout.final_norm)
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = state[layout.lm_head + ".weight"]
+    if config.lm_head_bias:
+        out["lm_head.bias"] = state[layout.lm_head + ".bias"]
+    if layout.interleaved_rotary:
+        _halve_rotary_pairs(out, config)
     if config.positions == "rotary":
         out["rope_inv_freq"] = _rotary_module(model).inv_freq.detach().float()
     return {k: v.contiguous().clone() for k, v in out.items()}
+
+
+def _halve_rotary_pairs(weights: dict[str, Tensor], config: ArchConfig) -> None:
+    """Interleaved rotary (pairs ``(2j, 2j+1)``, Cohere) -> the canonical half-split rotary (pairs
+    ``(j, j + rot/2)``): permute each head's rotary rows of q and k (weights and biases) the same way.
+    Attention scores are dot products of q and k over the head, so one permutation applied to both leaves
+    them, and the output, unchanged; v is untouched."""
+    rot, hd = config.rotary_dim, config.head_dim
+    order = torch.cat((torch.arange(0, rot, 2), torch.arange(1, rot, 2), torch.arange(rot, hd)))
+    for i in range(config.num_layers):
+        for name, heads in (("q", config.num_heads), ("k", config.num_kv_heads)):
+            for kind in ("weight", "bias"):
+                key = f"layers.{i}.attn.{name}.{kind}"
+                if key in weights:
+                    t = weights[key]
+                    weights[key] = t.reshape(heads, hd, *t.shape[1:])[:, order].reshape(t.shape)

@@ -163,7 +163,9 @@ class _Graph:
         return self.op("Mul", self.op("Mul", x, half), self.op("Add", inner, one))
 
     def mlp(self, i: int, h: str) -> str:
-        return self.mlp_on(i, self.norm(h, f"layers.{i}.mlp_norm"))
+        """Block ``i``'s MLP residual branch: pre-norm, MLP, post-norm as the config says (``Block``)."""
+        out = self.mlp_on(i, self.norm(h, f"layers.{i}.mlp_norm") if self.c.pre_norm else h)
+        return self.norm(out, f"layers.{i}.mlp_post_norm") if self.c.post_norm else out
 
     def mlp_on(self, i: int, x: str) -> str:
         """The MLP of block ``i`` on its already-normed input."""
@@ -194,18 +196,24 @@ class _Graph:
     def attention(self, i: int, h: str, rope, mask: str) -> str:
         c = self.c
         p = f"layers.{i}.attn"
-        x = self.norm(h, f"layers.{i}.attn_norm")
+        x = self.norm(h, f"layers.{i}.attn_norm") if c.pre_norm else h
         hd, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
+        over_proj = c.qk_norm_over == "proj"
 
         def heads(name: str, n: int, norm: str | None) -> str:
-            t = self.op("Reshape", self.linear(x, f"{p}.{name}", n * hd), self.const([0, 0, n, hd], np.int64))
-            if norm is not None:
+            t = self.linear(x, f"{p}.{name}", n * hd)
+            if norm is not None and over_proj:
+                t = self.norm(t, norm)
+            t = self.op("Reshape", t, self.const([0, 0, n, hd], np.int64))
+            if norm is not None and not over_proj:
                 t = self.norm(t, norm)
             return self.op("Transpose", t, perm=[0, 2, 1, 3])
 
         q = heads("q", nh, f"{p}.q_norm" if c.qk_norm else None)
         k = heads("k", nkv, f"{p}.k_norm" if c.qk_norm else None)
         v = heads("v", nkv, None)
+        if i in c.nope_layers:
+            rope = None
         if rope is not None:
             q, k = self.rotary(q, rope), self.rotary(k, rope)
         past_k = self.add_input(f"past_key_values.{i}.key", self.onnx_dtype, ["batch", nkv, "past_len", hd])
@@ -227,7 +235,8 @@ class _Graph:
         if nh != nkv:
             out = self.op("Reshape", out, self.const([0, nh, -1, hd], np.int64))
         out = self.op("Reshape", self.op("Transpose", out, perm=[0, 2, 1, 3]), self.const([0, 0, nh * hd], np.int64))
-        return self.linear(out, f"{p}.o", c.hidden_size)
+        out = self.linear(out, f"{p}.o", c.hidden_size)
+        return self.norm(out, f"layers.{i}.attn_post_norm") if c.post_norm else out
 
     def positions(self, past_len: str | None, position_ids: str | None) -> str:
         """Absolute positions [seq] (or [batch, seq] when given as an input), int64."""
@@ -337,7 +346,10 @@ def _build(kind: str, name: str, config: ArchConfig, dtype: np.dtype, weights: d
         head_w = "embed.weight" if c.tie_word_embeddings else "lm_head.weight"
         x = g.norm(h, "norm")
         x2 = g.op("Reshape", x, g.const([-1, d], np.int64))
-        logits = g.op("Reshape", g.op("Gemm", x2, g.w(head_w), transB=1), g.out_shape(c.vocab_size))
+        bias = [g.w("lm_head.bias")] if c.lm_head_bias else []
+        logits = g.op("Reshape", g.op("Gemm", x2, g.w(head_w), *bias, transB=1), g.out_shape(c.vocab_size))
+        if c.logit_scale is not None:
+            logits = g.op("Mul", logits, g.const(np.array(c.logit_scale, dtype)))
         g.add_output(logits, "logits", g.onnx_dtype, ["batch", "seq", c.vocab_size])
     # The first past key was declared early; the rest of its layer's inputs follow by construction.
     _dedupe_inputs(g)
@@ -494,6 +506,9 @@ class _FusedGraph(_Graph):
         c = self.c
         p = f"layers.{i}.attn"
         hd, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
+        if i in c.nope_layers:  # a NoPE block (SmolLM3): no rotary, inside the op or before it
+            rope = None
+        do_rotary = self.gqa_rotary and rope is not None
 
         def proj(name: str, n: int) -> str:
             t = self.linear(x, f"{p}.{name}", n * hd)
@@ -517,14 +532,14 @@ class _FusedGraph(_Graph):
         past_k = self.add_input(f"past_key_values.{i}.key", self.onnx_dtype, shape)
         past_v = self.add_input(f"past_key_values.{i}.value", self.onnx_dtype, shape)
         args = [q, k, v, past_k, past_v, self.seqlens_k, self.total_len]
-        if self.gqa_rotary:
+        if do_rotary:
             args += list(rope)
         out_name = f"gqa_{i}"
         present = [f"present.{i}.key", f"present.{i}.value"]
         self._n += 1
         self.nodes.append(helper.make_node(
             "GroupQueryAttention", args, [out_name] + present, name=f"n{self._n}", domain=CONTRIB, num_heads=nh,
-            kv_num_heads=nkv, scale=float(c.scale), do_rotary=int(self.gqa_rotary),
+            kv_num_heads=nkv, scale=float(c.scale), do_rotary=int(do_rotary),
             local_window_size=int(c.sliding_window) if c.sliding_window is not None else -1))
         for name in present:
             self.outputs.append(helper.make_tensor_value_info(name, self.onnx_dtype, shape))
@@ -551,6 +566,12 @@ class _FusedGraph(_Graph):
         model = super().to_model()
         model.opset_import.append(helper.make_opsetid(CONTRIB, 1))
         return model
+
+
+def fused_supports(config: ArchConfig) -> bool:
+    """Whether ``_build_fused`` covers this block: pre-norms only and per-head q/k norm (OLMo 2's post-norms
+    and whole-projection q/k norm get the standard graphs)."""
+    return config.pre_norm and not config.post_norm and config.qk_norm_over == "head"
 
 
 def gqa_rotary_ok(config: ArchConfig) -> bool:
@@ -631,8 +652,12 @@ def _build_fused(kind: str, name: str, config: ArchConfig, dtype: np.dtype, weig
     else:
         head_w = "embed.weight" if c.tie_word_embeddings else "lm_head.weight"
         x, _ = g.add_norm(h, delta, "norm")
-        g.add_output(g.linear(x, head_w.removesuffix(".weight"), c.vocab_size), "logits", g.onnx_dtype,
-                     ["batch", "seq", c.vocab_size])
+        logits = g.linear(x, head_w.removesuffix(".weight"), c.vocab_size)  # with lm_head.bias when untied
+        if c.lm_head_bias and c.tie_word_embeddings:
+            logits = g.op("Add", logits, g.w("lm_head.bias"))
+        if c.logit_scale is not None:
+            logits = g.op("Mul", logits, g.const(np.array(c.logit_scale, dtype)))
+        g.add_output(logits, "logits", g.onnx_dtype, ["batch", "seq", c.vocab_size])
     _dedupe_inputs(g)
     return g
 
@@ -725,6 +750,11 @@ def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan]
     weights = _numpy_weights(weights, np_dtype)
     L = config.num_layers
 
+    if variant == "fused" and not fused_supports(config):
+        if quantizer is not None:
+            raise ValueError(f"{config.model_type}: the fused graphs (which --quantize needs) do not support "
+                             "this block's norms, NoPE layers or head yet; export without --quantize")
+        variant = "standard"  # the portable graphs: ONNX Runtime runs them too, with the past KV copied per call
     if variant == "fused":
         def build(*args, **kwargs):
             return _build_fused(*args, **kwargs, quantizer=quantizer, pack=pack)

@@ -75,7 +75,7 @@ def test_generic_speculative_greedy_equals_plain(generic_model, family):
 
 def test_generic_paths_drafts_accept_tokens(generic_model):
     """The model's early exit and the lookup both get tokens accepted (the plans do draft, not just verify)."""
-    _, decoder, _ = generic_model("olmo2")
+    _, decoder, _ = generic_model("olmo")
     backend = TorchBackend(decoder)
     _, exit_stats = run(backend, PROMPTS[2], 40, PLANS[0])
     _, lookup_stats = run(backend, PROMPTS[0], 40, PLANS[2])
@@ -83,16 +83,16 @@ def test_generic_paths_drafts_accept_tokens(generic_model):
 
 
 def test_dynamic_cache_family_drafts_without_prefix_reuse(generic_model):
-    """Falcon sizes its mask from the cache length: it gets a cut-back dynamic cache and its verifier
+    """BLOOM sizes its mask from the cache length: it gets a cut-back dynamic cache and its verifier
     recomputes the prefix blocks (still lossless: see the greedy test)."""
-    _, decoder, _ = generic_model("falcon")
+    _, decoder, _ = generic_model("bloom")
     assert decoder.cache_kind == "dynamic" and not decoder.prefix_reuse
-    _, decoder, _ = generic_model("olmo2")
+    _, decoder, _ = generic_model("olmo")
     assert decoder.cache_kind == "static" and decoder.prefix_reuse
 
 
 def test_generic_whole_block_plans_only(generic_model):
-    _, decoder, _ = generic_model("olmo2")
+    _, decoder, _ = generic_model("olmo")
     with pytest.raises(SpeccompileError, match="whole blocks"):
         decoder.run_blocks(decoder.embed_tokens(torch.tensor([[1, 2]]), 0), 0, None, skip_attn={1}, skip_mlp=set())
 
@@ -104,7 +104,7 @@ SAMPLES = 1500
 def test_generic_speculative_sampling_matches_target(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    folder = make_model("olmo2", tmp_path / "olmo2", seed=4, vocab_size=VOCAB, initializer_range=0.15)
+    folder = make_model("olmo", tmp_path / "olmo", seed=4, vocab_size=VOCAB, initializer_range=0.15)
     decoder = choose_path(AutoModelForCausalLM.from_pretrained(folder).eval()).decoder
     backend = TorchBackend(decoder)
     plan = DraftPlan(name="skip", skip_attn=[1, 2], skip_mlp=[1, 2], max_draft=2, adaptive=False)
@@ -125,7 +125,7 @@ def test_generic_speculative_sampling_matches_target(tmp_path):
 def test_generic_build_writes_a_torch_artifact_that_generates_losslessly(generic_model, tmp_path):
     from speccompile.runtime import load
 
-    _, _, folder = generic_model("olmo2")
+    _, _, folder = generic_model("olmo")
     out = tmp_path / "art"
     build(BuildOptions(model=str(folder), out=out, method="early-exit", max_draft=4, calibration_tokens=12,
                        confirm_prompts=1, confirm_tokens=8, show_progress=False), log=lambda message: None)
@@ -140,7 +140,7 @@ def test_generic_build_writes_a_torch_artifact_that_generates_losslessly(generic
 
 
 def test_generic_build_refuses_what_it_cannot_do(generic_model, tmp_path):
-    _, _, folder = generic_model("olmo2")
+    _, _, folder = generic_model("olmo")
     with pytest.raises(SpeccompileError, match="generic torch path.*use --backend torch"):
         build(BuildOptions(model=str(folder), out=tmp_path / "a", backends=("torch", "onnx"), show_progress=False),
               log=lambda message: None)
@@ -159,7 +159,7 @@ def test_recurrent_model_is_refused_with_its_reason():
 
 
 def test_length_dependent_rope_scaling_is_refused_before_loading(tmp_path):
-    folder = make_model("olmo2", tmp_path / "olmo2")
+    folder = make_model("olmo", tmp_path / "olmo")
     config = json.loads((folder / "config.json").read_text())
     config["rope_scaling"] = {"type": "dynamic", "factor": 2.0}
     (folder / "config.json").write_text(json.dumps(config))

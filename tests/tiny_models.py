@@ -40,17 +40,27 @@ CONFIGS: dict[str, dict] = {
                 max_position_embeddings=256, word_embed_proj_dim=64, bos_token_id=1, eos_token_id=2,
                 pad_token_id=0, init_std=0.08),
 }
+CONFIGS.update({  # added with the generic path's issue: same decoder, new ArchConfig switches
+    "olmo2": dict(_COMMON),  # norms after the sublayers, q/k norm over the whole projection
+    "smollm3": dict(_COMMON, no_rope_layers=[1, 0, 1, 1]),  # block 1 has no rotary (NoPE)
+    "phi": dict(_COMMON, partial_rotary_factor=0.5),  # parallel block on one LayerNorm, lm_head bias
+    "cohere": dict(_COMMON, logit_scale=0.5),  # parallel block, interleaved rotary, logit scale, bias-free LayerNorm
+    "falcon": dict(_COMMON, num_kv_heads=1, multi_query=True, new_decoder_architecture=False, parallel_attn=True,
+                   tie_word_embeddings=True),  # falcon-7b's design: multi-query, parallel attention
+})
 FAMILIES = tuple(CONFIGS)
 
 # Families without a canonical conversion: they build on the generic torch path (runtime/hf_decoder.py).
 GENERIC_CONFIGS: dict[str, dict] = {
-    "olmo2": dict(_COMMON),  # q/k norm over the whole projection, norms after the sublayers
-    "cohere": dict(_COMMON),  # parallel attention and MLP on one LayerNorm, logit scale
-    "falcon": dict(_COMMON, num_kv_heads=1, multi_query=True, new_decoder_architecture=False, parallel_attn=True),
-    "phi": dict(_COMMON, partial_rotary_factor=0.5),  # parallel block, partial rotary, lm_head bias
+    "olmo": dict(_COMMON, clip_qkv=8.0),  # non-parametric LayerNorm, clipped q/k/v
     "stablelm": dict(_COMMON, partial_rotary_factor=0.25),
     "gemma3_text": dict(_COMMON, head_dim=16, sliding_window=12, final_logit_softcapping=30.0),  # sandwich norms
     "mixtral": dict(_COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),  # routed experts
+    "granite": dict(_COMMON, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0),
+    "starcoder2": dict(_COMMON, sliding_window=None),
+    "gemma2": dict(_COMMON, head_dim=16, sliding_window=12, attn_logit_softcapping=50.0),
+    "bloom": dict(vocab_size=VOCAB, hidden_size=64, n_layer=4, n_head=4, bos_token_id=1, eos_token_id=2,
+                  pad_token_id=0, initializer_range=0.08),  # ALiBi; sizes its mask from the cache: dynamic cache
 }
 GENERIC_FAMILIES = tuple(GENERIC_CONFIGS)
 
