@@ -153,6 +153,12 @@ def _words(name: str) -> str:
     return " " + re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", " ", name).lower() + " "
 
 
+def _words(name: str) -> str:
+    """A class name with a space before each CamelCase word: markers must start and end on a word, so
+    "ssm" matches ``MambaSSM`` but not ``GptOssModel``."""
+    return " " + re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", " ", name).lower() + " "
+
+
 def recurrent_layer(model) -> str | None:
     """The class name of a module in ``model`` that keeps recurrent state (a whole-word marker match), or
     None. Of several matches, the one with the most own parameters and direct submodules: the mixer itself
