@@ -29,6 +29,7 @@ model on its own held-out sample (models/refcoder/heldout_sample.txt).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shutil
@@ -67,7 +68,7 @@ def derive(src: Path, dst: Path, options: dict) -> Path:
     """``src`` with its ONNX graphs re-exported with ``options`` (torch weights dropped), unless ``dst`` exists."""
     from speccompile.artifact import read_canonical_weights
     from speccompile.export_onnx import export_onnx_weights
-    from speccompile.runtime.manifest import file_record, read_manifest, write_manifest
+    from speccompile.runtime.manifest import TOKENIZER_FILE, file_record, read_manifest, write_manifest
 
     if (dst / "manifest.json").is_file():
         return dst
@@ -75,8 +76,14 @@ def derive(src: Path, dst: Path, options: dict) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     manifest = read_manifest(src)
     shutil.copytree(src / "tokenizer", tmp / "tokenizer")
+    # the files the plans open (retrieval datastore, draft heads) come along, or the manifest does not validate
+    plan_files = set(dataclasses.replace(manifest, backends={}).opened_files()) - {TOKENIZER_FILE}
+    for relative in sorted(plan_files):
+        (tmp / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src / relative, tmp / relative)
+    heads = {p.draft_head_file: src / p.draft_head_file for p in manifest.plans.values() if p.draft_head_file}
     record = export_onnx_weights(manifest.config, read_canonical_weights(src, manifest), manifest.plans, tmp / "onnx",
-                                 "float32", **options)
+                                 "float32", draft_heads=heads, **options)
     manifest.backends = {"onnx": record}
     manifest.files = {str(p.relative_to(tmp)): file_record(tmp, str(p.relative_to(tmp)))
                       for p in sorted(tmp.rglob("*")) if p.is_file()}
@@ -172,7 +179,9 @@ folder, prompts, new_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv
 model = og.Model(folder)
 def generate(ids, n):
     params = og.GeneratorParams(model)
-    params.set_search_options(do_sample=False, max_length=len(ids) + n, batch_size=1)
+    # min_length: exactly n new tokens, as speccompile's rows decode (no EOS stop); without it 5 of the 10
+    # prompts end at EOS after 1 token, and the row's tokens/s is mostly prefill
+    params.set_search_options(do_sample=False, max_length=len(ids) + n, min_length=len(ids) + n, batch_size=1)
     gen = og.Generator(model, params)
     gen.append_tokens(np.array(ids, dtype=np.int32))
     out, steps = [], []
@@ -365,10 +374,16 @@ def main() -> None:
             row = run_genai(python, folder, prompt_ids, args.new_tokens)
             outputs[f"genai {precision}"] = row["outputs"]
             report(f"onnxruntime-genai {row['version']} {precision}", row)
-    reference = outputs["standard fp32"]
+    # compared before standard fp32's first EOS: speccompile's rows decode on past EOS, genai's (min_length)
+    # cannot emit it
+    eos = set(read_manifest(artifact, verify_files=False).tokens.get("eos_token_ids") or ())
+    reference = [o[: next((i for i, t in enumerate(o) if t in eos), len(o))] for o in outputs["standard fp32"]]
+    print(f"standard fp32 tokens before the first EOS: {[len(r) for r in reference]}")
     for name, outs in outputs.items():
-        same = sum(a == b for a, b in zip(outs, reference))
-        print(f"outputs equal to standard fp32: {name}: {same}/{len(reference)}")
+        same = sum(a[: len(b)] == b for a, b in zip(outs, reference))
+        whole = "" if name.startswith("genai") else \
+            f", all {args.new_tokens} tokens: {sum(a == b for a, b in zip(outs, outputs['standard fp32']))}/{len(outs)}"
+        print(f"outputs equal to standard fp32 (before its first EOS): {name}: {same}/{len(reference)}{whole}")
     if args.refcoder:
         for name, loss in refcoder_losses(variants_dir, args.threads).items():
             print(f"refcoder held-out loss {name}: {loss:.4f}")
