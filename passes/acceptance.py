@@ -121,7 +121,7 @@ def _mixed_attention(decoder: Decoder, ref: Reference):
 
     def attend(i, h, pos, cache, rope, mask):
         block = decoder.layers[i]
-        q, k_own, v_own = block.attn.project(block.attn_input(h), decoder.layer_rope(i, rope))
+        q, k_own, v_own = block.attn.project(block.attn_input(h), rope)  # the block's own table (run_blocks)
         n = h.shape[1]
         keys, values = ref.cache.k[i, :, :, :n], ref.cache.v[i, :, :, :n]
         repeat = config.num_heads // config.num_kv_heads
@@ -131,8 +131,9 @@ def _mixed_attention(decoder: Decoder, ref: Reference):
         q_pos = torch.arange(n, device=h.device)[:, None]
         k_pos = torch.arange(n, device=h.device)[None, :]
         allowed = k_pos < q_pos
-        if config.sliding_window is not None:
-            allowed &= k_pos > q_pos - config.sliding_window
+        window = decoder.layer_window(i)
+        if window is not None:
+            allowed &= k_pos > q_pos - window
         scores = scores.masked_fill(~allowed, float("-inf"))
         scores.diagonal(dim1=-2, dim2=-1).copy_((q * k_own).sum(-1) * config.scale)
         probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)

@@ -101,6 +101,32 @@ class MLP(nn.Module):
         return self.down(self.act(self.up(x)))
 
 
+class MixtureOfExperts(nn.Module):
+    """Mixtral's MLP: a router picks ``experts_per_token`` gated experts per token (softmax, top-k,
+    renormalised weights) and sums their outputs, expert by expert in index order as transformers does.
+    Experts that no token was routed to are skipped, except while a CUDA graph is being captured (a
+    graph cannot branch on data; an expert then runs with all-zero weights, which adds exactly zero)."""
+
+    def __init__(self, config: ArchConfig):
+        super().__init__()
+        self.top_k = config.experts_per_token
+        self.router = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.experts = nn.ModuleList(MLP(config) for _ in range(config.num_experts))
+
+    def forward(self, x: Tensor) -> Tensor:
+        weights = torch.softmax(self.router(x).float(), dim=-1)
+        top_w, top_i = torch.topk(weights, self.top_k, dim=-1)
+        top_w = (top_w / top_w.sum(dim=-1, keepdim=True)).to(x.dtype)
+        capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+        out = torch.zeros_like(x)
+        for e, expert in enumerate(self.experts):
+            routed = top_i == e  # [..., top_k]
+            if not capturing and not bool(routed.any()):
+                continue
+            out = out + expert(x) * (top_w * routed).sum(dim=-1, keepdim=True)
+        return out
+
+
 class Block(nn.Module):
     """One block's sublayers and norms. The residual schedule (which norm runs where) lives in the three
     methods below, the only place the torch decoder, its CUDA-graph steps and the acceptance estimator
@@ -112,7 +138,7 @@ class Block(nn.Module):
         self.attn_norm = Norm(config, d) if config.pre_norm else None
         self.attn = Attention(config)
         self.mlp_norm = Norm(config, d) if config.pre_norm else None
-        self.mlp = MLP(config)
+        self.mlp = MixtureOfExperts(config) if config.num_experts else MLP(config)
         self.attn_post_norm = Norm(config, d) if config.post_norm else None
         self.mlp_post_norm = Norm(config, d) if config.post_norm else None
 
@@ -158,12 +184,13 @@ class Decoder(nn.Module):
         self.layers = nn.ModuleList(Block(c) for _ in range(c.num_layers))
         self.norm = Norm(c, c.hidden_size)
         self.lm_head = nn.Linear(c.hidden_size, c.vocab_size, bias=c.lm_head_bias)
-        self._nope = frozenset(c.nope_layers)
         if c.tie_word_embeddings:
             self.lm_head.weight = self.embed.weight
         if c.positions == "rotary":
             self.register_buffer("rope_inv_freq", torch.zeros(c.rotary_dim // 2), persistent=True)
-        self._rope_cache: tuple[Tensor, Tensor] | None = None
+        if c.local_rope:
+            self.register_buffer("rope_local_inv_freq", torch.zeros(c.rotary_dim // 2), persistent=True)
+        self._rope_cache: dict | None = None
 
     # -- weights ---------------------------------------------------------------------------------
     def load_canonical(self, weights: dict[str, Tensor]) -> "Decoder":
@@ -179,17 +206,20 @@ class Decoder(nn.Module):
         self._rope_cache = None
         return self
 
-    def rope_table(self, length: int) -> tuple[Tensor, Tensor]:
-        """cos/sin for positions 0..length-1, computed once in float32 like transformers does."""
-        if self._rope_cache is None or self._rope_cache[0].shape[0] < length:
-            inv_freq = self.rope_inv_freq.float()
+    def rope_table(self, length: int, local: bool = False) -> tuple[Tensor, Tensor]:
+        """cos/sin for positions 0..length-1, computed once in float32 like transformers does; ``local``:
+        the windowed blocks' own table (Gemma 3's local rotary base, unscaled)."""
+        cached = self._rope_cache.get(local) if self._rope_cache else None
+        if cached is None or cached[0].shape[0] < length:
+            inv_freq = (self.rope_local_inv_freq if local else self.rope_inv_freq).float()
             positions = torch.arange(max(length, 64), device=inv_freq.device, dtype=torch.float32)
             freqs = torch.outer(positions, inv_freq)
             emb = torch.cat((freqs, freqs), dim=-1)
-            scale = self.config.rope_attention_scaling
+            scale = 1.0 if local else self.config.rope_attention_scaling
             dtype = self.embed.weight.dtype
-            self._rope_cache = ((emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype))
-        return self._rope_cache
+            cached = ((emb.cos() * scale).to(dtype), (emb.sin() * scale).to(dtype))
+            self._rope_cache = {**(self._rope_cache or {}), local: cached}
+        return cached
 
     def new_cache(self, max_len: int, dtype=None, device=None) -> KVCache:
         """A static KV cache for ``max_len`` positions (the generic path's decoder offers the same call)."""
@@ -209,15 +239,19 @@ class Decoder(nn.Module):
             h = h + self.pos_embed(ids)
         return h
 
-    def rope_at(self, pos: int, t: int) -> tuple[Tensor, Tensor] | None:
+    def rope_at(self, pos: int, t: int, local: bool = False) -> tuple[Tensor, Tensor] | None:
         if self.config.positions != "rotary":
             return None
-        cos, sin = self.rope_table(pos + t)
+        cos, sin = self.rope_table(pos + t, local)
         return cos[pos : pos + t], sin[pos : pos + t]
 
-    def attention_mask(self, pos: int, t: int, total: int, device) -> Tensor | None:
-        """Boolean ``[t, total]`` mask (True = attend) for queries at pos..pos+t-1 over keys 0..total-1."""
-        window = self.config.sliding_window
+    def layer_window(self, i: int) -> int | None:
+        return self.config.window_of(i)
+
+    def attention_mask(self, pos: int, t: int, total: int, device, window: int | None | str = "config") -> Tensor | None:
+        """Boolean ``[t, total]`` mask (True = attend) for queries at pos..pos+t-1 over keys 0..total-1, with
+        ``window`` (default: the config's sliding window)."""
+        window = self.config.sliding_window if window == "config" else window
         if t == 1 and (window is None or total <= window):
             return None
         q_pos = torch.arange(pos, pos + t, device=device)[:, None]
@@ -227,13 +261,15 @@ class Decoder(nn.Module):
             mask &= k_pos > q_pos - window
         return mask
 
-    def layer_rope(self, i: int, rope):
-        """Block ``i``'s rotary table: none for a NoPE block (SmolLM3)."""
-        return None if i in self._nope else rope
+    def layer_rope(self, i: int, rope, local_rope=None):
+        """Block ``i``'s rotary table (``ArchConfig.rotary_of``)."""
+        return {"global": rope, "local": local_rope, None: None}[self.config.rotary_of(i)]
 
     def attention_sublayer(self, i: int, h: Tensor, pos: int, cache: KVCache | None, rope, mask) -> Tensor:
+        """Block ``i``'s attention branch; ``rope`` and ``mask`` are the block's own (``layer_rope``,
+        ``layer_window``)."""
         block = self.layers[i]
-        q, k, v = block.attn.project(block.attn_input(h), self.layer_rope(i, rope))
+        q, k, v = block.attn.project(block.attn_input(h), rope)
         t = h.shape[1]
         if cache is not None:
             cache.k[i, :, :, pos : pos + t] = k
@@ -269,10 +305,17 @@ class Decoder(nn.Module):
         stop = self.config.num_layers if stop is None else stop
         t = h.shape[1]
         total = pos + t if cache is not None else t
-        rope = self.rope_at(pos, t)
-        mask = self.attention_mask(pos if cache is not None else 0, t, total, h.device)
+        ropes = (self.rope_at(pos, t), self.rope_at(pos, t, local=True) if self.config.local_rope else None)
+        masks: dict = {}  # window -> mask, built once per call
+
+        def mask_of(i: int):
+            window = self.layer_window(i)
+            if window not in masks:
+                masks[window] = self.attention_mask(pos if cache is not None else 0, t, total, h.device, window)
+            return masks[window]
+
         for i in range(start, stop):
-            attn_out = None if i in skip_attn else attend(i, h, pos, cache, rope, mask)
+            attn_out = None if i in skip_attn else attend(i, h, pos, cache, self.layer_rope(i, *ropes), mask_of(i))
             if observe is not None and attn_out is not None:
                 observe("attn", i, h, attn_out)
             if self.config.parallel_residual:
@@ -298,6 +341,8 @@ class Decoder(nn.Module):
         logits = self.lm_head(self.norm(h))
         if self.config.logit_scale is not None:
             logits = logits * self.config.logit_scale
+        if self.config.final_softcap is not None:
+            logits = torch.tanh(logits / self.config.final_softcap) * self.config.final_softcap
         return logits
 
     def forward(self, tokens: Tensor, pos: int = 0, cache: KVCache | None = None) -> Tensor:
@@ -317,4 +362,6 @@ def build_decoder(config: ArchConfig, weights: dict[str, Tensor], dtype=torch.fl
     if config.positions == "rotary":
         # The rotary frequencies stay float32 whatever the weights' dtype, as in transformers.
         model.rope_inv_freq.data = weights["rope_inv_freq"].float().to(device)
+    if config.local_rope:
+        model.rope_local_inv_freq.data = weights["rope_local_inv_freq"].float().to(device)
     return model.eval()

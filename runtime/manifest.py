@@ -67,7 +67,25 @@ class ArchConfig:
     nope_layers: list[int] = field(default_factory=list)  # blocks without rotary (SmolLM3's NoPE layers)
     lm_head_bias: bool = False  # Phi-2
     logit_scale: float | None = None  # logits multiplied by this (Cohere)
+    window_layers: list[int] | None = None  # blocks with the sliding window (None: every block, when there is one)
+    local_rope: bool = False  # windowed blocks rotate with their own table, rope_local_inv_freq (Gemma 3)
+    final_softcap: float | None = None  # logits = cap * tanh(logits / cap) (Gemma 2/3)
+    num_experts: int = 0  # > 0: the MLP is a mixture of that many gated experts (Mixtral)
+    experts_per_token: int = 0  # experts each token is routed to (softmax, top-k, renormalised)
     decoder: str = "canonical"  # "canonical": runtime/decoder.py | "generic": the model's own modules (torch only)
+
+    def window_of(self, i: int) -> int | None:
+        """Block ``i``'s sliding window (None: it attends to every earlier position)."""
+        if self.sliding_window is None or (self.window_layers is not None and i not in self.window_layers):
+            return None
+        return self.sliding_window
+
+    def rotary_of(self, i: int) -> str | None:
+        """Which rotary table block ``i`` uses: "global", "local" (a windowed block of a model with two
+        tables, Gemma 3) or None (learned positions, or a NoPE block)."""
+        if self.positions != "rotary" or i in self.nope_layers:
+            return None
+        return "local" if self.local_rope and self.window_of(i) is not None else "global"
 
     @property
     def scale(self) -> float:

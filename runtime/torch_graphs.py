@@ -84,7 +84,9 @@ class StaticSteps:
         self.max_len = cache.max_len
         device = cache.k.device
         self.key_positions = torch.arange(self.max_len, device=device)
-        self.rope = decoder.rope_table(self.max_len) if decoder.config.positions == "rotary" else None
+        rotary = decoder.config.positions == "rotary"
+        self.rope = decoder.rope_table(self.max_len) if rotary else None
+        self.rope_local = decoder.rope_table(self.max_len, local=True) if rotary and decoder.config.local_rope else None
         self.buffers: dict[int, tuple[Tensor, Tensor]] = {}  # T -> (token ids [1, T], positions [T])
         self.graphs: dict[tuple, Step] = {}
         self.captures = 0
@@ -123,25 +125,25 @@ class StaticSteps:
             h = h + d.pos_embed(positions + c.position_offset)
         return h
 
-    def _rope(self, positions: Tensor):
-        if self.rope is None:
+    def _rope(self, positions: Tensor, table=None):
+        table = table or self.rope
+        if table is None:
             return None
-        cos, sin = self.rope
+        cos, sin = table
         return cos.index_select(0, positions), sin.index_select(0, positions)
 
-    def _mask(self, positions: Tensor) -> Tensor:
+    def _mask(self, positions: Tensor, window: int | None) -> Tensor:
         """``[T, max_len]``: key positions up to each query's own (and inside the sliding window)."""
         q = positions[:, None]
         k = self.key_positions[None, :]
         mask = k <= q
-        window = self.decoder.config.sliding_window
         if window is not None:
             mask = mask & (k > q - window)
         return mask
 
     def _attention(self, i: int, h: Tensor, positions: Tensor, rope, mask: Tensor) -> Tensor:
         block = self.decoder.layers[i]
-        q, k, v = block.attn.project(block.attn_input(h), self.decoder.layer_rope(i, rope))
+        q, k, v = block.attn.project(block.attn_input(h), rope)
         keys, values = self.cache.k[i], self.cache.v[i]  # views: [B, kv_heads, max_len, head_dim]
         keys.index_copy_(2, positions, k)
         values.index_copy_(2, positions, v)
@@ -154,9 +156,11 @@ class StaticSteps:
                 skip_mlp=frozenset()) -> Tensor:
         """``Decoder.run_blocks`` with tensor positions (same residual rules, same sublayer skipping)."""
         d = self.decoder
-        rope, mask = self._rope(positions), self._mask(positions)
+        ropes = (self._rope(positions), self._rope(positions, self.rope_local) if self.rope_local else None)
+        masks = {w: self._mask(positions, w) for w in {d.layer_window(i) for i in range(start, stop)}}
         for i in range(start, stop):
-            attn_out = None if i in skip_attn else self._attention(i, h, positions, rope, mask)
+            attn_out = None if i in skip_attn else self._attention(i, h, positions, d.layer_rope(i, *ropes),
+                                                                    masks[d.layer_window(i)])
             if d.config.parallel_residual:
                 mlp_out = None if i in skip_mlp else d.mlp_sublayer(i, h)
                 if attn_out is not None:

@@ -50,6 +50,7 @@ class Layout:
     conv1d: bool = False  # GPT-2: weights stored [in, out]
     norm_plus_one: bool = False  # Gemma: RMSNorm scales by (1 + w)
     interleaved_rotary: bool = False  # Cohere: rotary pairs (2j, 2j+1); q/k rows are permuted to halves
+    experts: str | None = None  # Mixtral: the MoE block under each layer (router "gate", experts w1/w3/w2)
     notes: dict[str, str] = field(default_factory=dict)
 
 
@@ -101,6 +102,15 @@ LAYOUTS.update({
         interleaved_rotary=True,
     ),
 })
+LAYOUTS["gemma3_text"] = Layout(  # a sandwich: pre- and post-norms around both sublayers
+    "model", "embed_tokens", "layers", "norm",
+    {**_LLAMA_LAYER, "attn_post_norm": "post_attention_layernorm", "mlp_norm": "pre_feedforward_layernorm",
+     "mlp_post_norm": "post_feedforward_layernorm"},
+    norm_plus_one=True,
+)
+LAYOUTS["mixtral"] = Layout("model", "embed_tokens", "layers", "norm",
+                            {k: v for k, v in _LLAMA_LAYER.items() if not k.startswith("mlp.")},
+                            experts="block_sparse_moe")
 _FALCON_LAYER = {"attn.qkv": "self_attention.query_key_value", "attn.o": "self_attention.dense",
                  "mlp.up": "mlp.dense_h_to_4h", "mlp.down": "mlp.dense_4h_to_h"}
 
@@ -145,12 +155,6 @@ def check_supported(model_type: str) -> None:
 # rejected draft token cannot be cut back to a length, so drafting them losslessly needs state snapshots.
 _RECURRENT_MARKERS = ("mamba", "ssm", "rwkv", "recurrent", "lineardeltanet", "gateddeltanet", "linearattention",
                       "shortconv", "xlstm", "mlstm", "slstm", "retention", "mixer")
-
-
-def _words(name: str) -> str:
-    """A class name with a space before each CamelCase word: markers must start and end on a word, so
-    "ssm" matches ``MambaSSM`` but not ``GptOssModel``."""
-    return " " + re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", " ", name).lower() + " "
 
 
 def _words(name: str) -> str:
@@ -226,9 +230,9 @@ def _activation(name: str) -> str:
     return _ACTIVATIONS[name]
 
 
-def _rotary_module(model) -> torch.nn.Module | None:
+def _rotary_module(model, suffix: str = "rotary_emb") -> torch.nn.Module | None:
     for name, module in model.named_modules():
-        if name.endswith("rotary_emb") and hasattr(module, "inv_freq"):
+        if name.endswith(suffix) and hasattr(module, "inv_freq"):
             return module
     return None
 
@@ -316,6 +320,29 @@ def arch_config(model) -> ArchConfig:
             attn_qkv_bias=hf.attention_bias, attn_out_bias=hf.attention_bias, logit_scale=float(hf.logit_scale),
         )
 
+    if mt == "gemma3_text":
+        _refuse(hf.attn_logit_softcapping is not None, "gemma3 with attn_logit_softcapping is not supported by the "
+                "canonical decoder")
+        _refuse(bool(getattr(hf, "use_bidirectional_attention", False)), "gemma3 with bidirectional attention is "
+                "not a causal LM")
+        return ArchConfig(
+            **common, num_kv_heads=hf.num_key_value_heads, head_dim=hf.head_dim, intermediate_size=hf.intermediate_size,
+            norm="rms", norm_eps=hf.rms_norm_eps, mlp="gated", activation=_activation(hf.hidden_activation),
+            qk_norm=True, pre_norm=True, post_norm=True, embed_scale=float(hf.hidden_size**0.5),
+            attn_qkv_bias=hf.attention_bias, attn_out_bias=hf.attention_bias, sliding_window=hf.sliding_window,
+            window_layers=[i for i, kind in enumerate(hf.layer_types) if kind == "sliding_attention"],
+            local_rope=True, attn_scale=float(hf.query_pre_attn_scalar) ** -0.5,
+            final_softcap=hf.final_logit_softcapping,
+        )
+
+    if mt == "mixtral":
+        return ArchConfig(
+            **common, num_kv_heads=hf.num_key_value_heads, head_dim=getattr(hf, "head_dim", None) or hf.hidden_size //
+            hf.num_attention_heads, intermediate_size=hf.intermediate_size, norm="rms", norm_eps=hf.rms_norm_eps,
+            mlp="gated", activation=_activation(hf.hidden_act), sliding_window=hf.sliding_window,
+            num_experts=hf.num_local_experts, experts_per_token=hf.num_experts_per_tok,
+        )
+
     # Llama-like families: llama, mistral, qwen2, qwen3, gemma, phi3, smollm3, olmo2.
     if mt in ("qwen2", "qwen3", "smollm3"):
         _refuse(bool(getattr(hf, "use_sliding_window", False)), f"{mt} with use_sliding_window=True is not supported")
@@ -394,6 +421,12 @@ def canonical_weights(model, config: ArchConfig) -> dict[str, Tensor]:
                     out[f"layers.{i}.mlp.gate.{kind}"], out[f"layers.{i}.mlp.up.{kind}"] = gate, up
                 else:
                     out[f"layers.{i}.{canonical}.{kind}"] = tensor
+        if layout.experts:  # Mixtral: router + experts (w1 = gate, w3 = up, w2 = down)
+            moe = f"{prefix}{layout.experts}"
+            out[f"layers.{i}.mlp.router.weight"] = state[f"{moe}.gate.weight"]
+            for e in range(config.num_experts):
+                for canonical, hf_name in (("gate", "w1"), ("up", "w3"), ("down", "w2")):
+                    out[f"layers.{i}.mlp.experts.{e}.{canonical}.weight"] = state[f"{moe}.experts.{e}.{hf_name}.weight"]
     put_norm("norm", base + layout.final_norm)
     if not config.tie_word_embeddings:
         out["lm_head.weight"] = state[layout.lm_head + ".weight"]
@@ -403,6 +436,8 @@ def canonical_weights(model, config: ArchConfig) -> dict[str, Tensor]:
         _halve_rotary_pairs(out, config)
     if config.positions == "rotary":
         out["rope_inv_freq"] = _rotary_module(model).inv_freq.detach().float()
+    if config.local_rope:
+        out["rope_local_inv_freq"] = _rotary_module(model, "rotary_emb_local").inv_freq.detach().float()
     return {k: v.contiguous().clone() for k, v in out.items()}
 
 

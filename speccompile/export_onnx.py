@@ -169,13 +169,37 @@ class _Graph:
 
     def mlp_on(self, i: int, x: str) -> str:
         """The MLP of block ``i`` on its already-normed input."""
+        if self.c.num_experts:
+            return self.experts(i, x)
+        return self.expert(f"layers.{i}.mlp", x)
+
+    def experts(self, i: int, x: str) -> str:
+        """Mixtral's routed experts (``MixtureOfExperts``), computed densely: every expert runs on every token
+        and adds its output times the token's routing weight, zero where the router did not pick it. Exact,
+        and branch-free as a graph must be; it reads every expert's weights at every step."""
+        c, p = self.c, f"layers.{i}.mlp"
+        probs = self.op("Softmax", self.linear(x, f"{p}.router", c.num_experts), axis=-1)
+        top_w, top_i = self.op("TopK", probs, self.const([c.experts_per_token], np.int64), axis=-1, n_out=2)
+        top_w = self.op("Div", top_w, self.op("ReduceSum", top_w, self.const([-1], np.int64), keepdims=1))
+        routing = self.op("ScatterElements", self.op("Mul", probs, self.const(np.array(0.0, self.dtype))), top_i, top_w,
+                          axis=-1)
+        out = None
+        for e in range(c.num_experts):
+            weight = self.op("Slice", routing, self.const([e], np.int64), self.const([e + 1], np.int64),
+                             self.const([-1], np.int64))
+            term = self.op("Mul", self.expert(f"{p}.experts.{e}", x), weight)
+            out = term if out is None else self.op("Add", out, term)
+        return out
+
+    def expert(self, p: str, x: str) -> str:
+        """A (gated or plain) MLP whose weights are under ``p`` (``layers.i.mlp``, or one expert of it)."""
         c = self.c
-        up = self.linear(x, f"layers.{i}.mlp.up", c.intermediate_size)
+        up = self.linear(x, f"{p}.up", c.intermediate_size)
         if c.mlp == "gated":
-            inner = self.op("Mul", self.act(self.linear(x, f"layers.{i}.mlp.gate", c.intermediate_size)), up)
+            inner = self.op("Mul", self.act(self.linear(x, f"{p}.gate", c.intermediate_size)), up)
         else:
             inner = self.act(up)
-        return self.linear(inner, f"layers.{i}.mlp.down", c.hidden_size)
+        return self.linear(inner, f"{p}.down", c.hidden_size)
 
     def rotary(self, x: str, rope: tuple[str, str]) -> str:
         c = self.c
@@ -212,8 +236,6 @@ class _Graph:
         q = heads("q", nh, f"{p}.q_norm" if c.qk_norm else None)
         k = heads("k", nkv, f"{p}.k_norm" if c.qk_norm else None)
         v = heads("v", nkv, None)
-        if i in c.nope_layers:
-            rope = None
         if rope is not None:
             q, k = self.rotary(q, rope), self.rotary(k, rope)
         past_k = self.add_input(f"past_key_values.{i}.key", self.onnx_dtype, ["batch", nkv, "past_len", hd])
@@ -245,13 +267,14 @@ class _Graph:
         seq = self.op("Gather", self.bt_shape, self.const(1, np.int64), axis=0)
         return self.op("Range", past_len, self.op("Add", past_len, seq), self.const(1, np.int64))
 
-    def rope(self, pos: str) -> tuple[str, str]:
+    def rope(self, pos: str, table: str = "global") -> tuple[str, str]:
         c = self.c
+        inv_freq = "rope_local_inv_freq" if table == "local" else "rope_inv_freq"
         f = self.op("Mul", self.op("Unsqueeze", self.op("Cast", pos, to=TensorProto.FLOAT), self.const([-1], np.int64)),
-                    self.w("rope_inv_freq"))
+                    self.w(inv_freq))
         emb = self.op("Concat", f, f, axis=-1)
         cos, sin = self.op("Cos", emb), self.op("Sin", emb)
-        scale = float(c.rope_attention_scaling)
+        scale = float(c.rope_attention_scaling) if table == "global" else 1.0
         if scale != 1.0:
             s = self.const(np.float32(scale))
             cos, sin = self.op("Mul", cos, s), self.op("Mul", sin, s)
@@ -259,16 +282,26 @@ class _Graph:
             cos, sin = self.op("Cast", cos, to=self.onnx_dtype), self.op("Cast", sin, to=self.onnx_dtype)
         return cos, sin
 
-    def mask(self, pos: str, total: str) -> str:
+    def mask(self, pos: str, total: str, window: int | None) -> str:
         """Additive [seq, total] mask: 0 where key position <= query position (and inside the window)."""
         q_pos = self.op("Unsqueeze", pos, self.const([-1], np.int64))
         k_pos = self.op("Range", self.const(0, np.int64), total, self.const(1, np.int64))
         allowed = self.op("LessOrEqual", k_pos, q_pos)
-        if self.c.sliding_window is not None:
-            lo = self.op("Sub", q_pos, self.const(int(self.c.sliding_window), np.int64))
+        if window is not None:
+            lo = self.op("Sub", q_pos, self.const(int(window), np.int64))
             allowed = self.op("And", allowed, self.op("Greater", k_pos, lo))
         return self.op("Where", allowed, self.const(np.array(0.0, self.dtype)),
                        self.const(np.array(-np.inf, self.dtype)))
+
+    def logit_post(self, logits: str) -> str:
+        """What a family does to the head's logits: a scale (Cohere), a softcap (Gemma 2/3)."""
+        c = self.c
+        if c.logit_scale is not None:
+            logits = self.op("Mul", logits, self.const(np.array(c.logit_scale, self.dtype)))
+        if c.final_softcap is not None:
+            cap = self.const(np.array(c.final_softcap, self.dtype))
+            logits = self.op("Mul", self.op("Tanh", self.op("Div", logits, cap)), cap)
+        return logits
 
     def to_model(self) -> onnx.ModelProto:
         graph = helper.make_graph(self.nodes, self.name.replace(".", "_"), self.inputs, self.outputs)
@@ -318,17 +351,18 @@ def _build(kind: str, name: str, config: ArchConfig, dtype: np.dtype, weights: d
             h = g.op("Add", h, g.op("Gather", g.w("pos_embed.weight"), pid, axis=0))
     else:
         h = hidden_in
-    rope = mask = None
+    ropes, masks = {None: None}, {}  # per rotary table and per window, each built once (ArchConfig.rotary_of / window_of)
     if attn_layers:
-        if c.positions == "rotary":
-            rope = g.rope(pos)
+        for table in {c.rotary_of(i) for i in attn_layers} - {None}:
+            ropes[table] = g.rope(pos, table)
         seq = g.op("Gather", g.bt_shape, g.const(1, np.int64), axis=0)
-        mask = g.mask(pos, g.op("Add", past_len, seq))
+        total = g.op("Add", past_len, seq)
+        masks = {window: g.mask(pos, total, window) for window in {c.window_of(i) for i in attn_layers}}
     if kind != "head":
         for i in range(start, stop):
             attn_out = None
             if i not in skip_attn:
-                attn_out = g.attention(i, h, rope, mask)
+                attn_out = g.attention(i, h, ropes[c.rotary_of(i)], masks[c.window_of(i)])
             if c.parallel_residual:
                 mlp_out = None if i in skip_mlp else g.mlp(i, h)
                 if attn_out is not None:
@@ -348,9 +382,7 @@ def _build(kind: str, name: str, config: ArchConfig, dtype: np.dtype, weights: d
         x2 = g.op("Reshape", x, g.const([-1, d], np.int64))
         bias = [g.w("lm_head.bias")] if c.lm_head_bias else []
         logits = g.op("Reshape", g.op("Gemm", x2, g.w(head_w), *bias, transB=1), g.out_shape(c.vocab_size))
-        if c.logit_scale is not None:
-            logits = g.op("Mul", logits, g.const(np.array(c.logit_scale, dtype)))
-        g.add_output(logits, "logits", g.onnx_dtype, ["batch", "seq", c.vocab_size])
+        g.add_output(g.logit_post(logits), "logits", g.onnx_dtype, ["batch", "seq", c.vocab_size])
     # The first past key was declared early; the rest of its layer's inputs follow by construction.
     _dedupe_inputs(g)
     return g
@@ -475,7 +507,7 @@ class _FusedGraph(_Graph):
 
     def mlp_on(self, i: int, x: str) -> str:
         c = self.c
-        if c.mlp != "gated" or not self.pack:
+        if c.mlp != "gated" or not self.pack or c.num_experts:
             return super().mlp_on(i, x)
         both = self.linear_cat(x, [f"layers.{i}.mlp.gate", f"layers.{i}.mlp.up"], 2 * c.intermediate_size)
         gate, up = self.op("Split", both, axis=-1, num_outputs=2, n_out=2)
@@ -506,8 +538,7 @@ class _FusedGraph(_Graph):
         c = self.c
         p = f"layers.{i}.attn"
         hd, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
-        if i in c.nope_layers:  # a NoPE block (SmolLM3): no rotary, inside the op or before it
-            rope = None
+        rope = rope[c.rotary_of(i)]  # the block's table: none for a NoPE block (SmolLM3), local or global
         do_rotary = self.gqa_rotary and rope is not None
 
         def proj(name: str, n: int) -> str:
@@ -540,21 +571,22 @@ class _FusedGraph(_Graph):
         self.nodes.append(helper.make_node(
             "GroupQueryAttention", args, [out_name] + present, name=f"n{self._n}", domain=CONTRIB, num_heads=nh,
             kv_num_heads=nkv, scale=float(c.scale), do_rotary=int(do_rotary),
-            local_window_size=int(c.sliding_window) if c.sliding_window is not None else -1))
+            local_window_size=int(c.window_of(i)) if c.window_of(i) is not None else -1))
         for name in present:
             self.outputs.append(helper.make_tensor_value_info(name, self.onnx_dtype, shape))
             self.output_records.append({"name": name, "dtype": _elem_name(self.onnx_dtype), "shape": shape})
         return self.linear(out_name, f"{p}.o", c.hidden_size)
 
-    def gqa_rope_cache(self) -> tuple[str, str]:
+    def gqa_rope_cache(self, table: str = "global") -> tuple[str, str]:
         """cos/sin tables [total_len, rotary_dim / 2] for positions 0..total_len-1 (GQA indexes them)."""
         c = self.c
         total = self.op("Cast", self.total_len, to=TensorProto.INT64)
         pos = self.op("Range", self.const(0, np.int64), total, self.const(1, np.int64))
+        inv_freq = "rope_local_inv_freq" if table == "local" else "rope_inv_freq"
         f = self.op("Mul", self.op("Unsqueeze", self.op("Cast", pos, to=TensorProto.FLOAT), self.const([-1], np.int64)),
-                    self.w("rope_inv_freq"))
+                    self.w(inv_freq))
         cos, sin = self.op("Cos", f), self.op("Sin", f)
-        scale = float(c.rope_attention_scaling)
+        scale = float(c.rope_attention_scaling) if table == "global" else 1.0
         if scale != 1.0:
             s = self.const(np.float32(scale))
             cos, sin = self.op("Mul", cos, s), self.op("Mul", sin, s)
@@ -617,14 +649,14 @@ def _build_fused(kind: str, name: str, config: ArchConfig, dtype: np.dtype, weig
             h = g.op("Add", h, g.op("Gather", g.w("pos_embed.weight"), pid, axis=0))
     else:
         h = hidden_in
-    rope = None
-    if attn_layers and c.positions == "rotary":
+    rope = {None: None}  # per rotary table (ArchConfig.rotary_of), each built once
+    for table in {c.rotary_of(i) for i in attn_layers} - {None}:
         if g.gqa_rotary:
-            rope = g.gqa_rope_cache()
+            rope[table] = g.gqa_rope_cache(table)
         else:
-            cos, sin = g.rope(pos)  # [seq, rot]; broadcast over heads of [batch, seq, heads, head_dim]
+            cos, sin = g.rope(pos, table)  # [seq, rot]; broadcast over heads of [batch, seq, heads, head_dim]
             axis = g.const([1], np.int64)
-            rope = g.op("Unsqueeze", cos, axis), g.op("Unsqueeze", sin, axis)
+            rope[table] = g.op("Unsqueeze", cos, axis), g.op("Unsqueeze", sin, axis)
     delta = None  # the pending residual branch: the stream is h + delta
     if kind != "head":
         for i in range(start, stop):
@@ -655,9 +687,7 @@ def _build_fused(kind: str, name: str, config: ArchConfig, dtype: np.dtype, weig
         logits = g.linear(x, head_w.removesuffix(".weight"), c.vocab_size)  # with lm_head.bias when untied
         if c.lm_head_bias and c.tie_word_embeddings:
             logits = g.op("Add", logits, g.w("lm_head.bias"))
-        if c.logit_scale is not None:
-            logits = g.op("Mul", logits, g.const(np.array(c.logit_scale, dtype)))
-        g.add_output(logits, "logits", g.onnx_dtype, ["batch", "seq", c.vocab_size])
+        g.add_output(g.logit_post(logits), "logits", g.onnx_dtype, ["batch", "seq", c.vocab_size])
     _dedupe_inputs(g)
     return g
 

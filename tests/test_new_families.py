@@ -1,5 +1,5 @@
 """Families added to the canonical decoder with the generic-path issue (OLMo 2, SmolLM3, Phi-2, Cohere,
-Falcon): speculative sampling keeps the target distribution on both backends, Falcon's three block
+Falcon, Gemma 3, Mixtral): speculative sampling keeps the target distribution on both backends, Falcon's three block
 designs convert exactly, and their standard ONNX graphs pass the checker. (Logits parity and greedy
 equality run for them in test_parity, test_lossless_greedy, test_onnx and test_onnx_fused, which cover
 every family in tiny_models.CONFIGS.)"""
@@ -24,7 +24,7 @@ from speccompile.runtime.sampling import SamplingParams  # noqa: E402
 from speccompile.runtime.torch_backend import TorchBackend  # noqa: E402
 from tiny_models import CONFIGS, make_model  # noqa: E402
 
-NEW_FAMILIES = ("olmo2", "smollm3", "phi", "cohere", "falcon")
+NEW_FAMILIES = ("olmo2", "smollm3", "phi", "cohere", "falcon", "gemma3_text", "mixtral")
 VOCAB = 12
 PROMPT = [1, 5, 7, 3]
 SAMPLES = 1000

@@ -47,6 +47,10 @@ CONFIGS.update({  # added with the generic path's issue: same decoder, new ArchC
     "cohere": dict(_COMMON, logit_scale=0.5),  # parallel block, interleaved rotary, logit scale, bias-free LayerNorm
     "falcon": dict(_COMMON, num_kv_heads=1, multi_query=True, new_decoder_architecture=False, parallel_attn=True,
                    tie_word_embeddings=True),  # falcon-7b's design: multi-query, parallel attention
+    # sandwich norms, (1 + w) q/k norms, windowed blocks with their own rotary base, logit softcap
+    "gemma3_text": dict(_COMMON, head_dim=16, sliding_window=12, final_logit_softcapping=30.0, query_pre_attn_scalar=20,
+                        layer_types=["sliding_attention", "full_attention"] * 2, rope_local_base_freq=100.0),
+    "mixtral": dict(_COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),  # routed experts
 })
 FAMILIES = tuple(CONFIGS)
 
@@ -54,8 +58,6 @@ FAMILIES = tuple(CONFIGS)
 GENERIC_CONFIGS: dict[str, dict] = {
     "olmo": dict(_COMMON, clip_qkv=8.0),  # non-parametric LayerNorm, clipped q/k/v
     "stablelm": dict(_COMMON, partial_rotary_factor=0.25),
-    "gemma3_text": dict(_COMMON, head_dim=16, sliding_window=12, final_logit_softcapping=30.0),  # sandwich norms
-    "mixtral": dict(_COMMON, num_local_experts=4, num_experts_per_tok=2, sliding_window=None),  # routed experts
     "granite": dict(_COMMON, embedding_multiplier=2.0, residual_multiplier=0.5, logits_scaling=4.0),
     "starcoder2": dict(_COMMON, sliding_window=None),
     "gemma2": dict(_COMMON, head_dim=16, sliding_window=12, attn_logit_softcapping=50.0),
