@@ -121,6 +121,23 @@ def test_unsupported_architecture(tmp_path):
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
+def test_remote_code_model_needs_the_flag(tmp_path):
+    """A model whose code lives in its folder (auto_map) is refused without --trust-remote-code, before
+    any of its code runs."""
+    import json
+
+    folder = tmp_path / "custom"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({
+        "model_type": "speccompile_custom", "architectures": ["CustomForCausalLM"],
+        "auto_map": {"AutoConfig": "configuration_custom.CustomConfig",
+                     "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}}))
+    (folder / "configuration_custom.py").write_text("raise SystemExit('remote code ran')\n")
+    make_tokenizer(folder)
+    assert_one_line_error(invoke("build", folder, "-o", tmp_path / "out"), "--trust-remote-code")
+    assert not (tmp_path / "out").exists()
+
+
 def test_artifact_missing_file(artifact_copy):
     (artifact_copy / "tokenizer" / "tokenizer.json").unlink()
     assert_one_line_error(invoke("generate", artifact_copy, "--prompt", "hi"), "tokenizer/tokenizer.json", "missing")
