@@ -83,9 +83,7 @@ def reference_pass(decoder: Decoder, tokens: list[int], prompt_len: int, cosine:
             hooks += [block.register_forward_pre_hook(_keep_block_input(inputs, i), with_kwargs=True),
                       block.register_forward_hook(_add_block_cosine(inputs, cosine, i))]
     elif cosine is not None:
-        def observe(kind, i, h_in, branch):
-            similarity = torch.nn.functional.cosine_similarity(h_in, h_in + branch, dim=-1).mean().item()
-            cosine[0 if kind == "attn" else 1, i] += similarity
+        observe = _sublayer_cosine(cosine)
     exits = [None]
     try:
         # Block by block, keeping the hidden state at every exit: an early-exit draft at E is exactly the
@@ -98,6 +96,14 @@ def reference_pass(decoder: Decoder, tokens: list[int], prompt_len: int, cosine:
         for hook in hooks:
             hook.remove()
     return Reference(tokens=ids, prompt_len=prompt_len, cache=cache, exits=exits)
+
+
+def _sublayer_cosine(cosine: np.ndarray):
+    """``run_blocks``' observer adding each sublayer's mean cos(h_in, h_in + branch) to ``cosine``."""
+    def observe(kind, i, h_in, branch):
+        similarity = torch.nn.functional.cosine_similarity(h_in, h_in + branch, dim=-1).mean().item()
+        cosine[0 if kind == "attn" else 1, i] += similarity
+    return observe
 
 
 def _keep_block_input(inputs: dict, layer: int):

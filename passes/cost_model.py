@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from speccompile.runtime.decoder import Decoder, KVCache
+from speccompile.runtime.decoder import Decoder
 from speccompile.runtime.manifest import DraftPlan
 
 

@@ -21,6 +21,18 @@ def run(backend: TorchBackend, prompt: list[int], new_tokens: int, plan: DraftPl
     return decode_all(backend, DecodeRequest(prompt, new_tokens, params, eos, seed), plan, root)
 
 
+def sample_third_tokens(backend, prompt: list[int], plan: DraftPlan, params: SamplingParams,
+                        samples: int) -> tuple[list[int], int]:
+    """The 3rd sampled token of ``samples`` seeded speculative runs, and how many drafts were accepted in
+    all (a chi-square test needs both the accept and the reject path: 0 < accepted < 2 * samples)."""
+    thirds, accepted = [], 0
+    for seed in range(samples):
+        tokens, stats = run(backend, prompt, 3, plan, params, seed=seed)
+        thirds.append(tokens[2])
+        accepted += stats.accepted
+    return thirds, accepted
+
+
 @torch.inference_mode()
 def top2_gap(decoder, tokens: list[int]) -> float:
     """Gap between the two largest full-model logits for the token after ``tokens``."""

@@ -7,12 +7,11 @@ import numpy as np
 import pytest
 import torch
 
-from lossless import assert_same_greedy, exact_marginals, next_token_logits, run
+from lossless import assert_same_greedy, exact_marginals, next_token_logits, run, sample_third_tokens
 from lossless import chi_square_pvalue as gof
 from speccompile.build import BuildOptions, build
 from speccompile.convert import UnsupportedModelError, choose_path
 from speccompile.runtime.errors import SpeccompileError
-from speccompile.runtime.hf_decoder import HFDecoder
 from speccompile.runtime.manifest import DraftPlan
 from speccompile.runtime.sampling import SamplingParams
 from speccompile.runtime.torch_backend import TorchBackend
@@ -113,11 +112,7 @@ def test_generic_speculative_sampling_matches_target(family, tmp_path):
     _, target3 = exact_marginals(next_token_logits(decoder), params, prompt, VOCAB)
     _, draft3 = exact_marginals(next_token_logits(decoder, plan), params, prompt, VOCAB)
     assert 0.5 * np.abs(target3 - draft3).sum() > 0.1, "draft too close to the target for the control to mean anything"
-    spec3, accepted = [], 0
-    for seed in range(SAMPLES):
-        tokens, stats = run(backend, prompt, 3, plan, params, seed=seed)
-        spec3.append(tokens[2])
-        accepted += stats.accepted
+    spec3, accepted = sample_third_tokens(backend, prompt, plan, params, SAMPLES)
     assert 0 < accepted < 2 * SAMPLES
     assert gof(spec3, target3) > 1e-3
     assert gof(spec3, draft3) < 1e-3  # negative control

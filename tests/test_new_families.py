@@ -14,7 +14,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from lossless import chi_square_pvalue, exact_marginals, next_token_logits, run  # noqa: E402
+from lossless import chi_square_pvalue, exact_marginals, next_token_logits, sample_third_tokens  # noqa: E402
 from speccompile.convert import arch_config, canonical_weights, choose_path  # noqa: E402
 from speccompile.export_onnx import export_onnx_weights  # noqa: E402
 from speccompile.runtime.decoder import build_decoder  # noqa: E402
@@ -52,11 +52,7 @@ def test_speculative_sampling_keeps_the_target_distribution_on_both_backends(fam
     _, draft3 = exact_marginals(next_token_logits(decoder, plan), params, PROMPT, VOCAB)
     assert 0.5 * np.abs(target3 - draft3).sum() > 0.05, "draft too close to the target for the control to mean anything"
     for backend in (TorchBackend(decoder), OnnxBackend(tmp_path / "art", record, config)):
-        spec3, accepted = [], 0
-        for seed in range(SAMPLES):
-            tokens, stats = run(backend, PROMPT, 3, plan, params, seed=seed)
-            spec3.append(tokens[2])
-            accepted += stats.accepted
+        spec3, accepted = sample_third_tokens(backend, PROMPT, plan, params, SAMPLES)
         assert 0 < accepted < 2 * SAMPLES, "both the accept and the reject path must be exercised"
         assert chi_square_pvalue(spec3, target3) > ALPHA, type(backend).__name__
         assert chi_square_pvalue(spec3, draft3) < ALPHA, type(backend).__name__  # negative control

@@ -26,7 +26,7 @@ import torch
 pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
-from lossless import assert_same_greedy, chi_square_pvalue, exact_marginals, next_token_logits, run  # noqa: E402
+from lossless import assert_same_greedy, chi_square_pvalue, exact_marginals, next_token_logits, run, sample_third_tokens  # noqa: E402
 from speccompile.export_onnx import export_onnx, export_onnx_weights  # noqa: E402
 from speccompile.runtime.errors import ArtifactError  # noqa: E402
 from speccompile.runtime.manifest import Manifest, DraftPlan, file_record, read_manifest, write_manifest  # noqa: E402
@@ -226,11 +226,7 @@ def test_speculative_sampling_matches_target_distribution(tmp_path):
 
     target3, draft3 = exact_marginals(next_token_logits(decoder), params, PROMPT, VOCAB)[1], exact_marginals(next_token_logits(decoder, plan), params, PROMPT, VOCAB)[1]
     assert 0.5 * np.abs(target3 - draft3).sum() > 0.1, "draft too close to the target for the control to mean anything"
-    spec3, accepted = [], 0
-    for seed in range(SAMPLES):
-        tokens, stats = run(ort, PROMPT, 3, plan, params, seed=seed)
-        spec3.append(tokens[2])
-        accepted += stats.accepted
+    spec3, accepted = sample_third_tokens(ort, PROMPT, plan, params, SAMPLES)
     assert 0 < accepted < 2 * SAMPLES, "both the accept and the reject path must be exercised"
     plain3 = [run(ort, PROMPT, 3, None, params, seed=seed)[0][2] for seed in range(SAMPLES // 2)]
     assert chi_square_pvalue(spec3, target3) > ALPHA
