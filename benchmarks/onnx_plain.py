@@ -12,7 +12,8 @@ int8`` / ``int4`` (written into ``ARTIFACT-variants/``, the same exporter ``buil
 Plain decoding runs the ``verify`` graph alone. Figures per row: tokens/s over the 10 prompts (prefill
 included), the median 1-token step, the bytes one step reads (every weight a non-Gather node consumes,
 plus the KV cache at the step's position) divided by the step time, and that as a fraction of
-``--bandwidth`` (this machine's ~80 GB/s, per issue 9).
+``--bandwidth`` (this machine's ~80 GB/s, per issue 9), and as a fraction of what ``--threads`` threads can
+read here at all (``read_bandwidth``: ~28-31 GB/s for 2 threads on this machine).
 
 onnxruntime-genai runs in its own virtual environment (its model builder needs transformers >= 5; this
 project pins < 4.58): ``--genai-venv`` (created with ``--system-site-packages`` and
@@ -312,6 +313,29 @@ def sweep(artifact: Path, variants_dir: Path, prompt_ids, new_tokens: int, threa
               f"{row['ms_per_step']:6.2f} ms/step, held-out loss {loss:.4f}", flush=True)
 
 
+def read_bandwidth(threads: int, nbytes: int = 512 << 20, repeats: int = 5) -> float:
+    """Bytes/s that ``threads`` threads reach reading one large float32 array (numpy sums, one slice per
+    thread; numpy releases the GIL): what a ``threads``-thread matmul-vector step can hope for here,
+    usually far below the socket's bandwidth when only a few cores stream."""
+    import threading
+
+    data = np.ones(nbytes // 4, dtype=np.float32)
+    parts = np.array_split(data, threads)
+    data.sum()
+
+    def read(part):
+        for _ in range(repeats):
+            part.sum()
+
+    workers = [threading.Thread(target=read, args=(part,)) for part in parts]
+    start = time.perf_counter()
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    return nbytes * repeats / (time.perf_counter() - start)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifact", type=Path)
@@ -348,12 +372,16 @@ def main() -> None:
         return
 
     rows, outputs = [], {}
+    attainable = read_bandwidth(args.threads)
+    print(f"{args.threads}-thread read bandwidth here: {attainable / 1e9:.1f} GB/s (the floor's {args.bandwidth / 1e9:.0f} "
+          "GB/s needs more cores streaming); fractions of both below", flush=True)
 
     def report(name, row, loss=None):
         frac = row["bytes_per_step"] / (row["ms_per_step"] / 1e3) / args.bandwidth if row.get("bytes_per_step") else None
         rows.append((name, row, frac, loss))
-        moved = f"{row['bytes_per_step'] / 1e6:7.1f} MB/step, {frac:.2f} of {args.bandwidth / 1e9:.0f} GB/s" \
-            if frac else "(bytes per step not counted)"
+        reached = row["bytes_per_step"] / (row["ms_per_step"] / 1e3) / attainable if frac else None
+        moved = (f"{row['bytes_per_step'] / 1e6:7.1f} MB/step, {frac:.2f} of {args.bandwidth / 1e9:.0f} GB/s, "
+                 f"{reached:.2f} of the {args.threads}-thread read bandwidth") if frac else "(bytes per step not counted)"
         print(f"{name:28s} {row['tokens_per_s']:7.1f} tok/s {row['ms_per_step']:7.2f} ms/step  {moved}"
               + (f"  held-out loss {loss:.4f}" if loss is not None else ""), flush=True)
 
