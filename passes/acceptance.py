@@ -137,7 +137,7 @@ def _mixed_attention(decoder: Decoder, ref: Reference):
         q_pos = torch.arange(n, device=h.device)[:, None]
         k_pos = torch.arange(n, device=h.device)[None, :]
         allowed = k_pos < q_pos
-        window = decoder.layer_window(i)
+        window = config.window_of(i)
         if window is not None:
             allowed &= k_pos > q_pos - window
         scores = scores.masked_fill(~allowed, float("-inf"))

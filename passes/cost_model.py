@@ -125,7 +125,7 @@ def measure_costs(decoder: Decoder, max_tokens: int, context: int = 128, rounds:
             ))
             continue
         rope = decoder.rope_at(context, t)
-        mask = decoder.attention_mask(context, t, context + t, device)
+        mask = decoder.attention_mask(context, t, context + t, device, config.sliding_window)  # timing only
         jobs.append((
             lambda ids=ids: decoder.embed_tokens(ids, context),
             lambda h=h, rope=rope, mask=mask: [decoder.attention_sublayer(i, h, context, cache, rope, mask)

@@ -245,13 +245,9 @@ class Decoder(nn.Module):
         cos, sin = self.rope_table(pos + t, local)
         return cos[pos : pos + t], sin[pos : pos + t]
 
-    def layer_window(self, i: int) -> int | None:
-        return self.config.window_of(i)
-
-    def attention_mask(self, pos: int, t: int, total: int, device, window: int | None | str = "config") -> Tensor | None:
-        """Boolean ``[t, total]`` mask (True = attend) for queries at pos..pos+t-1 over keys 0..total-1, with
-        ``window`` (default: the config's sliding window)."""
-        window = self.config.sliding_window if window == "config" else window
+    def attention_mask(self, pos: int, t: int, total: int, device, window: int | None) -> Tensor | None:
+        """Boolean ``[t, total]`` mask (True = attend) for queries at pos..pos+t-1 over keys 0..total-1,
+        inside ``window`` (a block's ``ArchConfig.window_of``; None: no window)."""
         if t == 1 and (window is None or total <= window):
             return None
         q_pos = torch.arange(pos, pos + t, device=device)[:, None]
@@ -267,7 +263,7 @@ class Decoder(nn.Module):
 
     def attention_sublayer(self, i: int, h: Tensor, pos: int, cache: KVCache | None, rope, mask) -> Tensor:
         """Block ``i``'s attention branch; ``rope`` and ``mask`` are the block's own (``layer_rope``,
-        ``layer_window``)."""
+        ``ArchConfig.window_of``)."""
         block = self.layers[i]
         q, k, v = block.attn.project(block.attn_input(h), rope)
         t = h.shape[1]
@@ -309,7 +305,7 @@ class Decoder(nn.Module):
         masks: dict = {}  # window -> mask, built once per call
 
         def mask_of(i: int):
-            window = self.layer_window(i)
+            window = self.config.window_of(i)
             if window not in masks:
                 masks[window] = self.attention_mask(pos if cache is not None else 0, t, total, h.device, window)
             return masks[window]

@@ -157,10 +157,10 @@ class StaticSteps:
         """``Decoder.run_blocks`` with tensor positions (same residual rules, same sublayer skipping)."""
         d = self.decoder
         ropes = (self._rope(positions), self._rope(positions, self.rope_local) if self.rope_local else None)
-        masks = {w: self._mask(positions, w) for w in {d.layer_window(i) for i in range(start, stop)}}
+        masks = {w: self._mask(positions, w) for w in {d.config.window_of(i) for i in range(start, stop)}}
         for i in range(start, stop):
             attn_out = None if i in skip_attn else self._attention(i, h, positions, d.layer_rope(i, *ropes),
-                                                                    masks[d.layer_window(i)])
+                                                                    masks[d.config.window_of(i)])
             if d.config.parallel_residual:
                 mlp_out = None if i in skip_mlp else d.mlp_sublayer(i, h)
                 if attn_out is not None:

@@ -247,14 +247,14 @@ def onnx_export_of(manifest) -> dict:
 
 def check_generic_options(options, model_type: str, why: str) -> None:
     """What the generic torch path cannot do, refused in one line before any tuning."""
-    others = [b for b in options.backends if b != "torch"]
+    others = [b for b in getattr(options, "backends", ("torch",)) if b != "torch"]  # tune keeps the artifact's
     if others:
         raise SpeccompileError(f"'{model_type}' runs on the generic torch path ({why.split(':')[0]}); "
                                f"--backend {','.join(others)} needs a canonical conversion: use --backend torch")
     if options.method == "adapter":
         raise SpeccompileError(f"--method adapter needs a canonical family; '{model_type}' runs on the generic path: "
                                "use --method auto, early-exit, cosine, bayes or lookup")
-    if options.dtype != "float32" and options.device == "cpu":
+    if getattr(options, "dtype", "float32") != "float32" and options.device == "cpu":
         raise SpeccompileError(f"--dtype {options.dtype} on CPU is not supported on the generic path; use --dtype float32")
 
 
@@ -303,8 +303,7 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> Path:
     if generic:
         from speccompile.runtime.hf_decoder import HF_FOLDER, HFDecoder
 
-        if options.method == "adapter":
-            raise SpeccompileError("--method adapter needs a canonical family; this artifact runs on the generic path")
+        check_generic_options(options, manifest.config.model_type, "the artifact's decoder path")
         ir.attach_decoder(HFDecoder.from_folder(root / HF_FOLDER, getattr(torch, manifest.dtype), options.device))
     for plan in ir.plans.values():  # figures measured elsewhere are re-measured here
         for key in [k for k in plan.measured if k.startswith("confirmed_") or k == "plain_tokens_per_s"]:
