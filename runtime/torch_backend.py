@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 
 from .decoder import Decoder, KVCache, build_decoder
 from .adapter import DraftHead, expand_logits, load_draft_head
+from .cpu_linear import use_streaming_linears
 from .errors import ArtifactError
 from .manifest import ArchConfig, DraftPlan
 
@@ -54,6 +55,8 @@ class TorchBackend:
         self.cuda_graphs, self._capture = cuda_graphs, capture
         self.static = None  # torch_graphs.StaticSteps over the current cache, when graphs are on
         self.draft_heads: dict[str, tuple[DraftHead, TorchDraftHead]] = {}  # plan.draft_head_file -> kernel
+        if torch.device(self.device).type == "cpu":
+            use_streaming_linears(decoder)  # the faster CPU form of small-row products (runtime/cpu_linear.py)
 
     @property
     def graphed(self) -> bool:
