@@ -311,8 +311,9 @@ class AdapterAutotune(Pass):
         self.loss, self.plan_name, self.show_progress, self.corpus = loss, plan_name, show_progress, corpus
 
     def _chunks(self, length: int) -> tuple[list[list[int]], set[int]]:
-        """Calibration prompts + the target's continuations, then the corpus; indexes of held-out corpus chunks."""
-        own = chunked([ref.tokens[0].tolist() for ref in self.context.references], length)
+        """Calibration prompts + the target's continuations (not the confirmation prompts'), then the
+        corpus; indexes of held-out corpus chunks."""
+        own = chunked([ref.tokens[0].tolist() for ref in self.context.training_references], length)
         tokens = self.tokens or default_tokens(self.context.ir.config.hidden_size)
         budget = max(0, tokens - sum(map(len, own)))
         corpus: list[list[int]] = []
@@ -337,7 +338,7 @@ class AdapterAutotune(Pass):
         length = min(CHUNK, ir.config.max_position_embeddings)
         chunks, holdout = self._chunks(length)
         data = teacher_data(decoder, chunks, exits, holdout, show_progress=self.show_progress)
-        continuations = [ref.targets.tolist() for ref in context.references]
+        continuations = [ref.targets.tolist() for ref in context.training_references]
         ranking = vocab_ranking(continuations, data.argmax[data.train], ir.config.vocab_size)
         train_vocab = ranking[:TRAIN_VOCAB] if ir.config.vocab_size > TRAIN_VOCAB else None
         remaining = lambda: self.time_budget - (time.perf_counter() - start)  # noqa: E731
@@ -382,6 +383,7 @@ class AdapterAutotune(Pass):
                 "exit_layer": exit_layer, "width": trainer.kernel.gate.out_features,
                 "parameters": int(sum(a.size for a in final.adapter.values())), "loss": self.loss,
                 "tokens": int(data.train.sum()), "held_out_tokens": int((~data.train).sum()),
+                "confirmation_held_out": context.confirmation_held_out,
                 "teacher_seconds": round(data.seconds, 2), "train_seconds": round(log.seconds, 2),
                 "steps": log.steps, "epochs": round(log.samples / max(int(data.train.sum()), 1), 2),
                 "stopped_by": log.stopped_by, "first_loss": _round(log.first_loss), "final_loss": _round(log.final_loss),
@@ -432,8 +434,9 @@ class DraftVocabTune(Pass):
 
     def run(self, ir: DecoderIR) -> DecoderIR:
         context = self.context
-        continuations = [ref.targets.tolist() for ref in context.references]
-        prompts = torch.as_tensor(np.concatenate([ref.tokens[0, : ref.prompt_len].cpu().numpy() for ref in context.references]))
+        references = context.training_references  # the confirmation prompts' text stays unseen
+        continuations = [ref.targets.tolist() for ref in references]
+        prompts = torch.as_tensor(np.concatenate([ref.tokens[0, : ref.prompt_len].cpu().numpy() for ref in references]))
         ranking = vocab_ranking(continuations, prompts, ir.config.vocab_size)
         for name in self.plan_names:
             plan = ir.plans.get(name)
