@@ -33,8 +33,20 @@ from .tuning import LOOKUP_MAX_DRAFT, TuningContext
 
 DATASTORE_FILE = "retrieval/datastore.safetensors"
 HELD_OUT_DATASTORE_FILE = "retrieval/confirm-held-out.safetensors"  # tuning only, never in the artifact
-NGRAM_SIZES = ((1, 3), (2, 3), (2, 5), (3, 5))
+NGRAM_SIZES = ((1, 3), (2, 3), (2, 5), (3, 5), (1, 5))
 LOOKUP_DRAFTS = (2, 4, 6, 8, LOOKUP_MAX_DRAFT)
+
+
+def lookup_grid(retrieval: bool):
+    """Every lookup plan the tuner scores: sources x n-gram sizes x draft length x the longest match that
+    drafts one token only (0: none; a 1- or 2-token match predicts the next token far more often than
+    the ones after it, and a 2-token verify costs about one step where a longer one costs more)."""
+    sources = [["ngram"]] + ([["ngram", "retrieval"], ["retrieval"]] if retrieval else [])
+    for lookup, (lo, hi), k in itertools.product(sources, NGRAM_SIZES, LOOKUP_DRAFTS):
+        shorts = [0] + ([s for s in (1, 2) if lo <= s < hi] if "ngram" in lookup else [])
+        for short in shorts:
+            yield DraftPlan(name="lookup", lookup=lookup, ngram_min=lo, ngram_max=hi, lookup_max_draft=k,
+                            short_ngram=short, datastore=DATASTORE_FILE if "retrieval" in lookup else None)
 
 
 class LookupAutotune(Pass):
@@ -77,11 +89,8 @@ class LookupAutotune(Pass):
         self.context.confirm_datastore = HELD_OUT_DATASTORE_FILE
 
     def _best_lookup(self) -> tuple[DraftPlan, object, list]:
-        sources = [["ngram"]] + ([["ngram", "retrieval"], ["retrieval"]] if self.retrieval else [])
         best = None
-        for lookup, (lo, hi), k in itertools.product(sources, NGRAM_SIZES, LOOKUP_DRAFTS):
-            plan = DraftPlan(name="lookup", lookup=lookup, ngram_min=lo, ngram_max=hi, lookup_max_draft=k,
-                             datastore=DATASTORE_FILE if "retrieval" in lookup else None)
+        for plan in lookup_grid(self.retrieval):
             estimate, rounds = self._score(plan)
             if best is None or estimate.expected_speedup > best[1].expected_speedup:
                 best = (plan, estimate, rounds)
@@ -96,7 +105,8 @@ class LookupAutotune(Pass):
         sizes = sorted(set(NGRAM_SIZES) | {(lookup.ngram_min, lookup.ngram_max)})
         for (lo, hi), k, threshold in itertools.product(sizes, range(1, self.context.max_draft + 1), THRESHOLDS):
             plan = replace(model, name="hybrid", lookup=list(lookup.lookup), ngram_min=lo, ngram_max=hi,
-                           lookup_max_draft=lookup.lookup_max_draft, datastore=lookup.datastore, max_draft=k,
+                           lookup_max_draft=lookup.lookup_max_draft, short_ngram=min(lookup.short_ngram, hi),
+                           datastore=lookup.datastore, max_draft=k,
                            threshold=threshold, adaptive=False, measured={})
             estimate, rounds = self._score(plan, profile)
             if best is None or estimate.expected_speedup > best[1].expected_speedup:

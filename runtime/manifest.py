@@ -144,6 +144,7 @@ class DraftPlan:
     ngram_min: int = 2
     ngram_max: int = 4
     lookup_max_draft: int = 8
+    short_ngram: int = 0  # an n-gram match of at most this many tokens drafts one token, not lookup_max_draft
     datastore: str | None = None  # artifact-relative path of the retrieval datastore
     extend: bool = True  # a lookup continuation may extend the model's draft
     # The draft head (runtime/adapter.py): a trained exit adapter ("adapter:E") and/or the ids of a reduced
@@ -180,6 +181,9 @@ class DraftPlan:
         if not 1 <= self.ngram_min <= self.ngram_max:
             raise ArtifactError(f"plan '{self.name}': n-gram sizes must satisfy 1 <= ngram_min <= ngram_max, got "
                                 f"{self.ngram_min}..{self.ngram_max}")
+        if not 0 <= self.short_ngram <= self.ngram_max:
+            raise ArtifactError(f"plan '{self.name}': short_ngram must be in 0..ngram_max ({self.ngram_max}), got "
+                                f"{self.short_ngram}")
         if self.lookup_max_draft < 1:
             raise ArtifactError(f"plan '{self.name}': lookup_max_draft must be >= 1, got {self.lookup_max_draft}")
         if "retrieval" in self.lookup and not self.datastore:
@@ -199,7 +203,8 @@ class DraftPlan:
 
     def describe(self) -> str:
         parts = []
-        names = {"ngram": f"n-gram lookup (n {self.ngram_max}..{self.ngram_min})", "retrieval": "retrieval"}
+        short = f", 1 token after a match of <= {self.short_ngram}" if self.short_ngram else ""
+        names = {"ngram": f"n-gram lookup (n {self.ngram_max}..{self.ngram_min}{short})", "retrieval": "retrieval"}
         parts += [names.get(source, source) for source in self.lookup]
         if self.is_early_exit:
             adapter = " + trained adapter" if self.head.startswith("adapter:") else ""

@@ -2,8 +2,9 @@
 
 Model-free and almost free: the prompt and the text generated so far are indexed incrementally (one
 dict per n-gram size, n-gram -> where its most recent continuation starts), so a lookup is a few dict
-probes per round. Longest match first: sizes ``max_n`` down to ``min_n``. Its q is one-hot, so
-speculative sampling stays exact (rejection accepts a looked-up token with probability p(token)).
+probes per round. Longest match first: sizes ``max_n`` down to ``min_n``; a match of at most ``short_n``
+tokens drafts a single token. Its q is one-hot, so speculative sampling stays exact (rejection accepts a
+looked-up token with probability p(token)).
 """
 
 from __future__ import annotations
@@ -35,25 +36,28 @@ class NgramIndex:
         for token in history[len(self.tokens):]:
             self.append(int(token))
 
-    def continuation(self, tail: Sequence[int], limit: int) -> list[int]:
-        """Up to ``limit`` tokens that followed the longest indexed match of the end of ``tail``."""
+    def continuation(self, tail: Sequence[int], limit: int, short: int = 0) -> list[int]:
+        """Up to ``limit`` tokens that followed the longest indexed match of the end of ``tail``; one token
+        when that match is at most ``short`` tokens long."""
         for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
             start = self.latest[n].get(tuple(tail[-n:]))
             if start is not None:
-                return self.tokens[start : start + limit]
+                return self.tokens[start : start + (1 if n <= short else limit)]
         return []
 
 
 class NgramDrafter:
     name = "ngram"
 
-    def __init__(self, min_n: int = 2, max_n: int = 4, max_draft: int = 8):
-        self.min_n, self.max_n, self.max_draft = min_n, max_n, max_draft
+    def __init__(self, min_n: int = 2, max_n: int = 4, max_draft: int = 8, short_n: int = 0):
+        """A match of at most ``short_n`` tokens drafts one token: a short match often predicts the next
+        token (worth a verify that costs about one step) but rarely the ones after it (a longer verify)."""
+        self.min_n, self.max_n, self.max_draft, self.short_n = min_n, max_n, max_draft, short_n
         self.index = NgramIndex(min_n, max_n)
 
     @classmethod
     def from_plan(cls, plan: DraftPlan, root: Path | None = None) -> "NgramDrafter":
-        return cls(plan.ngram_min, plan.ngram_max, plan.lookup_max_draft)
+        return cls(plan.ngram_min, plan.ngram_max, plan.lookup_max_draft, plan.short_ngram)
 
     def start(self, prompt: Sequence[int]) -> None:
         self.index = NgramIndex(self.min_n, self.max_n)
@@ -61,7 +65,7 @@ class NgramDrafter:
     def lookup(self, history: Sequence[int], tail: Sequence[int], limit: int) -> list[int]:
         """Continuation of ``tail`` (the committed ``history`` plus uncommitted drafts) from ``history``."""
         self.index.sync(history)
-        return self.index.continuation(tail, min(limit, self.max_draft))
+        return self.index.continuation(tail, min(limit, self.max_draft), self.short_n)
 
     def propose(self, ctx: RoundContext) -> Draft:
         tokens = self.lookup(ctx.history, ctx.history, ctx.limit)

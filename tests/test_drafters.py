@@ -50,6 +50,19 @@ def test_ngram_drafter_respects_limits_and_min_n():
     assert fresh.propose(RoundContext([9, 1, 2, 3, 4, 7, 3], 6, 4, SamplingParams(), None)).tokens == []  # unigram only
 
 
+def test_short_matches_draft_one_token():
+    history = [1, 2, 3, 4, 5, 6, 9, 3, 4, 7, 8, 6]
+    drafter = NgramDrafter(min_n=1, max_n=3, max_draft=4, short_n=1)
+    drafter.start(history)
+    ctx = RoundContext(history=history, pos=len(history) - 1, limit=5, params=SamplingParams(), rng=None)
+    assert drafter.propose(ctx).tokens == [9]  # only "6" matches: one token, not "9 3 4 7"
+    longer = history + [9, 3]
+    ctx = RoundContext(history=longer, pos=len(longer) - 1, limit=5, params=SamplingParams(), rng=None)
+    assert drafter.propose(ctx).tokens == [4, 7, 8, 6]  # "6 9 3" matches: the full draft
+    with pytest.raises(Exception, match="short_ngram"):
+        DraftPlan(name="p", lookup=["ngram"], ngram_min=1, ngram_max=2, short_ngram=3).validate(4)
+
+
 def test_datastore_follows_the_majority_path(tmp_path):
     sequences = [[5, 6, 7, 8], [5, 6, 7, 9], [5, 6, 7, 8, 1], [2, 6, 7, 3]]
     store = Datastore.build(sequences, depth=3)
@@ -65,7 +78,7 @@ def test_datastore_follows_the_majority_path(tmp_path):
 def drafter_plans(num_layers: int) -> dict[str, DraftPlan]:
     half = num_layers // 2
     plans = [
-        DraftPlan(name="ngram", lookup=["ngram"], ngram_min=1, ngram_max=3, lookup_max_draft=4),
+        DraftPlan(name="ngram", lookup=["ngram"], ngram_min=1, ngram_max=3, lookup_max_draft=4, short_ngram=1),
         DraftPlan(name="ngram-long", lookup=["ngram"], ngram_min=2, ngram_max=4, lookup_max_draft=8),
         DraftPlan(name="retrieval", lookup=["retrieval"], ngram_min=1, lookup_max_draft=5, datastore=DATASTORE),
         DraftPlan(name="hybrid-exit", lookup=["ngram"], ngram_min=2, ngram_max=3, lookup_max_draft=4,
@@ -196,7 +209,7 @@ def test_replay_matches_the_real_loop(family, tiny_decoder, tmp_path):
     (tmp_path / "retrieval").mkdir()
     Datastore.build([p + run(backend, p, 30)[0] for p in random_prompts(decoder.config.vocab_size, seed=2)]).save(
         tmp_path / DATASTORE)
-    for plan in (DraftPlan(name="ngram", lookup=["ngram"], ngram_min=1, ngram_max=3, lookup_max_draft=5),
+    for plan in (DraftPlan(name="ngram", lookup=["ngram"], ngram_min=1, ngram_max=3, lookup_max_draft=5, short_ngram=2),
                  DraftPlan(name="retr", lookup=["retrieval", "ngram"], ngram_min=1, lookup_max_draft=4, datastore=DATASTORE),
                  DraftPlan(name="hyb", lookup=["ngram"], ngram_min=2, ngram_max=3, exit_layer=L // 2, max_draft=3,
                            threshold=0.3, adaptive=False)):
