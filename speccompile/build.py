@@ -38,7 +38,7 @@ class TuningOptions:
     device: str = "cpu"
     calibration_tokens: int = 64
     confirm_prompts: int = 4
-    confirm_tokens: int = 48
+    confirm_tokens: int | None = None  # None: calibration_tokens, the length the estimates were made on
     trials: int = 200
     time_budget: float | None = None
     study: str | None = None
@@ -125,7 +125,8 @@ def tune_ir(ir: DecoderIR, prompts: list[list[int]], options, log: Callable[[str
             shutil.copyfile(source, Path(workdir) / relative)
         runner = make_runner(backend, ir, Path(workdir))
         context = TuningContext.prepare(ir, prompts, options.calibration_tokens, options.max_draft,
-                                        options.show_progress, options.confirm_prompts, options.confirm_tokens,
+                                        options.show_progress, options.confirm_prompts,
+                                        options.confirm_tokens or options.calibration_tokens,
                                         runner=runner, workdir=Path(workdir))
         bayes = None
         progress = options.show_progress
