@@ -55,12 +55,14 @@ class Profile:
         return float(sum(m.sum() for m in self.matches) / total) if total else 0.0
 
 
-def greedy_continuations(decoder: Decoder, prompts: list[list[int]], new_tokens: int, progress=None) -> list[list[int]]:
-    """The target's own greedy continuation of each prompt, through the runtime's plain decoder."""
+def greedy_continuations(decoder: Decoder, prompts: list[list[int]], new_tokens: int, progress=None,
+                         eos: frozenset[int] = frozenset()) -> list[list[int]]:
+    """The target's own greedy continuation of each prompt, through the runtime's plain decoder, up to and
+    including an ``eos`` token."""
     backend = TorchBackend(decoder)
     outputs = []
     for prompt in prompts:
-        outputs.append(decode_all(backend, DecodeRequest(prompt, new_tokens))[0])
+        outputs.append(decode_all(backend, DecodeRequest(prompt, new_tokens, eos_ids=frozenset(eos)))[0])
         if progress is not None:
             progress.update(1)
     return outputs

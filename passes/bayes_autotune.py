@@ -160,7 +160,7 @@ class BayesAutotune(Pass):
                 plan.max_draft, plan.threshold = t.user_attrs["max_draft"], t.user_attrs["threshold"]
             candidates.append((t, plan))
         backend = self.context.runner.backend({**ir.plans, **{plan.name: plan for _, plan in candidates}})
-        confirmer = Confirmer(backend, self.context.confirm_prompts, self.context.confirm_tokens)
+        confirmer = Confirmer(backend, self.context.confirm_prompts, self.context.confirm_tokens, eos=self.context.eos)
         scored = []
         for t, plan in candidates:
             if plan is cosine:

@@ -19,8 +19,8 @@ from .base import Pass
 from .ir import DecoderIR
 
 
-def timed_decode(backend, prompt, new_tokens, plan, root=None) -> tuple[list[int], Stats]:
-    return decode_all(backend, DecodeRequest(prompt, new_tokens), plan, root)
+def timed_decode(backend, prompt, new_tokens, plan, root=None, eos: frozenset[int] = frozenset()) -> tuple[list[int], Stats]:
+    return decode_all(backend, DecodeRequest(prompt, new_tokens, eos_ids=eos), plan, root)
 
 
 class Confirmer:
@@ -33,16 +33,17 @@ class Confirmer:
     reference, so later plans need one plain run per prompt instead of ``repeats``.
     """
 
-    def __init__(self, backend, prompts: list[list[int]], new_tokens: int, repeats: int = 2, root=None):
+    def __init__(self, backend, prompts: list[list[int]], new_tokens: int, repeats: int = 2, root=None,
+                 eos: frozenset[int] = frozenset()):
         """``backend`` runs the plans (the runner's: torch or ONNX Runtime); ``root`` holds files plans
-        read (a retrieval datastore)."""
-        self.backend, self.root = backend, root
+        read (a retrieval datastore); runs stop at an ``eos`` token, as generation does."""
+        self.backend, self.root, self.eos = backend, root, frozenset(eos)
         self.prompts, self.new_tokens, self.repeats = prompts, new_tokens, repeats
         self._plain: dict[int, tuple[list[int], Stats]] = {}  # prompt index -> fastest plain run so far
         timed_decode(self.backend, prompts[0], 8, None)  # warm-up
 
     def _fastest(self, prompt, plan, repeats: int) -> tuple[list[int], Stats]:
-        runs = [timed_decode(self.backend, prompt, self.new_tokens, plan, self.root) for _ in range(repeats)]
+        runs = [timed_decode(self.backend, prompt, self.new_tokens, plan, self.root, self.eos) for _ in range(repeats)]
         return min(runs, key=lambda run: run[1].seconds)
 
     def _fastest_plain(self, i: int) -> tuple[list[int], Stats]:
@@ -99,7 +100,7 @@ class ConfirmPlans(Pass):
         for plan in tqdm(chosen, desc=desc, disable=not self.show_progress):
             if plan.measured.get("confirmed_speedup") is None:
                 confirmer = confirmer or Confirmer(c.runner.backend(ir.plans), c.confirm_prompts, c.confirm_tokens,
-                                                   root=c.workdir)
+                                                   root=c.workdir, eos=c.eos)
                 timed = plan
                 if plan.datastore and c.confirm_datastore:  # never confirm on a datastore holding the prompts' answers
                     timed = dataclasses.replace(plan, datastore=c.confirm_datastore)

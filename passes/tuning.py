@@ -62,16 +62,17 @@ class TuningContext:
     confirm_tokens: int = 48
     cosine_scores: dict[int, float] = field(default_factory=dict)  # skip count -> expected speedup
     confirm_datastore: str | None = None  # datastore for confirming retrieval plans, without the confirm prompts
+    eos: frozenset[int] = frozenset()  # calibration continuations and confirmation runs stop here, as generation does
 
     @classmethod
     def prepare(cls, ir: DecoderIR, prompts: list[list[int]], new_tokens: int, max_draft: int,
                 show_progress: bool = True, confirm_prompts: int = 4, confirm_tokens: int = 48,
-                runner: Runner | None = None, workdir: Path | None = None) -> "TuningContext":
+                runner: Runner | None = None, workdir: Path | None = None, eos: frozenset[int] = frozenset()) -> "TuningContext":
         """Greedy-decode the calibration prompts with the full model, store its K/V, time the sublayers
         and the runner's backend."""
         decoder = ir.decoder()
         with tqdm(total=len(prompts), desc="calibration: target continuations", disable=not show_progress) as bar:
-            continuations = greedy_continuations(decoder, prompts, new_tokens, bar)
+            continuations = greedy_continuations(decoder, prompts, new_tokens, bar, eos)
         cosine = np.zeros((2, ir.config.num_layers))
         references = []
         for prompt, continuation in tqdm(list(zip(prompts, continuations)), desc="calibration: reference pass",
@@ -84,7 +85,7 @@ class TuningContext:
         costs = measure_step_costs(runner.backend({}), cost, max_draft + LOOKUP_MAX_DRAFT + 1)
         return cls(ir=ir, references=references, cosine=cosine, cost=cost, costs=costs, max_draft=max_draft,
                    device=f"{device_name(cost.device)}, {runner.name}", confirm_prompts=prompts[:confirm_prompts],
-                   confirm_tokens=confirm_tokens, runner=runner, workdir=workdir)
+                   confirm_tokens=confirm_tokens, runner=runner, workdir=workdir, eos=frozenset(eos))
 
     @property
     def training_references(self) -> list[Reference]:

@@ -203,7 +203,7 @@ class DraftPlan:
 
     def describe(self) -> str:
         parts = []
-        short = f", 1 token after a match of <= {self.short_ngram}" if self.short_ngram else ""
+        short = f", 1 token after a match of <= {self.short_ngram}" if self.short_ngram >= self.ngram_min else ""
         names = {"ngram": f"n-gram lookup (n {self.ngram_max}..{self.ngram_min}{short})", "retrieval": "retrieval"}
         parts += [names.get(source, source) for source in self.lookup]
         if self.is_early_exit:

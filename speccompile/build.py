@@ -113,11 +113,13 @@ def tuning_backend(backends) -> str:
 
 
 def tune_ir(ir: DecoderIR, prompts: list[list[int]], options, log: Callable[[str], None] = print,
-            backend: str = "torch", encode: Callable[[str], list[int]] | None = None):
+            backend: str = "torch", encode: Callable[[str], list[int]] | None = None, eos: frozenset[int] = frozenset()):
     """Calibrate, autotune by ``options.method``, confirm by timed runs on ``backend``, pick the default plan.
 
     Shared by ``build`` and ``tune``; returns the IR. ``encode`` (text -> token ids) lets the adapter pass
-    train on the offline default corpus.
+    train on the offline default corpus. Calibration and confirmation stop at ``eos``, as generation does:
+    the text a model babbles after its end-of-sequence token is repetitive, so lookup drafts predicted
+    it well and flattered lookup plans (SmolLM2: expected 1.41x, confirmed 1.15x).
     """
     with tempfile.TemporaryDirectory(prefix="speccompile-tune-") as workdir:
         for relative, source in ir.extra_files.items():  # resources of plans already in the IR
@@ -127,7 +129,7 @@ def tune_ir(ir: DecoderIR, prompts: list[list[int]], options, log: Callable[[str
         context = TuningContext.prepare(ir, prompts, options.calibration_tokens, options.max_draft,
                                         options.show_progress, options.confirm_prompts,
                                         options.confirm_tokens or options.calibration_tokens,
-                                        runner=runner, workdir=Path(workdir))
+                                        runner=runner, workdir=Path(workdir), eos=eos)
         bayes = None
         progress = options.show_progress
         adapter = AdapterAutotune(context, encode, exit_layer=options.exit_layer, tokens=options.adapter_tokens or None,
@@ -218,7 +220,7 @@ def _build_locked(options: BuildOptions, log: Callable[[str], None]) -> Path:
     room = options.calibration_tokens + options.max_draft + 2
     prompts = calibration_prompts(texts, source.tokenizer, config.max_position_embeddings, room)
     ir = tune_ir(ir, prompts, options, log, backend=tuning_backend(options.backends),
-                 encode=lambda text: source.tokenizer(text)["input_ids"])
+                 encode=lambda text: source.tokenizer(text)["input_ids"], eos=frozenset(eos_ids(source)))
     source_record = {
         "model": source.name, "path": str(source.path.resolve()), "revision": source.revision,
         "architecture": type(source.model).__name__, "model_type": config.model_type,
@@ -318,7 +320,8 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> Path:
             ir.extra_files[plan.datastore] = root / plan.datastore
         if plan.draft_head_file:
             ir.extra_files[plan.draft_head_file] = root / plan.draft_head_file
-    ir = tune_ir(ir, prompts, options, log, backend=tuning_backend(manifest.backends), encode=tokenizer.encode)
+    ir = tune_ir(ir, prompts, options, log, backend=tuning_backend(manifest.backends), encode=tokenizer.encode,
+                 eos=frozenset(manifest.tokens.get("eos_token_ids") or []))
 
     def update(m):
         m.plans = ir.plans
