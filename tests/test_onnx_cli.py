@@ -40,8 +40,10 @@ def both_backends(tiny_model_dir, tmp_path_factory):
 def test_generate_without_torch_matches_torch_backend(both_backends):
     manifest = json.loads((both_backends / "manifest.json").read_text())
     assert set(manifest["backends"]) == {"torch", "onnx"}
+    assert manifest["plans"], "the early-exit build wrote no plan"
+    plan = manifest["default_plan"] or next(iter(manifest["plans"]))  # a tiny model's timing may not pick a default
     args = ["generate", str(both_backends), "--prompt", "def add(a, b):", "--max-new-tokens", "24", "--json"]
-    blocked = subprocess.run([sys.executable, "-c", BLOCKED_GENERATE, *args, "--backend", "onnx"],
+    blocked = subprocess.run([sys.executable, "-c", BLOCKED_GENERATE, *args, "--backend", "onnx", "--plan", plan],
                              capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": ""})
     assert blocked.returncode == 0, blocked.stderr
     onnx_spec = json.loads(blocked.stdout)
