@@ -3,7 +3,8 @@ fused graphs (fp32, int8, int4) and onnxruntime-genai (fp32, int4) on the same p
 per precision (issue 9).
 
     python benchmarks/onnx_plain.py ARTIFACT [--threads 2] [--new-tokens 64] [--genai-venv DIR]
-                                    [--genai-models DIR] [--loss-text FILE] [--refcoder] [--sweep]
+                                    [--genai-models DIR] [--rounds 3] [--loss-text FILE] [--refcoder]
+                                    [--sweep] [--lossless]
 
 ARTIFACT is a SmolLM2 artifact built with ``--backend torch,onnx`` (its canonical weights are re-exported
 here, so every variant has the same weights and plans): ``standard`` (ONNX ops only, past KV copied into
@@ -15,8 +16,11 @@ plus the KV cache at the step's position) divided by the step time, and that as 
 ``--bandwidth`` (this machine's ~80 GB/s, per issue 9), and as a fraction of what ``--threads`` threads can
 read here at all (``read_bandwidth``: ~28-31 GB/s for 2 threads on this machine).
 
-onnxruntime-genai runs in its own virtual environment (its model builder needs transformers >= 5; this
-project pins < 4.58): ``--genai-venv`` (created with ``--system-site-packages`` and
+The acceptance rows, fused fp32 and int4 against onnxruntime-genai's fp32 and int4, are timed in turns
+(``--rounds`` rounds of the prompts, each prompt decoded by one and then the other, the order rotating):
+this machine's speed drifts by 10-40% between minutes, so rows timed one after the other can differ by
+more than the engines do. onnxruntime-genai runs in its own virtual environment (its model builder
+needs transformers >= 5; this project pins < 4.58): ``--genai-venv`` (created with ``--system-site-packages`` and
 ``pip install onnxruntime-genai onnx_ir "transformers>=5,<6"`` when missing); its models are built from
 the HF folder the artifact came from, into ``--genai-models``. Every timing run is meant to be wrapped in
 ``flock /tmp/speccompile-timing.lock``.
@@ -126,28 +130,47 @@ class StepTimer:
         return out
 
 
-def run_plain(root: Path, prompt_ids: list[list[int]], new_tokens: int, threads: int, **kwargs) -> dict:
-    from speccompile.runtime.manifest import read_manifest
-    from speccompile.runtime.onnx_backend import OnnxBackend
-    from speccompile.runtime.sampling import SamplingParams
-    from speccompile.runtime.speculative import DecodeRequest, decode_all
+class PlainDecoder:
+    """speccompile's plain greedy decoding of an artifact's ``verify`` graph on ONNX Runtime, prompt by prompt,
+    timing every 1-token step."""
 
-    manifest = read_manifest(root, verify_files=False)
-    backend = OnnxBackend(root, manifest.backends["onnx"], manifest.config, threads=threads, roles=["verify"], **kwargs)
-    timer = StepTimer(backend)
-    decode_all(timer, DecodeRequest(prompt_ids[0], 8, SamplingParams(), frozenset(), None), None)  # warm-up
-    timer.steps.clear()
-    outputs, start = [], time.perf_counter()
+    def __init__(self, root: Path, threads: int, **kwargs):
+        from speccompile.runtime.manifest import read_manifest
+        from speccompile.runtime.onnx_backend import OnnxBackend
+
+        self.root = root
+        self.manifest = read_manifest(root, verify_files=False)
+        backend = OnnxBackend(root, self.manifest.backends["onnx"], self.manifest.config, threads=threads,
+                              roles=["verify"], **kwargs)
+        self.timer = StepTimer(backend)
+        self.decode([1, 2, 3, 4], 8)  # warm-up
+        self.timer.steps.clear()
+
+    def decode(self, ids: list[int], new_tokens: int) -> tuple[list[int], float]:
+        from speccompile.runtime.sampling import SamplingParams
+        from speccompile.runtime.speculative import DecodeRequest, decode_all
+
+        start = time.perf_counter()
+        tokens, _ = decode_all(self.timer, DecodeRequest(ids, new_tokens, SamplingParams(), frozenset(), None), None)
+        return tokens, time.perf_counter() - start
+
+    def row(self, outputs: list[list[int]], seconds: float) -> dict:
+        c = self.manifest.config
+        times = np.array([t for t, _ in self.timer.steps])
+        mean_pos = float(np.mean([p for _, p in self.timer.steps]))
+        kv_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * mean_pos
+        return {"tokens_per_s": sum(map(len, outputs)) / seconds, "ms_per_step": float(np.median(times)) * 1e3,
+                "bytes_per_step": step_bytes(self.root) + kv_bytes, "outputs": outputs}
+
+
+def run_plain(root: Path, prompt_ids: list[list[int]], new_tokens: int, threads: int, **kwargs) -> dict:
+    decoder = PlainDecoder(root, threads, **kwargs)
+    outputs, seconds = [], 0.0
     for ids in prompt_ids:
-        tokens, _ = decode_all(timer, DecodeRequest(ids, new_tokens, SamplingParams(), frozenset(), None), None)
+        tokens, elapsed = decoder.decode(ids, new_tokens)
         outputs.append(tokens)
-    elapsed = time.perf_counter() - start
-    c = manifest.config
-    times = np.array([t for t, _ in timer.steps])
-    mean_pos = float(np.mean([p for _, p in timer.steps]))
-    kv_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * mean_pos
-    return {"tokens_per_s": sum(map(len, outputs)) / elapsed, "ms_per_step": float(np.median(times)) * 1e3,
-            "bytes_per_step": step_bytes(root) + kv_bytes, "outputs": outputs}
+        seconds += elapsed
+    return decoder.row(outputs, seconds)
 
 
 def heldout_loss(root: Path, ids: list[int], threads: int, chunk: int = 512) -> float:
@@ -172,11 +195,11 @@ def heldout_loss(root: Path, ids: list[int], threads: int, chunk: int = 512) -> 
 
 
 # -- onnxruntime-genai ------------------------------------------------------------------------------------
-_GENAI_CHILD = r"""
+_GENAI_WORKER = r"""
 import json, sys, time
 import numpy as np
 import onnxruntime_genai as og
-folder, prompts, new_tokens = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3])
+folder, new_tokens = sys.argv[1], int(sys.argv[2])
 model = og.Model(folder)
 def generate(ids, n):
     params = og.GeneratorParams(model)
@@ -192,16 +215,114 @@ def generate(ids, n):
         steps.append(time.perf_counter() - t)
         out.append(int(gen.get_next_tokens()[0]))
     return out, steps[1:]
-generate(prompts[0], 8)
-outputs, steps, start = [], [], time.perf_counter()
-for ids in prompts:
-    out, s = generate(ids, new_tokens)
-    outputs.append(out)
-    steps += s
-elapsed = time.perf_counter() - start
-print(json.dumps({"tokens_per_s": sum(map(len, outputs)) / elapsed, "ms_per_step": float(np.median(steps)) * 1e3,
-                  "outputs": outputs, "version": og.__version__}))
+generate([1, 2, 3, 4], 8)
+print(json.dumps({"version": og.__version__}), flush=True)
+for line in sys.stdin:
+    ids = json.loads(line)
+    start = time.perf_counter()
+    out, steps = generate(ids, new_tokens)
+    print(json.dumps({"tokens": out, "seconds": time.perf_counter() - start, "steps": steps}), flush=True)
 """
+
+
+_SPECCOMPILE_WORKER = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[4])
+from onnx_plain import PlainDecoder
+root, new_tokens, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+decoder = PlainDecoder(__import__("pathlib").Path(root), threads)
+print(json.dumps({"version": "speccompile"}), flush=True)
+for line in sys.stdin:
+    done = len(decoder.timer.steps)
+    out, seconds = decoder.decode(json.loads(line), new_tokens)
+    steps = decoder.timer.steps[done:]
+    print(json.dumps({"tokens": out, "seconds": seconds, "steps": [t for t, _ in steps],
+                      "positions": [p for _, p in steps]}), flush=True)
+"""
+
+
+class DecodeWorker:
+    """A plain greedy decoder in a process of its own (onnxruntime-genai's in its own virtual environment,
+    speccompile's in this interpreter), decoding one prompt per request: two engines in two fresh
+    processes, timed in turns (``in_turns``), meet the machine on equal terms."""
+
+    def __init__(self, argv: list[str], label: str, new_tokens: int, step_bytes: int, kv_bytes_per_position: float = 0.0):
+        self.label, self.new_tokens = label, new_tokens
+        self.step_bytes, self.kv_bytes_per_position = step_bytes, kv_bytes_per_position
+        self.proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.version = self._reply()["version"]
+        self.steps: list[float] = []
+        self.positions: list[int] = []
+
+    def _reply(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the {self.label} decoding worker exited with code {self.proc.wait()}")
+        return json.loads(line)
+
+    def decode(self, ids: list[int], new_tokens: int) -> tuple[list[int], float]:
+        assert new_tokens == self.new_tokens
+        self.proc.stdin.write(json.dumps(ids) + "\n")
+        self.proc.stdin.flush()
+        reply = self._reply()
+        self.steps += reply["steps"]
+        self.positions += reply.get("positions", [])
+        return reply["tokens"], reply["seconds"]
+
+    def row(self, outputs: list[list[int]], seconds: float) -> dict:
+        kv = self.kv_bytes_per_position * float(np.mean(self.positions)) if self.positions else 0.0
+        return {"tokens_per_s": sum(map(len, outputs)) / seconds, "ms_per_step": float(np.median(self.steps)) * 1e3,
+                "bytes_per_step": self.step_bytes + kv, "outputs": outputs}
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait()
+
+
+def speccompile_worker(root: Path, new_tokens: int, threads: int) -> DecodeWorker:
+    from speccompile.runtime.manifest import read_manifest
+
+    c = read_manifest(root, verify_files=False).config
+    argv = [sys.executable, "-c", _SPECCOMPILE_WORKER, str(root), str(new_tokens), str(threads), str(Path(__file__).parent)]
+    return DecodeWorker(argv, "speccompile", new_tokens, step_bytes(root), 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4)
+
+
+def genai_worker(python: Path, folder: Path, new_tokens: int) -> DecodeWorker:
+    argv = [str(python), "-c", _GENAI_WORKER, str(folder), str(new_tokens)]
+    return DecodeWorker(argv, "onnxruntime-genai", new_tokens, genai_step_bytes(folder))
+
+
+def genai_step_bytes(folder: Path) -> int:
+    """Bytes of weights one onnxruntime-genai step reads (as ``step_bytes``: initializers of non-Gather nodes)."""
+    import onnx
+
+    model = onnx.load(str(folder / "model.onnx"), load_external_data=False)
+    sizes = {i.name: int(np.prod(i.dims, dtype=np.int64)) * onnx.helper.tensor_dtype_to_np_dtype(i.data_type).itemsize
+             for i in model.graph.initializer}
+    gathers = ("Gather", "GatherBlockQuantized")
+    return sum(sizes[x] for x in {x for n in model.graph.node if n.op_type not in gathers for x in n.input if x in sizes})
+
+
+def in_turns(decoders: dict, prompt_ids: list[list[int]], new_tokens: int, rounds: int) -> dict[str, dict]:
+    """Every decoder decodes every prompt ``rounds`` times, prompt by prompt in turns (the order rotating),
+    so that the machine's drifting speed weighs on each alike: the speed ratio of one run. A pause before
+    each prompt lets the previous decoder's ONNX Runtime threads stop spinning. Outputs: the first round."""
+    names = list(decoders)
+    seconds = dict.fromkeys(names, 0.0)
+    outputs: dict[str, list] = {name: [] for name in names}
+    for r in range(rounds):
+        for i, ids in enumerate(prompt_ids):
+            shift = (r * len(prompt_ids) + i) % len(names)
+            for name in names[shift:] + names[:shift]:
+                time.sleep(0.1)
+                tokens, elapsed = decoders[name].decode(ids, new_tokens)
+                seconds[name] += elapsed
+                outputs[name].append(tokens)
+    rows = {}
+    for name in names:
+        rows[name] = decoders[name].row(outputs[name], seconds[name])
+        rows[name]["outputs"] = outputs[name][: len(prompt_ids)]
+    return rows
 
 
 def genai_python(venv: Path) -> Path:
@@ -224,12 +345,6 @@ def genai_model(python: Path, hf_folder: Path, out: Path, precision: str, thread
     config["model"]["decoder"].setdefault("session_options", {})["intra_op_num_threads"] = threads
     config_path.write_text(json.dumps(config, indent=4))
     return out
-
-
-def run_genai(python: Path, folder: Path, prompt_ids: list[list[int]], new_tokens: int) -> dict:
-    out = subprocess.run([str(python), "-c", _GENAI_CHILD, str(folder), json.dumps(prompt_ids), str(new_tokens)],
-                         capture_output=True, text=True, check=True, cwd=folder.parent)
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 # -- speculative == plain on the quantized models ---------------------------------------------------------
@@ -345,6 +460,7 @@ def main() -> None:
     parser.add_argument("--genai-venv", type=Path, default=Path("/tmp/speccompile-genai-venv"))
     parser.add_argument("--genai-models", type=Path, default=None, help="default: ARTIFACT-variants/")
     parser.add_argument("--no-genai", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the prompts timed in turns with genai")
     parser.add_argument("--loss-text", type=Path, default=REPO / "README.md")
     parser.add_argument("--refcoder", action="store_true", help="also the reference model's held-out loss")
     parser.add_argument("--sweep", action="store_true", help="quantization block size / accuracy level sweep")
@@ -397,11 +513,23 @@ def main() -> None:
         python = genai_python(args.genai_venv)
         hf_folder = Path(read_manifest(artifact, verify_files=False).source["path"])
         models = args.genai_models or variants_dir
-        for precision in ("fp32", "int4"):
+        print(f"in turns with onnxruntime-genai ({args.rounds} rounds of the {len(prompt_ids)} prompts, prompt by "
+              "prompt, the order rotating):", flush=True)
+        for precision, ours in (("fp32", "fused fp32"), ("int4", "fused int4")):
             folder = genai_model(python, hf_folder, models / f"genai-{precision}", precision, args.threads)
-            row = run_genai(python, folder, prompt_ids, args.new_tokens)
-            outputs[f"genai {precision}"] = row["outputs"]
-            report(f"onnxruntime-genai {row['version']} {precision}", row)
+            decoders = {"ours": speccompile_worker(variants_dir / ours.replace(" ", "-"), args.new_tokens, args.threads),
+                        "genai": genai_worker(python, folder, args.new_tokens)}
+            try:
+                turns = in_turns(decoders, prompt_ids, args.new_tokens, args.rounds)
+            finally:
+                for worker in decoders.values():
+                    worker.close()
+            genai = decoders["genai"]
+            outputs[f"genai {precision}"] = turns["genai"]["outputs"]
+            report(f"speccompile ORT {ours}", turns["ours"])
+            report(f"onnxruntime-genai {genai.version} {precision}", turns["genai"])
+            ratio = turns["ours"]["tokens_per_s"] / turns["genai"]["tokens_per_s"]
+            print(f"  speccompile / onnxruntime-genai, {precision}: {ratio:.3f}x tokens/s", flush=True)
     # compared before standard fp32's first EOS: speccompile's rows decode on past EOS, genai's (min_length)
     # cannot emit it
     eos = set(read_manifest(artifact, verify_files=False).tokens.get("eos_token_ids") or ())

@@ -66,7 +66,7 @@ def _best_of(fn, repeats: int) -> float:
 
 
 @torch.inference_mode()
-def choose_streaming_rows(weights: list[torch.Tensor], rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 2,
+def choose_streaming_rows(weights: list[torch.Tensor], rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 3,
                           margin: float = 0.9) -> frozenset[int]:
     """Row counts (1..MAX_ROWS) for which ``W @ x^T`` over all of ``weights`` beats ``F.linear`` by more
     than ``1 - margin``; a count between two probed ones follows the lower one."""
@@ -82,8 +82,10 @@ def choose_streaming_rows(weights: list[torch.Tensor], rows: tuple[int, ...] = P
     winners = set()
     for n in rows:
         every_product(F.linear, n)  # warm-up (allocator, thread pool)
-        standard = _best_of(lambda: every_product(F.linear, n), repeats)
-        streaming = _best_of(lambda: every_product(streaming_product, n), repeats)
+        standard = streaming = float("inf")
+        for _ in range(repeats):  # in turns, so that a slow moment of the machine does not fall on one form only
+            standard = min(standard, _best_of(lambda: every_product(F.linear, n), 1))
+            streaming = min(streaming, _best_of(lambda: every_product(streaming_product, n), 1))
         if streaming < margin * standard:
             winners.add(n)
     chosen, last = set(), False
@@ -95,14 +97,25 @@ def choose_streaming_rows(weights: list[torch.Tensor], rows: tuple[int, ...] = P
     return frozenset(chosen)
 
 
-def use_streaming_linears(model: nn.Module) -> frozenset[int]:
+def use_streaming_linears(model: nn.Module, packed: list[tuple[nn.Linear, tuple[nn.Linear, ...]]] = ()) -> frozenset[int]:
     """Switch every float ``nn.Linear`` of a CPU ``model`` to ``StreamingLinear`` with the row counts
-    measured to gain (once per model: later calls return the first choice). Returns the chosen counts."""
+    measured to gain (once per model: later calls return the first choice). Returns the chosen counts.
+
+    ``packed``: products made by ``decoder.pack_projections`` (not submodules of ``model``), each with
+    the modules it replaces; the timing reads the products a step runs, so the packed ones instead of
+    their parts, and every one of them is switched."""
     chosen = getattr(model, "_streaming_rows", None)
     if chosen is not None:
         return chosen
-    linears = [m for m in model.modules() if type(m) is nn.Linear and m.weight.device.type == "cpu"
-               and m.weight.dtype == torch.float32]
+    product_at = {id(parts[0]): product for product, parts in packed}
+    replaced = {id(part) for _, parts in packed for part in parts}
+    stepped = [product_at.get(id(m), m) for m in model.modules() if id(m) in product_at or id(m) not in replaced]
+
+    def eligible(m: nn.Module) -> bool:
+        return type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+
+    timed = [m for m in stepped if eligible(m)]  # what a step runs, in model order
+    linears = timed + [part for _, parts in packed for part in parts if eligible(part)]
     mode = os.environ.get("SPECCOMPILE_CPU_LINEAR", "auto").strip().lower()
     if mode not in ("auto", "standard", "streaming"):
         raise ValueError(f"SPECCOMPILE_CPU_LINEAR={mode!r}: use auto, standard or streaming")
@@ -111,7 +124,7 @@ def use_streaming_linears(model: nn.Module) -> frozenset[int]:
     elif mode == "streaming":
         chosen = frozenset(range(1, MAX_ROWS + 1))
     else:
-        weights = list(dict.fromkeys(m.weight for m in linears))  # tied weights: read once, as a step does
+        weights = list(dict.fromkeys(m.weight for m in timed))  # tied weights: read once, as a step does
         chosen = choose_streaming_rows(weights)
     for module in linears:
         module.__class__ = StreamingLinear

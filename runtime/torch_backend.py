@@ -21,7 +21,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from .decoder import Decoder, KVCache, build_decoder
+from .decoder import Decoder, KVCache, build_decoder, pack_projections
 from .adapter import DraftHead, expand_logits, load_draft_head
 from .cpu_linear import use_streaming_linears
 from .errors import ArtifactError
@@ -56,7 +56,10 @@ class TorchBackend:
         self.static = None  # torch_graphs.StaticSteps over the current cache, when graphs are on
         self.draft_heads: dict[str, tuple[DraftHead, TorchDraftHead]] = {}  # plan.draft_head_file -> kernel
         if torch.device(self.device).type == "cpu":
-            use_streaming_linears(decoder)  # the faster CPU form of small-row products (runtime/cpu_linear.py)
+            # q/k/v and gate/up as one product each, then the faster CPU form of small-row products,
+            # measured on the products a step runs (runtime/cpu_linear.py)
+            packed = pack_projections(decoder) if isinstance(decoder, Decoder) else []
+            use_streaming_linears(decoder, packed)
 
     @property
     def graphed(self) -> bool:

@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from lossless import assert_same_greedy, run
 from speccompile.convert import arch_config, canonical_weights
 from speccompile.runtime.cpu_linear import MAX_ROWS, StreamingLinear, choose_streaming_rows, use_streaming_linears
-from speccompile.runtime.decoder import build_decoder
+from speccompile.runtime.decoder import build_decoder, pack_projections
 from speccompile.runtime.manifest import DraftPlan
 from speccompile.runtime.torch_backend import TorchBackend
 
@@ -62,3 +62,41 @@ def test_speculative_greedy_equals_plain_with_streaming_forced(family, tiny_deco
             near_ties += assert_same_greedy(decoder, prompt, plain, spec)
             accepted += stats.accepted
     assert near_ties <= 1 and accepted > 0
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])
+def test_packed_projections_compute_the_same_logits(family, tiny_decoder):
+    """q/k/v and gate/up as one product each: same logits, same state dict, q/k/v weights are views."""
+    hf, _ = tiny_decoder(family)
+    config = arch_config(hf)
+    weights = canonical_weights(hf, config)
+    reference, decoder = build_decoder(config, weights), build_decoder(config, weights)
+    state = {k: v.clone() for k, v in decoder.state_dict().items()}
+    packed = pack_projections(decoder)
+    assert len(packed) == config.num_layers * (2 if config.mlp == "gated" else 1)
+    assert packed[0][1] == (decoder.layers[0].attn.q, decoder.layers[0].attn.k, decoder.layers[0].attn.v)
+    assert pack_projections(decoder) == []  # once
+    attn = decoder.layers[0].attn
+    product, sizes = attn._qkv
+    assert sizes == [attn.q.out_features, attn.k.out_features, attn.v.out_features]
+    assert attn.k.weight.data_ptr() == product.weight.data_ptr() + sizes[0] * product.weight.stride(0) * product.weight.element_size()
+    after = decoder.state_dict()
+    assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
+    tokens = torch.randint(3, config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
+    with torch.inference_mode():
+        torch.testing.assert_close(decoder(tokens), reference(tokens), rtol=1e-5, atol=1e-5)
+        # a weight replaced after packing: the packed product is no longer used, the new weight is
+        attn.q.weight = torch.nn.Parameter(attn.q.weight.detach().clone() * 2, requires_grad=False)
+        reference.layers[0].attn.q.weight.mul_(2)
+        torch.testing.assert_close(decoder(tokens), reference(tokens), rtol=1e-5, atol=1e-5)
+
+
+def test_torch_backend_packs_the_canonical_decoder_on_cpu(tiny_decoder):
+    hf, _ = tiny_decoder("llama")
+    config = arch_config(hf)
+    decoder = build_decoder(config, canonical_weights(hf, config))
+    TorchBackend(decoder)
+    assert all("_qkv" in block.attn.__dict__ and "_gate_up" in block.mlp.__dict__ for block in decoder.layers)
+    # the packed product takes the q module's class and its chosen row counts (cpu_linear)
+    product, _ = decoder.layers[0].attn._qkv
+    assert type(product) is StreamingLinear and product.streaming_rows == decoder._streaming_rows
