@@ -13,8 +13,6 @@ of blocks with any sublayers skipped, writing the static KV cache at absolute po
 
 from __future__ import annotations
 
-import copy
-
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -112,9 +110,9 @@ def pack_projections(model: nn.Module) -> list[tuple[nn.Linear, tuple[nn.Linear,
     A decode step on CPU is dozens of small products plus the Python and dispatch work around each
     (SmolLM2 on torch: 211 products a step); packing removes 90 of them. The packed weight is one
     ``[q+k+v, d]`` matrix whose row slices become the q, k and v parameters (views: no second copy), so the
-    state dict, checkpoints and the ONNX export still see the canonical names. The packed module is a
-    shallow copy of the q (or gate) module, keeping its class and product form (``cpu_linear``), and is
-    not registered as a submodule. Each output is the same dot product as before; like any change of
+    state dict, checkpoints and the ONNX export still see the canonical names. The packed module has the
+    class of the q (or gate) module, so the same product form (``cpu_linear``), and is not registered as
+    a submodule (it has hooks, buffers and parameters of its own). Each output is the same dot product as before; like any change of
     kernel it may round differently, and plain and speculative decoding run the same modules. Returns
     the packed products made, each with the modules it replaces."""
     packed = []
@@ -136,10 +134,11 @@ def pack_projections(model: nn.Module) -> list[tuple[nn.Linear, tuple[nn.Linear,
             part.weight.data = w
             if b is not None:
                 part.bias.data = b
-        product = copy.copy(parts[0])
-        product._parameters = {"weight": nn.Parameter(weight, requires_grad=False),
-                               "bias": nn.Parameter(bias, requires_grad=False) if bias is not None else None}
-        product.out_features = weight.shape[0]
+        product = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+        product.__class__ = type(parts[0])  # the parts' product form (cpu_linear.StreamingLinear on CPU)
+        product.weight = nn.Parameter(weight, requires_grad=False)
+        if bias is not None:
+            product.bias = nn.Parameter(bias, requires_grad=False)
         object.__setattr__(module, name, (product, sizes))  # a plain attribute: not in state_dict or modules()
         packed.append((product, parts))
     return packed

@@ -97,6 +97,7 @@ def test_torch_backend_packs_the_canonical_decoder_on_cpu(tiny_decoder):
     decoder = build_decoder(config, canonical_weights(hf, config))
     TorchBackend(decoder)
     assert all("_qkv" in block.attn.__dict__ and "_gate_up" in block.mlp.__dict__ for block in decoder.layers)
-    # the packed product takes the q module's class and its chosen row counts (cpu_linear)
+    # the packed product takes the q module's class and its chosen row counts (cpu_linear), nothing else
     product, _ = decoder.layers[0].attn._qkv
     assert type(product) is StreamingLinear and product.streaming_rows == decoder._streaming_rows
+    assert product._forward_hooks is not decoder.layers[0].attn.q._forward_hooks
