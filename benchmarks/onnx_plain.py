@@ -226,11 +226,12 @@ for line in sys.stdin:
 
 
 _SPECCOMPILE_WORKER = r"""
-import json, sys, time
+import json, sys
+from pathlib import Path
 sys.path.insert(0, sys.argv[4])
 from onnx_plain import PlainDecoder
-root, new_tokens, threads = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-decoder = PlainDecoder(__import__("pathlib").Path(root), threads)
+root, new_tokens, threads = Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3])
+decoder = PlainDecoder(root, threads)
 print(json.dumps({"version": "speccompile"}), flush=True)
 for line in sys.stdin:
     done = len(decoder.timer.steps)
