@@ -112,9 +112,9 @@ def pack_projections(model: nn.Module) -> list[tuple[nn.Linear, tuple[nn.Linear,
     ``[q+k+v, d]`` matrix whose row slices become the q, k and v parameters (views: no second copy), so the
     state dict, checkpoints and the ONNX export still see the canonical names. The packed module has the
     class of the q (or gate) module, so the same product form (``cpu_linear``), and is not registered as
-    a submodule (it has hooks, buffers and parameters of its own). Each output is the same dot product as before; like any change of
-    kernel it may round differently, and plain and speculative decoding run the same modules. Returns
-    the packed products made, each with the modules it replaces."""
+    a submodule (it has hooks, buffers and parameters of its own). Each output is the same dot product
+    as before; like any change of kernel it may round differently, and plain and speculative decoding
+    run the same modules. Returns the packed products made, each with the modules it replaces."""
     packed = []
     for module in model.modules():
         if isinstance(module, Attention):
@@ -139,7 +139,8 @@ def pack_projections(model: nn.Module) -> list[tuple[nn.Linear, tuple[nn.Linear,
         product.weight = nn.Parameter(weight, requires_grad=False)
         if bias is not None:
             product.bias = nn.Parameter(bias, requires_grad=False)
-        object.__setattr__(module, name, (product, sizes))  # a plain attribute: not in state_dict or modules()
+        views = tuple(p.weight.data_ptr() for p in parts)
+        object.__setattr__(module, name, (product, sizes, parts, views))  # not in state_dict or modules()
         packed.append((product, parts))
     return packed
 
@@ -150,9 +151,8 @@ def packed_product(module: nn.Module, name: str, x: Tensor) -> tuple[Tensor, ...
     entry = module.__dict__.get(name)
     if entry is None:
         return None
-    product, sizes = entry
-    first = module.q if name == "_qkv" else module.gate
-    if first.weight.data_ptr() != product.weight.data_ptr():
+    product, sizes, parts, views = entry
+    if any(part.weight.data_ptr() != view for part, view in zip(parts, views)):
         return None
     return product(x).split(sizes, dim=-1)
 

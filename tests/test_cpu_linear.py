@@ -77,7 +77,7 @@ def test_packed_projections_compute_the_same_logits(family, tiny_decoder):
     assert packed[0][1] == (decoder.layers[0].attn.q, decoder.layers[0].attn.k, decoder.layers[0].attn.v)
     assert pack_projections(decoder) == []  # once
     attn = decoder.layers[0].attn
-    product, sizes = attn._qkv
+    product, sizes = attn._qkv[:2]
     assert sizes == [attn.q.out_features, attn.k.out_features, attn.v.out_features]
     assert attn.k.weight.data_ptr() == product.weight.data_ptr() + sizes[0] * product.weight.stride(0) * product.weight.element_size()
     after = decoder.state_dict()
@@ -86,9 +86,12 @@ def test_packed_projections_compute_the_same_logits(family, tiny_decoder):
     with torch.inference_mode():
         torch.testing.assert_close(decoder(tokens), reference(tokens), rtol=1e-5, atol=1e-5)
         # a weight replaced after packing: the packed product is no longer used, the new weight is
-        attn.q.weight = torch.nn.Parameter(attn.q.weight.detach().clone() * 2, requires_grad=False)
-        reference.layers[0].attn.q.weight.mul_(2)
-        torch.testing.assert_close(decoder(tokens), reference(tokens), rtol=1e-5, atol=1e-5)
+        for part in ("q", "v"):
+            block = decoder.layers[-1 if part == "v" else 0].attn
+            getattr(block, part).weight = torch.nn.Parameter(getattr(block, part).weight.detach().clone() * 2,
+                                                             requires_grad=False)
+            getattr(reference.layers[-1 if part == "v" else 0].attn, part).weight.mul_(2)
+            torch.testing.assert_close(decoder(tokens), reference(tokens), rtol=1e-5, atol=1e-5)
 
 
 def test_torch_backend_packs_the_canonical_decoder_on_cpu(tiny_decoder):
@@ -98,6 +101,6 @@ def test_torch_backend_packs_the_canonical_decoder_on_cpu(tiny_decoder):
     TorchBackend(decoder)
     assert all("_qkv" in block.attn.__dict__ and "_gate_up" in block.mlp.__dict__ for block in decoder.layers)
     # the packed product takes the q module's class and its chosen row counts (cpu_linear), nothing else
-    product, _ = decoder.layers[0].attn._qkv
+    product = decoder.layers[0].attn._qkv[0]
     assert type(product) is StreamingLinear and product.streaming_rows == decoder._streaming_rows
     assert product._forward_hooks is not decoder.layers[0].attn.q._forward_hooks
