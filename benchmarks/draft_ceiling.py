@@ -45,10 +45,9 @@ def plain_outputs(model, prompts: list[list[int]], new_tokens: int) -> list[Sequ
     """Each prompt's plain greedy output, stopping at an end-of-sequence token as ``bench`` does."""
     from speccompile.runtime.speculative import DecodeRequest, decode_all
 
-    eos = frozenset(model.manifest.tokens.get("eos_token_ids") or [])
     out = []
     for prompt in prompts:
-        tokens, _ = decode_all(model.backend, DecodeRequest(prompt, new_tokens, eos_ids=eos))
+        tokens, _ = decode_all(model.backend, DecodeRequest(prompt, new_tokens, eos_ids=model.eos_ids))
         out.append(Sequence_(np.array([prompt + tokens]), len(prompt)))
     return out
 

@@ -155,12 +155,23 @@ class PlainDecoder:
         return tokens, time.perf_counter() - start
 
     def row(self, outputs: list[list[int]], seconds: float) -> dict:
-        c = self.manifest.config
-        times = np.array([t for t, _ in self.timer.steps])
-        mean_pos = float(np.mean([p for _, p in self.timer.steps]))
-        kv_bytes = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4 * mean_pos
-        return {"tokens_per_s": sum(map(len, outputs)) / seconds, "ms_per_step": float(np.median(times)) * 1e3,
-                "bytes_per_step": step_bytes(self.root) + kv_bytes, "outputs": outputs}
+        steps = self.timer.steps
+        return table_row(outputs, seconds, [t for t, _ in steps], [p for _, p in steps], step_bytes(self.root),
+                         kv_bytes_per_position(self.manifest.config))
+
+
+def kv_bytes_per_position(config) -> int:
+    """Bytes of float32 K and V one position holds, over all layers."""
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * 4
+
+
+def table_row(outputs: list[list[int]], seconds: float, steps: list[float], positions: list[int], weight_bytes: int,
+              kv_per_position: float) -> dict:
+    """A row: tokens/s over the prompts, the median 1-token step, and the bytes one step reads (the weights,
+    plus the KV cache at the steps' mean position)."""
+    kv = kv_per_position * float(np.mean(positions)) if positions else 0.0
+    return {"tokens_per_s": sum(map(len, outputs)) / seconds, "ms_per_step": float(np.median(steps)) * 1e3,
+            "bytes_per_step": weight_bytes + kv, "outputs": outputs}
 
 
 def run_plain(root: Path, prompt_ids: list[list[int]], new_tokens: int, threads: int, **kwargs) -> dict:
@@ -271,9 +282,7 @@ class DecodeWorker:
         return reply["tokens"], reply["seconds"]
 
     def row(self, outputs: list[list[int]], seconds: float) -> dict:
-        kv = self.kv_bytes_per_position * float(np.mean(self.positions)) if self.positions else 0.0
-        return {"tokens_per_s": sum(map(len, outputs)) / seconds, "ms_per_step": float(np.median(self.steps)) * 1e3,
-                "bytes_per_step": self.step_bytes + kv, "outputs": outputs}
+        return table_row(outputs, seconds, self.steps, self.positions, self.step_bytes, self.kv_bytes_per_position)
 
     def close(self) -> None:
         self.proc.stdin.close()
@@ -283,9 +292,9 @@ class DecodeWorker:
 def speccompile_worker(root: Path, new_tokens: int, threads: int) -> DecodeWorker:
     from speccompile.runtime.manifest import read_manifest
 
-    c = read_manifest(root, verify_files=False).config
+    config = read_manifest(root, verify_files=False).config
     argv = [sys.executable, "-c", _SPECCOMPILE_WORKER, str(root), str(new_tokens), str(threads), str(Path(__file__).parent)]
-    return DecodeWorker(argv, "speccompile", new_tokens, step_bytes(root), 2 * c.num_layers * c.num_kv_heads * c.head_dim * 4)
+    return DecodeWorker(argv, "speccompile", new_tokens, step_bytes(root), kv_bytes_per_position(config))
 
 
 def genai_worker(python: Path, folder: Path, new_tokens: int) -> DecodeWorker:
@@ -533,7 +542,7 @@ def main() -> None:
             print(f"  speccompile / onnxruntime-genai, {precision}: {ratio:.3f}x tokens/s", flush=True)
     # compared before standard fp32's first EOS: speccompile's rows decode on past EOS, genai's (min_length)
     # cannot emit it
-    eos = set(read_manifest(artifact, verify_files=False).tokens.get("eos_token_ids") or ())
+    eos = read_manifest(artifact, verify_files=False).eos_ids
     reference = [o[: next((i for i, t in enumerate(o) if t in eos), len(o))] for o in outputs["standard fp32"]]
     print(f"standard fp32 tokens before the first EOS: {[len(r) for r in reference]}")
     for name, outs in outputs.items():

@@ -56,13 +56,10 @@ def streaming_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
     return y.reshape(*x.shape[:-1], weight.shape[0])
 
 
-def _best_of(fn, repeats: int) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - start)
-    return best
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
 
 
 @torch.inference_mode()
@@ -84,8 +81,8 @@ def choose_streaming_rows(weights: list[torch.Tensor], rows: tuple[int, ...] = P
         every_product(F.linear, n)  # warm-up (allocator, thread pool)
         standard = streaming = float("inf")
         for _ in range(repeats):  # in turns, so that a slow moment of the machine does not fall on one form only
-            standard = min(standard, _best_of(lambda: every_product(F.linear, n), 1))
-            streaming = min(streaming, _best_of(lambda: every_product(streaming_product, n), 1))
+            standard = min(standard, _seconds(lambda: every_product(F.linear, n)))
+            streaming = min(streaming, _seconds(lambda: every_product(streaming_product, n)))
         if streaming < margin * standard:
             winners.add(n)
     chosen, last = set(), False

@@ -201,9 +201,14 @@ class DraftPlan:
         if not 0.0 <= self.threshold < 1.0:
             raise ArtifactError(f"plan '{self.name}': threshold must be in [0, 1), got {self.threshold}")
 
+    @property
+    def drafts_after_short_match(self) -> bool:
+        """Whether ``short_ngram`` changes anything: matches are at least ``ngram_min`` tokens long."""
+        return self.short_ngram >= self.ngram_min
+
     def describe(self) -> str:
         parts = []
-        short = f", 1 token after a match of <= {self.short_ngram}" if self.short_ngram >= self.ngram_min else ""
+        short = f", 1 token after a match of <= {self.short_ngram}" if self.drafts_after_short_match else ""
         names = {"ngram": f"n-gram lookup (n {self.ngram_max}..{self.ngram_min}{short})", "retrieval": "retrieval"}
         parts += [names.get(source, source) for source in self.lookup]
         if self.is_early_exit:
@@ -237,6 +242,11 @@ class Manifest:
     tuning: dict[str, Any] = field(default_factory=dict)
     toolkit_version: str = ""
     schema_version: int = SCHEMA_VERSION
+
+    @property
+    def eos_ids(self) -> frozenset[int]:
+        """The tokens that end generation (``tokens.eos_token_ids``)."""
+        return frozenset(self.tokens.get("eos_token_ids") or ())
 
     def plan(self, name: str | None = None) -> DraftPlan:
         name = name or self.default_plan

@@ -147,7 +147,7 @@ class SpeculativeModel:
     def __init__(self, root: Path, manifest: Manifest, backend, tokenizer: TextTokenizer):
         self.root, self.manifest, self.backend, self.tokenizer = root, manifest, backend, tokenizer
         self.context = manifest.config.max_position_embeddings
-        self.eos_ids = frozenset(manifest.tokens.get("eos_token_ids", []))
+        self.eos_ids = manifest.eos_ids
 
     def replica(self) -> "SpeculativeModel":
         """The same artifact with its own KV cache, sharing weights, sessions and tokenizer: one per

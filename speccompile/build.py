@@ -321,7 +321,7 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> Path:
         if plan.draft_head_file:
             ir.extra_files[plan.draft_head_file] = root / plan.draft_head_file
     ir = tune_ir(ir, prompts, options, log, backend=tuning_backend(manifest.backends), encode=tokenizer.encode,
-                 eos=frozenset(manifest.tokens.get("eos_token_ids") or []))
+                 eos=manifest.eos_ids)
 
     def update(m):
         m.plans = ir.plans

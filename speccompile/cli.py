@@ -429,7 +429,7 @@ def inspect(artifact, as_json):
         if plan.lookup:
             click.echo(f"      lookup {'+'.join(plan.lookup)}: n-gram sizes {plan.ngram_max}..{plan.ngram_min}, up to "
                        f"{plan.lookup_max_draft} tokens"
-                       + (f" (1 after a match of <= {plan.short_ngram})" if plan.short_ngram >= plan.ngram_min else "") + (f", datastore {plan.datastore}" if plan.datastore else ""))
+                       + (f" (1 after a match of <= {plan.short_ngram})" if plan.drafts_after_short_match else "") + (f", datastore {plan.datastore}" if plan.datastore else ""))
         for key, what in (("round_mix", "rounds by source (calibration)"), ("confirmed_round_mix", "rounds by source (confirmation)")):
             if m.get(key):
                 click.echo(f"      {what}: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in m[key].items()))
