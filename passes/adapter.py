@@ -45,7 +45,8 @@ from speccompile.runtime.errors import SpeccompileError
 from speccompile.runtime.manifest import DraftPlan
 from speccompile.runtime.torch_backend import TorchDraftHead
 
-from .base import Pass
+from .base import Pass, PassResult
+from .budget import ADAPTER_GAIN, RATE_SLACK, exit_agreements, model_draft_bound
 from .ir import DecoderIR
 from .plans import tuned_target
 from .tuning import TuningContext
@@ -54,6 +55,7 @@ DRAFT_HEADS_DIR = "draft_heads"
 MAX_DEFAULT_TOKENS = 32768  # teacher-forced training positions (calibration + continuations first, then the corpus)
 TOKENS_PER_WIDTH = 64  # default data: 64 positions per hidden unit (the adapter has ~3 d^2 .. 8 d^2 weights), capped
 DEFAULT_TIME_BUDGET = 300.0  # seconds for the whole pass: teacher pass, training, choices
+LEAST_SECONDS = 10.0  # a budgeted build trains an adapter only with at least this long left
 DEFAULT_LOSS = "kl"
 LOSSES = ("kl", "top1")
 TRAIN_VOCAB = 16384  # rows of the head the adapter is trained against (all of them on smaller vocabularies)
@@ -309,12 +311,33 @@ class AdapterAutotune(Pass):
         self.context, self.encode, self.exit_layer, self.tokens = context, encode, exit_layer, tokens
         self.time_budget = time_budget or DEFAULT_TIME_BUDGET
         self.loss, self.plan_name, self.show_progress, self.corpus = loss, plan_name, show_progress, corpus
+        self.adds = (plan_name,)
+
+    def exits(self, num_layers: int) -> list[int]:
+        return [self.exit_layer] if self.exit_layer is not None else candidate_exits(num_layers)
+
+    def bound(self, ir: DecoderIR) -> float:
+        """At each exit it may train at: the shared-head agreement with ``ADAPTER_GAIN`` of the rest closed, the
+        draft step with the adapter and the smallest draft vocabulary (``passes/budget.py``)."""
+        agreement = exit_agreements(self.context)
+        vocab = VOCAB_CANDIDATES[0] if ir.config.vocab_size > VOCAB_CANDIDATES[0] else None
+        bounds = []
+        for e in self.exits(ir.config.num_layers):
+            rate = agreement[e] + ADAPTER_GAIN * (1 - agreement[e]) + RATE_SLACK
+            plan = DraftPlan(name="bound", exit_layer=e, head=f"adapter:{e}", draft_vocab=vocab, draft_head_file="x")
+            bounds.append(model_draft_bound(self.context, plan, rate))
+        return max(bounds)
+
+    def least_seconds(self) -> float:
+        return LEAST_SECONDS
 
     def _chunks(self, length: int) -> tuple[list[list[int]], set[int]]:
         """Calibration prompts + the target's continuations (not the confirmation prompts'), then the
         corpus; indexes of held-out corpus chunks."""
         own = chunked([ref.tokens[0].tolist() for ref in self.context.training_references], length)
         tokens = self.tokens or default_tokens(self.context.ir.config.hidden_size)
+        if self.tokens is None and self.time_budget < DEFAULT_TIME_BUDGET:  # less time: less teacher data to make
+            tokens = max(2048, round(tokens * self.time_budget / DEFAULT_TIME_BUDGET))
         budget = max(0, tokens - sum(map(len, own)))
         corpus: list[list[int]] = []
         if budget and self.encode is not None:
@@ -328,13 +351,16 @@ class AdapterAutotune(Pass):
         holdout = {len(own) + i for i in range(len(corpus)) if i % step == step - 1}
         return own + corpus, holdout
 
-    def run(self, ir: DecoderIR) -> DecoderIR:
-        start = time.perf_counter()
+    def call(self, ir: DecoderIR) -> PassResult:
+        start, before = time.perf_counter(), dict(ir.plans)
+        left = self.seconds_left()
+        if left is not None:  # budgeted: the pass's own budget is what is left of the build's
+            self.time_budget = max(min(self.time_budget, left), 1.0)
         context, decoder, L = self.context, ir.decoder(), ir.config.num_layers
         if self.exit_layer is not None and not 1 <= self.exit_layer < L:
             raise SpeccompileError(f"--exit-layer {self.exit_layer} is outside 1..{L - 1} for this {L}-block model; "
                                    "pick an exit inside the model or pass auto")
-        exits = [self.exit_layer] if self.exit_layer is not None else candidate_exits(L)
+        exits = self.exits(L)
         length = min(CHUNK, ir.config.max_position_embeddings)
         chunks, holdout = self._chunks(length)
         data = teacher_data(decoder, chunks, exits, holdout, show_progress=self.show_progress)
@@ -402,7 +428,7 @@ class AdapterAutotune(Pass):
         plan.target_acceptance = tuned_target(measured)
         ir.add_plan(plan)
         ir.extra_files[relative] = context.workdir / relative
-        return ir
+        return PassResult.after(ir, before, seconds_budget=round(self.time_budget, 1))
 
     def _plan(self, exit_layer: int, relative: str, vocab: int | None) -> DraftPlan:
         return DraftPlan(name="candidate", exit_layer=exit_layer, head=f"adapter:{exit_layer}", draft_vocab=vocab,
@@ -431,17 +457,28 @@ class DraftVocabTune(Pass):
 
     def __init__(self, context: TuningContext, plan_names: tuple[str, ...]):
         self.context, self.plan_names = context, plan_names
+        self.adds = self.needs = tuple(plan_names)
 
-    def run(self, ir: DecoderIR) -> DecoderIR:
+    def _plans(self, ir: DecoderIR) -> list[DraftPlan]:
+        return [p for p in (ir.plans.get(name) for name in self.plan_names)
+                if p is not None and p.has_model_draft and p.draft_head_file is None]
+
+    def bound(self, ir: DecoderIR) -> float:
+        """Each model plan's measured acceptance (plus slack) at the draft step of the smallest vocabulary."""
+        vocab = VOCAB_CANDIDATES[0] if ir.config.vocab_size > VOCAB_CANDIDATES[0] else None
+        return max([model_draft_bound(self.context, dataclasses.replace(p, draft_vocab=vocab, draft_head_file="x"),
+                                      p.measured.get("acceptance_rate", 1.0) + RATE_SLACK) for p in self._plans(ir)],
+                   default=0.0)
+
+    def call(self, ir: DecoderIR) -> PassResult:
+        before = dict(ir.plans)
         context = self.context
         references = context.training_references  # the confirmation prompts' text stays unseen
         continuations = [ref.targets.tolist() for ref in references]
         prompts = torch.as_tensor(np.concatenate([ref.tokens[0, : ref.prompt_len].cpu().numpy() for ref in references]))
         ranking = vocab_ranking(continuations, prompts, ir.config.vocab_size)
-        for name in self.plan_names:
-            plan = ir.plans.get(name)
-            if plan is None or not plan.has_model_draft or plan.draft_head_file is not None:
-                continue
+        for plan in self._plans(ir):
+            name = plan.name
             start = time.perf_counter()
             base = context.score(plan)
             best, scores = None, {}
@@ -464,7 +501,7 @@ class DraftVocabTune(Pass):
                                   **head_cost_figures(context, ir.decoder(), candidate.draft_vocab)}
             ir.plans[name] = candidate
             ir.extra_files[relative] = context.workdir / relative
-        return ir
+        return PassResult.after(ir, before)
 
 
 __all__ = ["AdapterAutotune", "AdapterTrainer", "DraftVocabTune", "TeacherData", "exit_agreement", "stdlib_corpus",

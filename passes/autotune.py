@@ -14,7 +14,8 @@ from tqdm.auto import tqdm
 
 from speccompile.runtime.manifest import DraftPlan
 
-from .base import Pass
+from .base import Pass, PassResult
+from .budget import RATE_SLACK, exit_agreements, model_draft_bound
 from .ir import DecoderIR
 from .plans import EarlyExitHeads, LayerSkip
 from .tuning import TuningContext
@@ -61,49 +62,107 @@ def skip_counts(largest: int, score, grid: int = 10):
                 yield n
 
 
+PROBE_SHARES = (0.1, 0.2, 0.35, 0.5)  # skip counts (shares of the units) the layer-skip bound probes
+SCORING_SHARE = 0.5  # budgeted passes score candidates on half the calibration sequences ...
+RESCORED = 3  # ... then the best few on all of them
+EXIT_CANDIDATES = 4  # a budgeted early-exit pass scores the exits of highest bound only
+
+
+def _past(p: Pass) -> bool:
+    left = p.seconds_left()
+    return left is not None and left <= 0
+
+
 class CosineAutotune(Pass):
+    """Rank sublayers by cosine similarity and score "skip the n most similar" for every n (``full``), or,
+    budgeted, on half the calibration sequences with the best few rescored on all, until the deadline."""
+
     name = "cosine_autotune"
 
-    def __init__(self, context: TuningContext, plan_name: str = "layer-skip", show_progress: bool = True):
-        self.context, self.plan_name, self.show_progress = context, plan_name, show_progress
+    def __init__(self, context: TuningContext, plan_name: str = "layer-skip", show_progress: bool = True,
+                 full: bool = True):
+        self.context, self.plan_name, self.show_progress, self.full = context, plan_name, show_progress, full
+        self.adds = (plan_name,)
 
-    def run(self, ir: DecoderIR) -> DecoderIR:
-        start = time.perf_counter()
+    def bound(self, ir: DecoderIR) -> float:
+        """Probe a few skip counts on a quarter of the calibration sequences: the geometric bound at each one's
+        agreement (plus slack) and cost."""
         ranking = cosine_ranking(self.context)
+        sample = self.context.sample(0.25)
+        counts = sorted({max(1, min(len(ranking) - 1, round(f * len(ranking)))) for f in PROBE_SHARES})
+        bounds = []
+        for n in counts:
+            plan = skip_plan(ranking, n)
+            bounds.append(model_draft_bound(self.context, plan, self.context.profile(plan, sample).match_rate + RATE_SLACK))
+        return max(bounds)
+
+    def call(self, ir: DecoderIR) -> PassResult:
+        start, before = time.perf_counter(), dict(ir.plans)
+        ranking = cosine_ranking(self.context)
+        refs = None if self.full else self.context.sample(SCORING_SHARE)
         scores = {}
+        stopped = "grid"
         with tqdm(desc="cosine: scoring skip counts", disable=not self.show_progress) as bar:
             for n in skip_counts(len(ranking) - 1, lambda n: scores[n].expected_speedup):
-                scores[n] = self.context.score(skip_plan(ranking, n))
-                self.context.cosine_scores[n] = scores[n].expected_speedup
+                if scores and _past(self):
+                    stopped = "budget"
+                    break
+                scores[n] = self.context.score(skip_plan(ranking, n), refs)
                 bar.update(1)
+        if refs is not None and refs is not self.context.references:  # the best few, on every sequence
+            for n in sorted(scores, key=lambda n: -scores[n].expected_speedup)[:RESCORED]:
+                scores[n] = self.context.score(skip_plan(ranking, n))
+            scores = {n: scores[n] for n in sorted(scores, key=lambda n: -scores[n].expected_speedup)[:RESCORED]}
+        self.context.cosine_scores.update({n: s.expected_speedup for n, s in scores.items()})
         best_n = max(scores, key=lambda n: scores[n].expected_speedup)
         best = scores[best_n]
         plan = skip_plan(ranking, best_n, self.plan_name)
         measured = self.context.record(
             "cosine", best, tuning_seconds=round(time.perf_counter() - start, 2),
-            cosine_ranking=[[kind, i, round(c, 5)] for kind, i, c in ranking],
+            cosine_ranking=[[kind, i, round(c, 5)] for kind, i, c in ranking], skip_counts_scored=len(scores),
         )
-        return LayerSkip(plan.skip_attn, plan.skip_mlp, best.max_draft, best.threshold, self.plan_name, measured).run(ir)
+        LayerSkip(plan.skip_attn, plan.skip_mlp, best.max_draft, best.threshold, self.plan_name, measured).run(ir)
+        return PassResult.after(ir, before, stopped_by=stopped)
 
 
 class ExitLayerAutotune(Pass):
+    """Score an early exit after every block (``full``), or, budgeted, only the exits whose bound from the
+    shared-head agreement (``passes/budget.py``) is highest."""
+
     name = "exit_autotune"
 
-    def __init__(self, context: TuningContext, plan_name: str = "early-exit", show_progress: bool = True):
-        self.context, self.plan_name, self.show_progress = context, plan_name, show_progress
+    def __init__(self, context: TuningContext, plan_name: str = "early-exit", show_progress: bool = True,
+                 full: bool = True):
+        self.context, self.plan_name, self.show_progress, self.full = context, plan_name, show_progress, full
+        self.adds = (plan_name,)
 
-    def run(self, ir: DecoderIR) -> DecoderIR:
-        start = time.perf_counter()
+    def exit_bounds(self) -> dict[int, float]:
+        return {e: model_draft_bound(self.context, DraftPlan(name="candidate", exit_layer=e), m + RATE_SLACK)
+                for e, m in exit_agreements(self.context).items()}
+
+    def bound(self, ir: DecoderIR) -> float:
+        return max(self.exit_bounds().values())
+
+    def call(self, ir: DecoderIR) -> PassResult:
+        start, before = time.perf_counter(), dict(ir.plans)
+        exits = list(range(1, ir.config.num_layers))
+        if not self.full:
+            bounds = self.exit_bounds()
+            exits = sorted(exits, key=lambda e: -bounds[e])[:EXIT_CANDIDATES]
         scores = {}
-        for exit_layer in tqdm(range(1, ir.config.num_layers), desc="early-exit: scoring exit layers",
-                               disable=not self.show_progress):
+        for exit_layer in tqdm(exits, desc="early-exit: scoring exit layers", disable=not self.show_progress):
+            if scores and _past(self):
+                break
             scores[exit_layer] = self.context.score(DraftPlan(name="candidate", exit_layer=exit_layer))
         exit_layer = max(scores, key=lambda e: scores[e].expected_speedup)
         best = scores[exit_layer]
         ir.tuning["best_exit_layer"] = exit_layer
+        agreement = exit_agreements(self.context) if not self.full else {}
         measured = self.context.record(
             "early-exit", best, tuning_seconds=round(time.perf_counter() - start, 2),
             per_exit_layer={str(e): {"acceptance_rate": round(s.acceptance_rate, 4),
                                      "expected_speedup": round(s.expected_speedup, 4)} for e, s in scores.items()},
+            **({"exit_agreement": {str(e): round(m, 4) for e, m in agreement.items()}} if agreement else {}),
         )
-        return EarlyExitHeads(exit_layer, best.max_draft, best.threshold, self.plan_name, measured).run(ir)
+        EarlyExitHeads(exit_layer, best.max_draft, best.threshold, self.plan_name, measured).run(ir)
+        return PassResult.after(ir, before, exits_scored=len(scores))

@@ -26,7 +26,7 @@ from speccompile.runtime.errors import SpeccompileError
 from speccompile.runtime.manifest import DraftPlan
 
 from .autotune import cosine_ranking, skip_plan, skip_units
-from .base import Pass
+from .base import Pass, PassError, PassResult
 from .ir import DecoderIR
 from .plans import LayerSkip
 from .tuning import TuningContext
@@ -82,6 +82,7 @@ class BayesAutotune(Pass):
         self.context, self.trials, self.time_budget = context, trials, time_budget
         self.study_path, self.seed, self.candidates = study_path, seed, candidates
         self.plan_name, self.show_progress = plan_name, show_progress
+        self.adds = (plan_name, "layer-skip")  # the cosine plan's confirmed figures are updated too
         self.trace = SearchTrace()
         self.study: optuna.Study | None = None
 
@@ -111,7 +112,12 @@ class BayesAutotune(Pass):
         for n in counts:
             study.enqueue_trial(_params(skip_plan(ranking, n), skip_units(self.context)), user_attrs={"seed": f"cosine-{n}"})
 
-    def run(self, ir: DecoderIR) -> DecoderIR:
+    def requires(self, ir: DecoderIR) -> None:
+        if "layer-skip" not in ir.plans:
+            raise PassError("bayes_autotune is seeded with the cosine plans: run cosine_autotune first")
+
+    def call(self, ir: DecoderIR) -> PassResult:
+        before = dict(ir.plans)
         L = ir.config.num_layers
         start = time.perf_counter()
         study = self.study = open_study(self.study_path, self.trials, self.seed, L, ir.config.model_type)
@@ -176,7 +182,8 @@ class BayesAutotune(Pass):
             best_trial=trial.number, seeded_from=trial.user_attrs.get("seed", "search"),
             candidates_confirmed=len(scored), **confirmed,
         )
-        return LayerSkip(plan.skip_attn, plan.skip_mlp, plan.max_draft, plan.threshold, self.plan_name, measured).run(ir)
+        LayerSkip(plan.skip_attn, plan.skip_mlp, plan.max_draft, plan.threshold, self.plan_name, measured).run(ir)
+        return PassResult.after(ir, before, trials=len(complete))
 
 
 def _estimate_from(trial: optuna.trial.FrozenTrial):

@@ -25,7 +25,8 @@ from speccompile.runtime.manifest import DraftPlan
 from speccompile.runtime.retrieval import Datastore
 
 from .acceptance import THRESHOLDS
-from .base import Pass
+from .base import Pass, PassResult
+from .budget import hybrid_bound
 from .ir import DecoderIR
 from .plans import tuned_target
 from .replay import estimate_rounds, replay, round_mix
@@ -49,8 +50,16 @@ def lookup_grid(retrieval: bool):
                             short_ngram=short, datastore=DATASTORE_FILE if "retrieval" in lookup else None)
 
 
+def _past(p: Pass) -> bool:
+    left = p.seconds_left()
+    return left is not None and left <= 0
+
+
 class LookupAutotune(Pass):
+    """The best lookup plan over ``lookup_grid`` (then, with ``hybrid_with``, its hybrids: ``HybridAutotune``)."""
+
     name = "lookup_autotune"
+    adds = ("lookup", "hybrid")
 
     def __init__(self, context: TuningContext, retrieval: bool = False, hybrid_with: tuple[str, ...] = (),
                  show_progress: bool = True):
@@ -59,20 +68,7 @@ class LookupAutotune(Pass):
 
     # -- scoring -----------------------------------------------------------------------------------
     def _score(self, plan: DraftPlan, profile=None):
-        refs = self.context.references
-        if "retrieval" not in plan.lookup:
-            rounds = replay(plan, refs, profile, self.context.workdir)
-        else:  # two folds: each half against the other half's datastore
-            rounds = []
-            for fold in (0, 1):
-                held = [i for i in range(len(refs)) if i % 2 == fold]
-                part = replace(plan, datastore=f"retrieval/fold{1 - fold}.safetensors")
-                sub_profile = None
-                if profile is not None:
-                    sub_profile = type(profile)([profile.matches[i] for i in held], [profile.confidences[i] for i in held],
-                                                [profile.tops[i] for i in held])
-                rounds += replay(part, [refs[i] for i in held], sub_profile, self.context.workdir)
-        return estimate_rounds(rounds, plan, self.context.costs), rounds
+        return score_lookup(self.context, plan, profile)
 
     def _build_datastores(self, ir: DecoderIR) -> None:
         refs = self.context.references
@@ -91,10 +87,77 @@ class LookupAutotune(Pass):
     def _best_lookup(self) -> tuple[DraftPlan, object, list]:
         best = None
         for plan in lookup_grid(self.retrieval):
+            if best is not None and _past(self):
+                break
             estimate, rounds = self._score(plan)
             if best is None or estimate.expected_speedup > best[1].expected_speedup:
                 best = (plan, estimate, rounds)
         return best
+
+    # -- the pass ----------------------------------------------------------------------------------
+    def call(self, ir: DecoderIR) -> PassResult:
+        start, before = time.perf_counter(), dict(ir.plans)
+        if self.retrieval:
+            self._build_datastores(ir)
+        lookup, estimate, rounds = self._best_lookup()
+        lookup.measured = self.context.record("lookup", estimate, tuning_seconds=round(time.perf_counter() - start, 2),
+                                              round_mix=round_mix(rounds))
+        lookup.target_acceptance = tuned_target(lookup.measured)
+        ir.add_plan(lookup)
+        self.context.signals["lookup_rounds"] = (rounds, lookup)
+        if any("retrieval" in p.lookup for p in ir.plans.values()):
+            ir.extra_files[DATASTORE_FILE] = self.context.workdir / DATASTORE_FILE
+        if self.hybrid_with:
+            hybrid = HybridAutotune(self.context, self.hybrid_with)
+            hybrid.deadline = self.deadline
+            ir = hybrid(ir).ir
+        return PassResult.after(ir, before)
+
+
+def score_lookup(context: TuningContext, plan: DraftPlan, profile=None):
+    """Expected speedup and replayed rounds of a plan with a lookup part; retrieval is scored in two folds,
+    each half of the sequences against the other half's datastore."""
+    refs = context.references
+    if "retrieval" not in plan.lookup:
+        rounds = replay(plan, refs, profile, context.workdir)
+    else:
+        rounds = []
+        for fold in (0, 1):
+            held = [i for i in range(len(refs)) if i % 2 == fold]
+            part = replace(plan, datastore=f"retrieval/fold{1 - fold}.safetensors")
+            sub_profile = None
+            if profile is not None:
+                sub_profile = type(profile)([profile.matches[i] for i in held], [profile.confidences[i] for i in held],
+                                            [profile.tops[i] for i in held])
+            rounds += replay(part, [refs[i] for i in held], sub_profile, context.workdir)
+    return estimate_rounds(rounds, plan, context.costs), rounds
+
+
+class HybridAutotune(Pass):
+    """The lookup plan in front of each model plan named in ``hybrid_with`` (a lookup hit drafts the round, the
+    model's subgraph otherwise); keeps the best as plan ``hybrid``."""
+
+    name = "hybrid_autotune"
+    adds = ("hybrid",)
+
+    def __init__(self, context: TuningContext, hybrid_with: tuple[str, ...], show_progress: bool = True):
+        self.context, self.hybrid_with, self.show_progress = context, tuple(hybrid_with), show_progress
+        self.needs = ("lookup", *self.hybrid_with)
+
+    def _models(self, ir: DecoderIR) -> list[DraftPlan]:
+        return [p for p in (ir.plans.get(name) for name in self.hybrid_with) if p is not None and p.has_model_draft]
+
+    def requires(self, ir: DecoderIR) -> None:
+        if "lookup" not in ir.plans:
+            from .base import PassError
+
+            raise PassError("hybrid_autotune puts the lookup plan in front of a model plan: run lookup_autotune first")
+
+    def bound(self, ir: DecoderIR) -> float:
+        """The lookup's own rounds where it drafts, each model plan's expected speedup (plus 10%) on the tokens of
+        the rounds where it found nothing (``passes/budget.py``)."""
+        return max([hybrid_bound(self.context, 1.1 * (p.measured.get("expected_speedup") or 0.0))
+                    for p in self._models(ir)], default=0.0)
 
     def _best_hybrid(self, lookup: DraftPlan, model: DraftPlan) -> tuple[DraftPlan, object, list]:
         """The model part's draft length and threshold, and the smallest n-gram size worth a lookup round
@@ -104,38 +167,28 @@ class LookupAutotune(Pass):
         best = None
         sizes = sorted(set(NGRAM_SIZES) | {(lookup.ngram_min, lookup.ngram_max)})
         for (lo, hi), k, threshold in itertools.product(sizes, range(1, self.context.max_draft + 1), THRESHOLDS):
+            if best is not None and _past(self):
+                break
             plan = replace(model, name="hybrid", lookup=list(lookup.lookup), ngram_min=lo, ngram_max=hi,
                            lookup_max_draft=lookup.lookup_max_draft, short_ngram=min(lookup.short_ngram, hi),
                            datastore=lookup.datastore, max_draft=k,
                            threshold=threshold, adaptive=False, measured={})
-            estimate, rounds = self._score(plan, profile)
+            estimate, rounds = score_lookup(self.context, plan, profile)
             if best is None or estimate.expected_speedup > best[1].expected_speedup:
                 best = (plan, estimate, rounds)
         return best
 
-    # -- the pass ----------------------------------------------------------------------------------
-    def run(self, ir: DecoderIR) -> DecoderIR:
-        start = time.perf_counter()
-        if self.retrieval:
-            self._build_datastores(ir)
-        lookup, estimate, rounds = self._best_lookup()
-        lookup.measured = self.context.record("lookup", estimate, tuning_seconds=round(time.perf_counter() - start, 2),
-                                              round_mix=round_mix(rounds))
-        lookup.target_acceptance = tuned_target(lookup.measured)
-        ir.add_plan(lookup)
+    def call(self, ir: DecoderIR) -> PassResult:
+        before = dict(ir.plans)
+        lookup = ir.plans["lookup"]
         hybrids = []
-        for name in self.hybrid_with:
-            model = ir.plans.get(name)
-            if model is None or not model.has_model_draft:
-                continue
+        for model in self._models(ir):
             t0 = time.perf_counter()
-            hybrids.append(self._best_hybrid(lookup, model) + (name, time.perf_counter() - t0))
+            hybrids.append(self._best_hybrid(lookup, model) + (model.name, time.perf_counter() - t0))
         if hybrids:
             plan, estimate, rounds, base, seconds = max(hybrids, key=lambda h: h[1].expected_speedup)
             plan.measured = self.context.record("hybrid", estimate, tuning_seconds=round(seconds, 2),
                                                 model_plan=base, round_mix=round_mix(rounds))
             plan.target_acceptance = tuned_target(plan.measured)  # adaptive stays off: the policy that was replayed
             ir.add_plan(plan)
-        if any("retrieval" in p.lookup for p in ir.plans.values()):
-            ir.extra_files[DATASTORE_FILE] = self.context.workdir / DATASTORE_FILE
-        return ir
+        return PassResult.after(ir, before)

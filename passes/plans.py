@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from speccompile.runtime.manifest import DraftPlan
 
-from .base import Pass
+from .base import Pass, PassResult
 from .ir import DecoderIR
 
 
@@ -29,13 +29,14 @@ class EarlyExitHeads(Pass):
         self.exit_layer, self.max_draft, self.threshold = exit_layer, max_draft, threshold
         self.plan_name, self.measured = plan_name or f"exit-{exit_layer}", measured or {}
 
-    def run(self, ir: DecoderIR) -> DecoderIR:
+    def call(self, ir: DecoderIR) -> PassResult:
+        before = dict(ir.plans)
         ir.add_plan(DraftPlan(
             name=self.plan_name, exit_layer=self.exit_layer, head=f"exit:{self.exit_layer}",
             max_draft=self.max_draft, threshold=self.threshold, measured=dict(self.measured),
             target_acceptance=tuned_target(self.measured),
         ))
-        return ir
+        return PassResult.after(ir, before)
 
 
 class LayerSkip(Pass):
@@ -49,9 +50,10 @@ class LayerSkip(Pass):
         self.max_draft, self.threshold, self.plan_name = max_draft, threshold, plan_name
         self.measured = measured or {}
 
-    def run(self, ir: DecoderIR) -> DecoderIR:
+    def call(self, ir: DecoderIR) -> PassResult:
+        before = dict(ir.plans)
         ir.add_plan(DraftPlan(
             name=self.plan_name, skip_attn=self.skip_attn, skip_mlp=self.skip_mlp, max_draft=self.max_draft,
             threshold=self.threshold, measured=dict(self.measured), target_acceptance=tuned_target(self.measured),
         ))
-        return ir
+        return PassResult.after(ir, before)

@@ -9,6 +9,7 @@ artifact (torch here by default; ``speccompile`` supplies an ONNX Runtime runner
 from __future__ import annotations
 
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
@@ -63,6 +64,8 @@ class TuningContext:
     cosine_scores: dict[int, float] = field(default_factory=dict)  # skip count -> expected speedup
     confirm_datastore: str | None = None  # datastore for confirming retrieval plans, without the confirm prompts
     eos: frozenset[int] = frozenset()  # calibration continuations and confirmation runs stop here, as generation does
+    signals: dict = field(default_factory=dict)  # cheap signals shared by passes' bounds (exit agreements, lookup rounds)
+    timings: dict = field(default_factory=dict)  # seconds per calibration phase
 
     @classmethod
     def prepare(cls, ir: DecoderIR, prompts: list[list[int]], new_tokens: int, max_draft: int,
@@ -71,21 +74,34 @@ class TuningContext:
         """Greedy-decode the calibration prompts with the full model, store its K/V, time the sublayers
         and the runner's backend."""
         decoder = ir.decoder()
+        timings, clock = {}, time.perf_counter()
+
+        def lap(phase: str) -> None:
+            nonlocal clock
+            timings[phase] = round(time.perf_counter() - clock, 2)
+            clock = time.perf_counter()
+
         with tqdm(total=len(prompts), desc="calibration: target continuations", disable=not show_progress) as bar:
             continuations = greedy_continuations(decoder, prompts, new_tokens, bar, eos)
+        lap("continuations")
         cosine = np.zeros((2, ir.config.num_layers))
         references = []
         for prompt, continuation in tqdm(list(zip(prompts, continuations)), desc="calibration: reference pass",
                                          disable=not show_progress):
             references.append(reference_pass(decoder, prompt + continuation, len(prompt), cosine))
         cosine /= max(len(references), 1)
+        lap("reference_pass")
         cost = measure_costs(decoder, max_draft + 1)
+        lap("sublayer_costs")
         runner = runner or TorchRunner(ir)
         workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="speccompile-tune-"))
-        costs = measure_step_costs(runner.backend({}), cost, max_draft + LOOKUP_MAX_DRAFT + 1)
+        backend = runner.backend({})
+        lap("runner_backend")
+        costs = measure_step_costs(backend, cost, max_draft + LOOKUP_MAX_DRAFT + 1)
+        lap("step_costs")
         return cls(ir=ir, references=references, cosine=cosine, cost=cost, costs=costs, max_draft=max_draft,
                    device=f"{device_name(cost.device)}, {runner.name}", confirm_prompts=prompts[:confirm_prompts],
-                   confirm_tokens=confirm_tokens, runner=runner, workdir=workdir, eos=frozenset(eos))
+                   confirm_tokens=confirm_tokens, runner=runner, workdir=workdir, eos=frozenset(eos), timings=timings)
 
     @property
     def training_references(self) -> list[Reference]:
@@ -99,12 +115,21 @@ class TuningContext:
     def confirmation_held_out(self) -> bool:
         return len(self.references) > len(self.confirm_prompts)
 
-    def score(self, plan: DraftPlan) -> RoundEstimate:
-        """Best draft-length policy for ``plan`` and its expected speedup over plain decoding."""
-        return best_policy(self.profile(plan), plan, self.costs, self.max_draft)
+    def score(self, plan: DraftPlan, references: list[Reference] | None = None) -> RoundEstimate:
+        """Best draft-length policy for ``plan`` and its expected speedup over plain decoding (on
+        ``references``, default all)."""
+        return best_policy(self.profile(plan, references), plan, self.costs, self.max_draft)
 
-    def profile(self, plan: DraftPlan):
-        return profile_plan(self.ir.decoder(), plan, self.references, self.draft_head(plan))
+    def profile(self, plan: DraftPlan, references: list[Reference] | None = None):
+        return profile_plan(self.ir.decoder(), plan, self.references if references is None else references,
+                            self.draft_head(plan))
+
+    def sample(self, share: float) -> list[Reference]:
+        """About ``share`` of the calibration sequences, spread over them (cheap scoring where a ranking holds)."""
+        n = max(2, round(len(self.references) * share))
+        if n >= len(self.references):
+            return self.references
+        return [self.references[round(i * (len(self.references) - 1) / (n - 1))] for i in range(n)]
 
     def draft_head(self, plan: DraftPlan):
         """The torch kernel of ``plan``'s draft head (exit adapter / reduced vocabulary, ``passes/adapter.py``),

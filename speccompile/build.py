@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import shutil
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -15,54 +14,17 @@ from speccompile.calibration import load_calibration
 from speccompile.convert import arch_config, canonical_weights, choose_path
 from speccompile.loading import SourceModel, load_source
 from speccompile.runners import make_runner
-from speccompile.passes.adapter import DRAFT_HEADS_DIR, AdapterAutotune, DraftVocabTune
-from speccompile.passes.autotune import CosineAutotune, ExitLayerAutotune
+from speccompile.passes.adapter import DRAFT_HEADS_DIR
 from speccompile.passes.base import PassManager
-from speccompile.passes.bayes_autotune import BayesAutotune
-from speccompile.passes.confirm import ChooseDefaultPlan, ConfirmPlans
+from speccompile.passes.budget import Budget, default_seconds
+from speccompile.passes.confirm import MIN_TURNS, ChooseDefaultPlan, ConfirmPlans
 from speccompile.passes.ir import DecoderIR
-from speccompile.passes.lookup_autotune import LookupAutotune
+from speccompile.passes.pipeline import METHODS, BuildOptions, PipelineInputs, TuneOptions, TuningOptions
 from speccompile.passes.tuning import TuningContext
 from speccompile.runtime.errors import SpeccompileError
 
-METHODS = ("auto", "cosine", "early-exit", "bayes", "lookup", "adapter")
-CONFIRM_TOP = 3  # --method auto times the three plans with the highest expected speedup
+__all__ = ["BuildOptions", "TuneOptions", "TuningOptions", "build", "tune", "tune_ir"]
 CONVERSION_TOLERANCE = 1e-3  # fp32 logits; conversions that are right agree to ~1e-6
-
-
-@dataclass
-class TuningOptions:
-    method: str = "auto"
-    calibration: str | None = None
-    max_draft: int = 8
-    device: str = "cpu"
-    calibration_tokens: int = 64
-    confirm_prompts: int = 4
-    confirm_tokens: int | None = None  # None: calibration_tokens, the length the estimates were made on
-    trials: int = 200
-    time_budget: float | None = None
-    study: str | None = None
-    plot: str | None = None
-    retrieval: bool = True
-    exit_layer: int | None = None  # --method adapter: the exit to train at (None: auto)
-    adapter_tokens: int | None = None  # teacher-forced training positions for the adapter (None: its default)
-    show_progress: bool = True
-
-
-@dataclass
-class BuildOptions(TuningOptions):
-    model: str | None = None
-    out: Path = Path("artifact")
-    backends: tuple[str, ...] = ("torch",)
-    dtype: str = "float32"
-    quantize: str | None = None  # int8 | int4: weight-only quantized ONNX graphs (MatMulNBits)
-    force: bool = False
-    trust_remote_code: bool = False
-
-
-@dataclass
-class TuneOptions(TuningOptions):
-    artifact: Path = Path("artifact")
 
 
 def eos_ids(source: SourceModel) -> list[int]:
@@ -112,15 +74,33 @@ def tuning_backend(backends) -> str:
     return list(backends or ["torch"])[0]
 
 
+def plan_budget(budget: Budget, context: TuningContext, backends) -> None:
+    """Size a budgeted build once calibration has timed the model: the default total from the step time, and
+    the reserve for confirmation (``MIN_TURNS`` turns of plain decoding plus about two plans) and for writing
+    the artifact (an ONNX export costs about what the tuning runner's first export did)."""
+    if budget.total is None:
+        budget.total = default_seconds(context.cost.plain_step())
+    turn = 3 * context.confirm_tokens * context.costs.plain_step()
+    export = context.timings.get("runner_backend", 0.0) if "onnx" in backends else 0.0
+    budget.write_reserve = 1.5 * export + 1.0
+    budget.reserve = MIN_TURNS * turn + budget.write_reserve
+
+
 def tune_ir(ir: DecoderIR, prompts: list[list[int]], options, log: Callable[[str], None] = print,
-            backend: str = "torch", encode: Callable[[str], list[int]] | None = None, eos: frozenset[int] = frozenset()):
-    """Calibrate, autotune by ``options.method``, confirm by timed runs on ``backend``, pick the default plan.
+            backend: str = "torch", encode: Callable[[str], list[int]] | None = None, eos: frozenset[int] = frozenset(),
+            budget: Budget | None = None, backends=("torch",)):
+    """Calibrate, autotune by ``options.method`` (``METHODS``, ``passes/pipeline.py``), confirm by timed runs on
+    ``backend``, pick the default plan.
 
     Shared by ``build`` and ``tune``; returns the IR. ``encode`` (text -> token ids) lets the adapter pass
     train on the offline default corpus. Calibration and confirmation stop at ``eos``, as generation does:
     the text a model babbles after its end-of-sequence token is repetitive, so lookup drafts predicted
-    it well and flattered lookup plans (SmolLM2: expected 1.41x, confirmed 1.15x).
+    it well and flattered lookup plans (SmolLM2: expected 1.41x, confirmed 1.15x). A budgeted method
+    (``auto``) runs under ``budget`` (started by the caller when the model was loaded; a new one otherwise).
     """
+    method = METHODS[options.method]
+    if method.budgeted and budget is None:
+        budget = Budget(options.time_budget)
     with tempfile.TemporaryDirectory(prefix="speccompile-tune-") as workdir:
         for relative, source in ir.extra_files.items():  # resources of plans already in the IR
             (Path(workdir) / relative).parent.mkdir(parents=True, exist_ok=True)
@@ -130,44 +110,28 @@ def tune_ir(ir: DecoderIR, prompts: list[list[int]], options, log: Callable[[str
                                         options.show_progress, options.confirm_prompts,
                                         options.confirm_tokens or options.calibration_tokens,
                                         runner=runner, workdir=Path(workdir), eos=eos)
-        bayes = None
-        progress = options.show_progress
-        adapter = AdapterAutotune(context, encode, exit_layer=options.exit_layer, tokens=options.adapter_tokens or None,
-                                  time_budget=options.time_budget, show_progress=progress) if options.method in (
-                                      "auto", "adapter") and ir.config.decoder != "generic" else None
-        if options.method == "auto" and ir.config.decoder == "generic":  # no draft heads on the generic path
-            passes = [CosineAutotune(context, show_progress=progress), ExitLayerAutotune(context, show_progress=progress),
-                      LookupAutotune(context, retrieval=options.retrieval, hybrid_with=("layer-skip", "early-exit"),
-                                     show_progress=progress)]
-        elif options.method == "auto":
-            passes = [CosineAutotune(context, show_progress=progress), ExitLayerAutotune(context, show_progress=progress),
-                      adapter, DraftVocabTune(context, ("layer-skip", "early-exit")),
-                      LookupAutotune(context, retrieval=options.retrieval,
-                                     hybrid_with=("layer-skip", "early-exit", "adapter"), show_progress=progress)]
-        elif options.method == "adapter":
-            passes = [adapter]
-        elif options.method == "early-exit":
-            passes = [ExitLayerAutotune(context, show_progress=progress)]
-        elif options.method == "lookup":
-            passes = [LookupAutotune(context, retrieval=options.retrieval, show_progress=progress)]
-        else:
-            passes = [CosineAutotune(context, show_progress=progress)]
-            if options.method == "bayes":
-                bayes = BayesAutotune(context, trials=options.trials, time_budget=options.time_budget,
-                                      study_path=options.study, show_progress=progress)
-                passes.append(bayes)
-        passes += [ConfirmPlans(context, progress, top=CONFIRM_TOP if options.method == "auto" else None),
-                   ChooseDefaultPlan(keep_only_default=options.method == "auto")]
-        ir = PassManager(passes, log)(ir)
+        if method.budgeted:
+            plan_budget(budget, context, backends)
+            log(f"calibration done in {sum(context.timings.values()):.1f}s; time budget {budget.total:.0f}s "
+                f"({'--time-budget' if budget.user_set else 'default, from the step time'}), "
+                f"{budget.tuning_left():.0f}s left for tuning passes")
+        inputs = PipelineInputs(context, options, encode, generic=ir.config.decoder == "generic")
+        passes = method.passes(inputs)
+        passes += [ConfirmPlans(context, options.show_progress, top=method.confirm_top, sequential=True),
+                   ChooseDefaultPlan(keep_only_default=method.keep_only_default)]
+        ir = PassManager(passes, log, budget if method.budgeted else None)(ir)
         if ir.default_plan is None:
             log(f"warning: no draft plan beat plain decoding on {context.device} (best confirmed "
                 f"{ir.tuning['best_confirmed_speedup']:.2f}x); the artifact decodes plainly by default")
         ir.tuning.update(
             method=options.method, device=context.device, backend=backend,
             calibration={"source": options.calibration or "built-in", "prompts": len(prompts),
-                         "new_tokens": options.calibration_tokens},
+                         "new_tokens": options.calibration_tokens, "seconds": context.timings},
             cost_model=context.cost.as_dict(), step_costs=context.costs.as_dict(),
         )
+        if budget is not None:
+            ir.tuning["budget"] = budget.as_dict()
+        bayes = next((p for p in passes if p.name == "bayes_autotune"), None)
         if bayes is not None and options.plot:
             from speccompile.plots import plot_search
 
@@ -196,6 +160,7 @@ def build(options: BuildOptions, log: Callable[[str], None] = print) -> Path:
 def _build_locked(options: BuildOptions, log: Callable[[str], None]) -> Path:
     texts = load_calibration(options.calibration)
     source = load_source(options.model, trust_remote_code=options.trust_remote_code)
+    budget = Budget(options.time_budget) if METHODS[options.method].budgeted else None  # from the loaded model on
     path = choose_path(source.model)  # refuses, in one line, what cannot be drafted losslessly
     log(f"loaded {source.name} ({source.model.config.model_type}, "
         f"{sum(p.numel() for p in source.model.parameters()) / 1e6:.1f}M parameters) from {source.path}")
@@ -220,15 +185,19 @@ def _build_locked(options: BuildOptions, log: Callable[[str], None]) -> Path:
     room = options.calibration_tokens + options.max_draft + 2
     prompts = calibration_prompts(texts, source.tokenizer, config.max_position_embeddings, room)
     ir = tune_ir(ir, prompts, options, log, backend=tuning_backend(options.backends),
-                 encode=lambda text: source.tokenizer(text)["input_ids"], eos=frozenset(eos_ids(source)))
+                 encode=lambda text: source.tokenizer(text)["input_ids"], eos=frozenset(eos_ids(source)), budget=budget,
+                 backends=options.backends)
     source_record = {
         "model": source.name, "path": str(source.path.resolve()), "revision": source.revision,
         "architecture": type(source.model).__name__, "model_type": config.model_type,
     }
     tokens = {"eos_token_ids": eos_ids(source), "bos_token_id": source.tokenizer.bos_token_id,
               "pad_token_id": source.tokenizer.pad_token_id}
-    return write_artifact(Path(options.out), ir, source.tokenizer, source_record, tokens, options.force,
-                          options.backends)
+    written = write_artifact(Path(options.out), ir, source.tokenizer, source_record, tokens, options.force,
+                             options.backends)
+    if budget is not None:
+        log(f"tuning and writing took {budget.elapsed():.1f}s from the loaded model (budget {budget.total:.0f}s)")
+    return written
 
 
 def onnx_export_options(options: BuildOptions) -> dict:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import click
 
+from speccompile.passes.pipeline import COMMAND_DEFAULTS, cli_fields, from_cli
 from speccompile.runtime.errors import SpeccompileError
 
 
@@ -155,24 +156,6 @@ class SpeccompileGroup(click.Group):
             ctx.exit(exc.exit_code)
 
 
-def bayes_options(command):
-    """The Bayesian search's options, shared by build and tune."""
-    options = [
-        click.option("--trials", type=click.IntRange(1), default=200, show_default=True,
-                     help="Bayesian search: total trials in the study (a resumed study runs only the rest)."),
-        click.option("--time-budget", type=FiniteFloat(min=1), default=None,
-                     help="Bayesian search: stop after this many seconds; adapter: seconds for its whole pass "
-                          "(teacher pass, training, choices; default 300)."),
-        click.option("--study", type=click.Path(), default=None,
-                     help="Bayesian search: SQLite file for the optuna study; rerun with it to continue."),
-        click.option("--plot", type=click.Path(), default=None,
-                     help="Bayesian search: write the search trace and chosen skip pattern to this PNG."),
-    ]
-    for option in reversed(options):
-        command = option(command)
-    return command
-
-
 def exit_layer_value(ctx, param, value):
     """--exit-layer: a block number, or auto (None)."""
     if value is None or value.strip().lower() == "auto":
@@ -186,18 +169,47 @@ def exit_layer_value(ctx, param, value):
     return layer
 
 
-def adapter_options(command):
-    """The exit adapter's options (--method adapter), shared by build and tune."""
-    options = [
-        click.option("--exit-layer", default=None, callback=exit_layer_value, metavar="E|auto",
-                     help="Adapter: train it on the hidden state after block E (auto: try a few, keep the best)."),
-        click.option("--adapter-tokens", type=click.IntRange(1), default=None,
-                     help="Adapter: teacher-forced training tokens (calibration, the model's continuations, then "
-                          "Python standard library sources) [default: 64 per hidden unit, at most 32768]."),
-    ]
-    for option in reversed(options):
-        command = option(command)
-    return command
+def backends_value(ctx, param, value):
+    """--backend: a comma-separated list."""
+    return tuple(b.strip() for b in value.split(",") if b.strip())
+
+
+def _click_option(f, command: str):
+    """The click option of one options field (``passes/pipeline.py``'s ``option`` metadata)."""
+    spec = dict(f.metadata["cli"])
+    flags, kind = spec.pop("flags"), spec.pop("type", None)
+    spec.pop("commands")
+    invert = spec.pop("invert", False)
+    default = COMMAND_DEFAULTS.get(command, {}).get(f.name, f.default)
+    if "choices" in spec:
+        spec["type"] = click.Choice(list(spec.pop("choices")))
+    elif isinstance(kind, tuple):  # ("int", low, high)
+        spec["type"] = click.IntRange(kind[1], kind[2])
+    elif kind is not None:
+        spec.update({
+            "path": {"type": click.Path()},
+            "out_path": {"type": click.Path(path_type=Path)},
+            "seconds": {"type": FiniteFloat(min=1)},
+            "device": {"type": DeviceType(check_torch=True)},
+            "exit_layer": {"callback": exit_layer_value},
+            "backends": {"callback": backends_value},
+        }[kind])
+        if kind == "backends":
+            default = ",".join(default)
+    if spec.get("required"):
+        default = None
+    if invert:  # --quiet sets show_progress False: the flag's own default is off
+        default = False
+    return click.option(*flags, f.name, default=default, **spec)
+
+
+def tuning_options(command_name: str):
+    """Every options field of ``build`` or ``tune`` as a click option, written once (``passes/pipeline.py``)."""
+    def decorate(command):
+        for f in reversed(cli_fields(command_name)):
+            command = _click_option(f, command_name)(command)
+        return command
+    return decorate
 
 
 @click.group(cls=SpeccompileGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -210,54 +222,14 @@ def main():
 
 @main.command()
 @click.argument("model", required=False)
-@click.option("-o", "--out", type=click.Path(path_type=Path), required=True, help="Artifact folder to write.")
-@click.option("--method", type=click.Choice(["auto", "cosine", "early-exit", "bayes", "lookup", "adapter"]),
-              default="auto", show_default=True,
-              help="cosine: skip the sublayers whose input and output are most alike; early-exit: draft with the "
-                   "first E blocks and verify only the rest; adapter: early exit through a small trained adapter (the "
-                   "model stays frozen) and a reduced draft vocabulary; lookup: model-free drafts (n-gram lookup over "
-                   "prompt and output, retrieval from the calibration text); auto: tune all of these and hybrids of "
-                   "lookup with "
-                   "each model draft, keep the fastest by timed runs on the backend (plain decoding if none pays); "
-                   "bayes: Bayesian search over skipped sublayers, seeded with the cosine plans (keeps both).")
-@click.option("--retrieval/--no-retrieval", default=True, show_default=True,
-              help="Let lookup plans draft from a datastore of the calibration text and the model's continuations "
-                   "of it (stored in the artifact; kept only if it pays).")
-@click.option("--calibration", type=click.Path(), default=None,
-              help="Calibration text: .jsonl with a 'text' or 'prompt' field per line, or plain text split on "
-                   "blank lines. Default: a small built-in set.")
-@click.option("--max-draft", type=click.IntRange(1, 32), default=8, show_default=True,
-              help="Most tokens drafted per round; the tuner picks the best value up to this.")
-@click.option("--calibration-tokens", type=click.IntRange(4, 1024), default=64, show_default=True,
-              help="Tokens the full model generates after each calibration prompt (what drafts are scored on).")
-@click.option("--backend", "backends", default="torch", show_default=True,
-              help="Backends to write, comma-separated: torch (safetensors), onnx (graphs + one shared weights "
-                   "file, runs with numpy + onnxruntime + tokenizers only), or torch,onnx.")
-@click.option("--dtype", type=click.Choice(["float32", "float16", "bfloat16"]), default="float32", show_default=True)
-@click.option("--quantize", type=click.Choice(["int8", "int4"]), default=None,
-              help="Weight-only quantize the ONNX graphs' linear layers and head (ONNX Runtime MatMulNBits, blocks "
-                   "of 32); the quantized model is then the one drafts are verified against.")
-@bayes_options
-@adapter_options
-@click.option("--device", type=DeviceType(check_torch=True), default="cpu", show_default=True,
-              help="Device to tune and time on (cpu, cuda, cuda:1).")
-@click.option("--force", is_flag=True, help="Replace the output folder if it exists.")
-@click.option("--trust-remote-code", is_flag=True, help="Allow model code from the model folder (off by default).")
-@click.option("--quiet", is_flag=True, help="No progress bars.")
+@tuning_options("build")
 @friendly_errors
-def build(model, out, method, retrieval, calibration, max_draft, calibration_tokens, backends, dtype, quantize, trials, time_budget,
-          study, plot, exit_layer, adapter_tokens, device, force, trust_remote_code, quiet):
+def build(model, **values):
     """Build a self-speculative artifact from MODEL (a local folder, a cached hub id, or nothing for the
     bundled reference model)."""
-    from speccompile.build import BuildOptions, build as run_build
+    from speccompile.build import build as run_build
 
-    options = BuildOptions(model=model, out=out, method=method, calibration=calibration, max_draft=max_draft,
-                           calibration_tokens=calibration_tokens, dtype=dtype, device=device, force=force,
-                           backends=tuple(b.strip() for b in backends.split(",") if b.strip()), quantize=quantize,
-                           trust_remote_code=trust_remote_code, trials=trials, time_budget=time_budget, study=study,
-                           plot=plot, retrieval=retrieval, exit_layer=exit_layer, adapter_tokens=adapter_tokens,
-                           show_progress=not quiet)
-    path = run_build(options, log=lambda message: click.echo(message, err=True))
+    path = run_build(from_cli("build", values, model=model), log=lambda message: click.echo(message, err=True))
     report_plans(path, "wrote")
 
 
@@ -278,29 +250,14 @@ def report_plans(path: Path, verb: str) -> None:
 
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--method", type=click.Choice(["auto", "cosine", "early-exit", "bayes", "lookup", "adapter"]),
-              default="bayes", show_default=True)
-@click.option("--retrieval/--no-retrieval", default=True, show_default=True,
-              help="Let lookup plans draft from a datastore of the calibration text (as for build).")
-@click.option("--calibration", type=click.Path(), default=None, help="Calibration text (as for build).")
-@click.option("--calibration-tokens", type=click.IntRange(4, 1024), default=64, show_default=True)
-@click.option("--max-draft", type=click.IntRange(1, 32), default=8, show_default=True)
-@bayes_options
-@adapter_options
-@click.option("--device", type=DeviceType(check_torch=True), default="cpu", show_default=True,
-              help="Device to tune and time on.")
-@click.option("--quiet", is_flag=True, help="No progress bars.")
+@tuning_options("tune")
 @friendly_errors
-def tune(artifact, method, retrieval, calibration, calibration_tokens, max_draft, trials, time_budget, study, plot,
-         exit_layer, adapter_tokens, device, quiet):
+def tune(artifact, **values):
     """Retune an existing ARTIFACT's draft plans for another device or calibration set, without rebuilding.
     Plans of the same name are replaced; the manifest is rewritten atomically."""
-    from speccompile.build import TuneOptions, tune as run_tune
+    from speccompile.build import tune as run_tune
 
-    options = TuneOptions(artifact=artifact, method=method, calibration=calibration, max_draft=max_draft,
-                          calibration_tokens=calibration_tokens, device=device, trials=trials,
-                          time_budget=time_budget, study=study, plot=plot, retrieval=retrieval, exit_layer=exit_layer,
-                          adapter_tokens=adapter_tokens, show_progress=not quiet)
+    options = from_cli("tune", values, artifact=artifact)
     report_plans(run_tune(options, log=lambda message: click.echo(message, err=True)), "tuned")
 
 
@@ -369,6 +326,37 @@ def bench(artifact, prompts, max_new_tokens, plan, backend, no_transformers, as_
     click.echo(dumps(report) if as_json else format_report(report))
 
 
+def echo_pass_table(tuning: dict) -> None:
+    """The tuning passes: each one's bound against the incumbent when it started, its time, and what it added
+    (with the best expected speedup it reached) or why it was skipped."""
+    rows = tuning.get("passes") or []
+    if not rows:
+        return
+    budget = tuning.get("budget")
+    calibration = (tuning.get("calibration") or {}).get("seconds") or {}
+    head = f"  tuning      {tuning.get('method', '?')}"
+    if budget:
+        head += (f", time budget {budget['seconds']:.0f}s ({'default' if budget['default'] else '--time-budget'}), "
+                 f"{budget['used']:.0f}s used before the write")
+    if calibration:
+        head += f"; calibration {sum(calibration.values()):.1f}s"
+    click.echo(head)
+    click.echo(f"      {'pass':<20} {'bound':>7} {'incumbent':>9} {'seconds':>8}  result")
+    for row in rows:
+        bound = f"{row['bound']:.2f}x" if row.get("bound") is not None else "-"
+        if row.get("skipped") and "modified" not in row:
+            result = f"skipped: {row['skipped']}"
+        else:
+            result = ("added " + ", ".join(row["added"])) if row.get("added") else "no new plan"
+            if row.get("reached") is not None:
+                result += f" ({row['reached']:.2f}x)"
+            if row.get("confirmation_stopped"):
+                result = f"{row['confirmation_turns']} turns, stopped: {row['confirmation_stopped']}"
+            if row.get("skipped"):
+                result += f"; {row['skipped']}"
+        click.echo(f"      {row['pass']:<20} {bound:>7} {row.get('incumbent', 0):>8.2f}x {row['seconds']:>8.1f}  {result}")
+
+
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the whole manifest.")
@@ -400,6 +388,7 @@ def inspect(artifact, as_json):
                f"by {manifest.tuning.get('method', '?')}")
     total = sum(f["bytes"] for f in manifest.files.values())
     click.echo(f"  files       {len(manifest.files)} ({total / 1e6:.1f} MB), sha256 verified")
+    echo_pass_table(manifest.tuning)
     for name, plan in manifest.plans.items():
         m = plan.measured
         default = " (default)" if name == manifest.default_plan else ""
@@ -414,6 +403,10 @@ def inspect(artifact, as_json):
                        f"{(m.get('confirmed_speedup') or 0):.2f}x, prediction error "
                        f"{100 * m.get('prediction_error', 0):+.0f}%), tuned by {m.get('method', '?')} in "
                        f"{m.get('tuning_seconds', 0):.0f}s" + (f" over {m['trials']} trials" if "trials" in m else ""))
+        interval = m.get("confirmed_interval")
+        if interval and None not in interval:
+            click.echo(f"      confirmed in {m.get('confirmation_turns')} turns against plain decoding: 95% interval "
+                       f"{interval[0]:.2f}x..{interval[1]:.2f}x ({m.get('confirmation_stopped')})")
         if m.get("adapter"):
             a = m["adapter"]
             click.echo(f"      adapter after block {a['exit_layer']}: {a['parameters']} parameters, trained on {a['tokens']} "

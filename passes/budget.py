@@ -1,0 +1,137 @@
+"""The time budget of an ``auto`` build, and the bounds that let it skip passes that cannot pay.
+
+``Budget`` starts when the model is loaded and covers everything after: calibration, the tuning passes,
+confirmation and writing the artifact. Its default is scaled by the model's measured step time
+(``default_seconds``): about 90 s for SmolLM2-135M on this project's 2-core machine, proportionally less
+for a faster model and more for a slower one. Confirmation and the artifact's export get a reserve
+(``reserve``); tuning passes run in what is left before it (``tuning_left``).
+
+Bounds. Before a tuning pass spends its time it publishes an upper bound on the expected speedup any plan
+it can add reaches, from cheap signals, and ``PassManager`` skips it when the bound is below the incumbent.
+A model draft's bound is the geometric round model (every drafted token accepted independently with
+probability ``rate``) at the best draft length, with the plan's draft step cost and the backend's measured
+verify-cost curve (``geometric_bound``). ``rate`` is optimistic: the draft's measured agreement with the
+target on the calibration continuations plus ``RATE_SLACK`` (early exit, layer skip), or, for a draft that
+must still be trained (an exit adapter), the shared-head agreement at its exit with a share
+``ADAPTER_GAIN`` of the remaining gap closed. These are estimates, not theorems: the pass table records each
+pass's bound next to what it then reached, so a bound that was beaten shows.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from speccompile.runtime.manifest import DraftPlan
+
+RATE_SLACK = 0.1  # added to a measured agreement: the subset it was measured on, and correlated matches
+ADAPTER_GAIN = 0.5  # share of the shared-head exit's disagreements an adapter may fix (SmolLM2 measured 0.33)
+BUDGET_STEPS = 2400  # default budget in plain decode steps (torch, timed at calibration): SmolLM2 here ~90 s
+MIN_SECONDS, MAX_SECONDS = 15.0, 3600.0
+AGREEMENT_STRIDE = 4  # every 4th calibration position scores exit agreement (rank correlation in README)
+
+
+def default_seconds(plain_step_seconds: float) -> float:
+    """The default budget of a build: ``BUDGET_STEPS`` plain decode steps of this model on this machine."""
+    return float(min(max(BUDGET_STEPS * plain_step_seconds, MIN_SECONDS), MAX_SECONDS))
+
+
+class Budget:
+    """Seconds for the whole build from ``start``; ``clock`` is injectable (tests). ``total`` None: set
+    later from the measured step time (``default_seconds``)."""
+
+    exempt = frozenset({"confirm_plans", "choose_default_plan"})  # always run, on the reserve
+
+    def __init__(self, total: float | None = None, clock=time.perf_counter):
+        self.total, self.clock, self.start = total, clock, clock()
+        self.reserve = 0.0  # seconds kept for confirmation and writing the artifact
+        self.write_reserve = 0.0  # the part of it kept for writing the artifact
+        self.user_set = total is not None
+
+    def elapsed(self) -> float:
+        return self.clock() - self.start
+
+    def left(self) -> float:
+        return (self.total or 0.0) - self.elapsed()
+
+    def tuning_left(self) -> float:
+        return self.left() - self.reserve
+
+    def tuning_deadline(self) -> float:
+        """When tuning passes should be done, as a ``time.perf_counter`` time."""
+        return time.perf_counter() + self.tuning_left()
+
+    def final_deadline(self) -> float:
+        """When confirmation should be done (the artifact still to write), as a ``time.perf_counter`` time."""
+        return time.perf_counter() + self.left() - self.write_reserve
+
+    def as_dict(self) -> dict:
+        return {"seconds": round(self.total or 0.0, 1), "default": not self.user_set, "reserve": round(self.reserve, 1),
+                "used": round(self.elapsed(), 1)}
+
+
+def geometric_bound(rate: float, draft_cost: float, verify, max_draft: int) -> tuple[float, int]:
+    """Best expected speedup over draft lengths 1..max_draft (and the length) of a draft whose tokens are each
+    accepted with probability ``rate``; ``draft_cost`` and ``verify(t)`` in plain-step units."""
+    rate = min(max(rate, 0.0), 1.0)
+    best = (0.0, 1)
+    for k in range(1, max_draft + 1):
+        tokens = sum(rate ** i for i in range(k + 1))
+        best = max(best, (tokens / (k * draft_cost + verify(k + 1)), k))
+    return best
+
+
+def model_draft_bound(context, plan: DraftPlan, rate: float) -> float:
+    """``geometric_bound`` of ``plan`` (early exit: the verifier reuses its prefix) on the runner's costs."""
+    costs = context.costs
+    plain = costs.plain_step()
+    return geometric_bound(rate, costs.draft_step(plan) / plain, lambda t: costs.verify(plan, t) / plain,
+                           context.max_draft)[0]
+
+
+@torch.inference_mode()
+def exit_agreements(context) -> dict[int, float]:
+    """Shared-head agreement with the target after every block, on every ``AGREEMENT_STRIDE``-th position of
+    the calibration continuations (the reference pass's stored hidden states: one head product per exit).
+    Computed once per tuning run and shared by the early-exit, adapter and draft-vocabulary bounds."""
+    if "exit_agreements" in context.signals:
+        return context.signals["exit_agreements"]
+    decoder, L = context.ir.decoder(), context.ir.config.num_layers
+    hits, total = np.zeros(L), 0
+    for ref in context.references:
+        targets = torch.as_tensor(ref.targets[::AGREEMENT_STRIDE])
+        if not len(targets) or ref.exits is None:
+            continue
+        total += len(targets)
+        for e in range(1, L):
+            top = decoder.head(ref.exits[e][:, ::AGREEMENT_STRIDE]).argmax(-1)[0].cpu()
+            hits[e] += int((top == targets).sum())
+    context.signals["exit_agreements"] = {e: float(hits[e] / max(total, 1)) for e in range(1, L)}
+    return context.signals["exit_agreements"]
+
+
+def lookup_hit_share(context, rounds, plan: DraftPlan) -> tuple[float, float, float]:
+    """From a lookup plan's replayed rounds: (tokens, cost of the rounds where the lookup drafted, tokens of
+    the rounds where it did not), cost in plain-step units."""
+    costs = context.costs
+    plain = costs.plain_step()
+    tokens = hit_cost = miss_tokens = 0.0
+    for r in rounds:
+        tokens += r.accepted + 1
+        if r.drafted:
+            hit_cost += (r.lookups * costs.lookup + costs.verify(None, r.drafted + 1)) / plain
+        else:
+            miss_tokens += 1
+    return tokens, hit_cost, miss_tokens
+
+
+def hybrid_bound(context, model_speedup: float) -> float:
+    """A hybrid of the lookup plan and a model draft of (optimistic) speedup ``model_speedup``: the lookup's own
+    rounds where it drafts, the model's speed on the tokens of the rounds where it found nothing."""
+    signal = context.signals.get("lookup_rounds")
+    if signal is None:
+        return float("inf")
+    tokens, hit_cost, miss_tokens = lookup_hit_share(context, *signal)
+    return tokens / (hit_cost + miss_tokens / max(model_speedup, 1e-9)) if tokens else 0.0

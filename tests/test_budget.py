@@ -1,0 +1,195 @@
+"""The auto build's time budget: bounds skip passes that cannot beat the incumbent, confirmation stops when sure,
+and passes and options are data (one method table, one options class for build and tune).
+
+Decision rules are tested where they are decided, with injected clocks and bounds (PassManager, Confirmer.race);
+the real passes and the real CLI run on tiny random-weight models."""
+
+import json
+
+import click
+import pytest
+from click.testing import CliRunner
+
+from speccompile.cli import main
+from speccompile.passes.base import Pass, PassManager, PassResult
+from speccompile.passes.budget import Budget, geometric_bound
+from speccompile.passes.confirm import Confirmer
+from speccompile.passes.ir import DecoderIR
+from speccompile.passes.pipeline import METHODS, BuildOptions, cli_fields
+from speccompile.runtime.manifest import DraftPlan
+from speccompile.runtime.speculative import Stats
+
+
+class Clock:
+    """A clock the test moves by hand."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+class AddPlan(Pass):
+    """A tuning pass with a given bound that adds a plan of a given expected speedup, taking ``seconds``."""
+
+    def __init__(self, name, bound, speedup, clock, seconds=1.0, least=0.0):
+        self.name, self._bound, self.speedup, self.clock, self.seconds, self.least = name, bound, speedup, clock, seconds, least
+        self.adds = (name,)
+        self.ran = False
+
+    def bound(self, ir):
+        return self._bound
+
+    def least_seconds(self):
+        return self.least
+
+    def call(self, ir):
+        self.ran = True
+        self.clock.now += self.seconds
+        before = dict(ir.plans)
+        ir.add_plan(DraftPlan(name=self.name, lookup=["ngram"], measured={"expected_speedup": self.speedup}))
+        return PassResult.after(ir, before)
+
+
+@pytest.fixture
+def ir(tiny_decoder):
+    _, decoder = tiny_decoder("llama")
+    return DecoderIR(decoder.config, {})
+
+
+def test_pass_below_the_incumbent_is_skipped_and_recorded(ir):
+    clock = Clock()
+    budget = Budget(60.0, clock=clock)
+    lookup = AddPlan("lookup", None, 1.29, clock)
+    weak = AddPlan("weak", 1.08, 1.05, clock)  # its bound cannot beat lookup's 1.29x
+    strong = AddPlan("strong", 1.6, 1.4, clock)
+    slow = AddPlan("slow", 3.0, 2.0, clock, least=100.0)  # would beat it, but needs more time than is left
+    ir = PassManager([lookup, weak, strong, slow], budget=budget)(ir)
+    assert lookup.ran and strong.ran and not weak.ran and not slow.ran
+    assert set(ir.plans) == {"lookup", "strong"}
+    table = {row["pass"]: row for row in ir.tuning["passes"]}
+    assert table["weak"]["skipped"] == "bound 1.08x < incumbent 1.29x"
+    assert table["strong"]["bound"] == 1.6 and table["strong"]["incumbent"] == 1.29 and table["strong"]["reached"] == 1.4
+    assert table["slow"]["skipped"].startswith("needs 100s, 58s left")
+    # without a budget (--method NAME), every pass runs in full
+    clock2 = Clock()
+    passes = [AddPlan("lookup", None, 1.29, clock2), AddPlan("weak", 1.08, 1.05, clock2)]
+    PassManager(passes)(DecoderIR(ir.config, {}))
+    assert all(p.ran for p in passes)
+
+
+def test_plain_decoding_is_the_first_incumbent(ir):
+    clock = Clock()
+    useless = AddPlan("useless", 0.9, 0.8, clock)
+    ir = PassManager([useless], budget=Budget(30.0, clock=clock))(ir)
+    assert not useless.ran and ir.tuning["passes"][0]["skipped"] == "bound 0.90x < incumbent 1.00x"
+
+
+def test_geometric_bound():
+    flat = lambda t: 1.0  # noqa: E731 (a verify that costs one step whatever its length)
+    assert geometric_bound(0.0, 0.1, flat, 8)[0] == pytest.approx(1 / 1.1)  # nothing accepted: draft cost is lost
+    assert geometric_bound(1.0, 0.0, flat, 8) == (9.0, 8)  # free perfect drafts: k + 1 tokens per step
+    steep = lambda t: 1.0 + 0.5 * (t - 1)  # noqa: E731
+    assert geometric_bound(0.5, 0.2, steep, 8)[0] < geometric_bound(0.5, 0.2, flat, 8)[0]
+
+
+def fake_decode(plain_seconds, plan_seconds, noise):
+    """A decode whose duration the test sets: plain runs take ``plain_seconds``, a plan's ``plan_seconds[name]``,
+    each times a factor from ``noise`` (cycled), with the same output (lossless)."""
+    factors = iter(noise * 1000)
+
+    def decode(prompt, new_tokens, plan):
+        seconds = (plain_seconds if plan is None else plan_seconds[plan.name]) * next(factors)
+        return list(range(new_tokens)), Stats(new_tokens=new_tokens, rounds=new_tokens // 2, accepted=new_tokens // 2,
+                                              seconds=seconds)
+
+    return decode
+
+
+NOISE = [1.0, 1.06, 0.97, 1.03, 0.95, 1.01, 1.04]
+
+
+def race(plan_seconds, max_turns=16, deadline=None, clock=None):
+    plans = [DraftPlan(name=name, lookup=["ngram"]) for name in plan_seconds]
+    confirmer = Confirmer(None, [[1, 2, 3], [4, 5, 6]], 8, decode=fake_decode(1.0, plan_seconds, NOISE))
+    kwargs = {"clock": clock} if clock else {}
+    return confirmer.race(plans, min_turns=3, max_turns=max_turns, deadline=deadline, **kwargs)
+
+
+def test_confirmation_stops_early_on_a_clearly_faster_plan():
+    figures, notes = race({"fast": 1 / 1.5})
+    assert notes["confirmation_stopped"] == "sure" and notes["confirmation_turns"] <= 4
+    lo, hi = figures["fast"]["confirmed_interval"]
+    assert 1.0 < lo < 1.5 < hi and figures["fast"]["confirmed_speedup"] == pytest.approx(1.5, rel=0.1)
+
+
+def test_confirmation_continues_on_a_near_tie():
+    figures, notes = race({"tie": 1 / 1.01})
+    assert notes["confirmation_stopped"] == "max turns" and notes["confirmation_turns"] == 16
+    lo, hi = figures["tie"]["confirmed_interval"]
+    assert lo < 1.0 < hi
+
+
+def test_confirmation_drops_the_slower_plan_and_stops_at_the_deadline():
+    figures, notes = race({"fast": 1 / 1.5, "slower": 1 / 1.2})
+    assert figures["slower"]["confirmation_stopped"] == "slower than fast" and notes["confirmation_stopped"] == "sure"
+    clock = Clock()
+    figures, notes = race({"tie": 1 / 1.01}, deadline=0.0, clock=clock)  # the budget is spent: one turn, then stop
+    assert notes == {"confirmation_turns": 1, "confirmation_stopped": "budget"}
+    assert figures["tie"]["confirmed_interval"] == [None, None]
+
+
+def test_auto_build_records_its_budget_and_pass_table(tiny_model_dir, tmp_path):
+    """A real auto build on a tiny model: every pass has a row (ran with its bound, or skipped with why), the plan
+    kept was confirmed in turns, and inspect prints the table."""
+    out = tmp_path / "auto"
+    result = CliRunner().invoke(main, ["build", str(tiny_model_dir("llama")), "-o", str(out), "--max-draft", "3",
+                                       "--calibration-tokens", "12", "--time-budget", "40", "--quiet"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    rows = manifest["tuning"]["passes"]
+    assert [r["pass"] for r in rows][:2] == ["lookup_autotune", "exit_autotune"]
+    assert {r["pass"] for r in rows} >= {"cosine_autotune", "adapter_autotune", "hybrid_autotune", "confirm_plans"}
+    for row in rows:
+        if "skipped" in row:
+            assert row["skipped"].startswith(("bound", "needs")) and "modified" not in row
+            if row["skipped"].startswith("bound"):
+                assert row["bound"] < row["incumbent"]
+        elif "bound" in row:
+            assert row["bound"] >= row["incumbent"]
+    budget = manifest["tuning"]["budget"]
+    assert budget["seconds"] == 40 and not budget["default"] and budget["used"] < 40
+    (plan,) = manifest["plans"].values()
+    assert plan["measured"]["confirmation_turns"] >= 1 and len(plan["measured"]["confirmed_interval"]) == 2
+    shown = CliRunner().invoke(main, ["inspect", str(out)]).output
+    assert "time budget 40s" in shown
+    for row in rows:
+        assert row["pass"] in shown
+        if "skipped" in row:
+            assert f"skipped: {row['skipped']}" in shown
+
+
+def test_method_runs_its_pass_in_full(tiny_model_dir, tmp_path):
+    out = tmp_path / "exit"
+    result = CliRunner().invoke(main, ["build", str(tiny_model_dir("llama")), "-o", str(out), "--method", "early-exit",
+                                       "--max-draft", "3", "--calibration-tokens", "12", "--quiet"])
+    assert result.exit_code == 0, result.output
+    manifest = json.loads((out / "manifest.json").read_text())
+    L = manifest["config"]["num_layers"]
+    assert len(manifest["plans"]["early-exit"]["measured"]["per_exit_layer"]) == L - 1  # every exit scored
+    assert "budget" not in manifest["tuning"] and "skipped" not in json.dumps(manifest["tuning"]["passes"])
+
+
+@pytest.mark.parametrize("command", ["build", "tune"])
+def test_options_are_written_once(command):
+    """--method's choices are the method table; every options field marked for a command is one of its options, and
+    the command's parameters are exactly those (plus its argument and --debug)."""
+    cmd = main.commands[command]
+    params = {p.name: p for p in cmd.params}
+    assert list(params["method"].type.choices) == list(METHODS)
+    assert params["method"].default == ("auto" if command == "build" else "bayes")
+    fields = {f.name for f in cli_fields(command)}
+    assert set(params) == fields | {"debug", "model" if command == "build" else "artifact"}
+    assert isinstance(params["max_draft"].type, click.IntRange) and params["max_draft"].default == 8
+    assert BuildOptions().max_draft == 8 and BuildOptions().show_progress and params["show_progress"].opts == ["--quiet"]
