@@ -32,7 +32,7 @@ b.reserve(64)
 b.forward(list(range(5, 40)), 0)
 for plan in (manifest.plans.values() if roles == 'all' else ()):
     if plan.draft_head_file:  # an exit adapter / reduced vocabulary: its graphs are opened with the plan
-        b.load_draft_head(plan, root)
+        b.load_draft_head(plan.draft_head_file, root)
     b.draft(plan, 9, 35)
     b.verify(plan, [9, 10], 35, 1)
 print(json.dumps({'bytes': rss() - base, 'sessions': sorted(b.sessions)}))

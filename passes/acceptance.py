@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from speccompile.runtime.decoder import Decoder, KVCache
+from speccompile.runtime.draft_kinds import kind_of
 from speccompile.runtime.manifest import DraftPlan
 from speccompile.runtime.speculative import DecodeRequest, decode_all
 from speccompile.runtime.torch_backend import TorchBackend
@@ -123,33 +124,49 @@ def _add_block_cosine(inputs: dict, cosine: np.ndarray, layer: int):
     return hook
 
 
-def _mixed_attention(decoder: Decoder, ref: Reference):
-    """Attention whose queries see the reference K/V off the diagonal and their own K/V on it."""
+def _mixed_keys_values(decoder: Decoder, ref: Reference):
+    """The decoder's ``keys_values`` hook for a draft's parallel pass: each query sees the reference's
+    (the verifier's) K/V at earlier positions and its own K/V on the diagonal, what the first token of
+    a real round sees (DESIGN.md section 5). The attention itself is the decoder's."""
     config = decoder.config
 
-    def attend(i, h, pos, cache, rope, mask):
-        block = decoder.layers[i]
-        q, k_own, v_own = block.attn.project(block.attn_input(h), rope)  # the block's own table (run_blocks)
-        n = h.shape[1]
-        keys, values = ref.cache.k[i, :, :, :n], ref.cache.v[i, :, :, :n]
-        repeat = config.num_heads // config.num_kv_heads
-        if repeat > 1:
-            keys, values, k_own, v_own = (x.repeat_interleave(repeat, dim=1) for x in (keys, values, k_own, v_own))
-        scores = (q @ keys.transpose(-1, -2)) * config.scale
-        q_pos = torch.arange(n, device=h.device)[:, None]
-        k_pos = torch.arange(n, device=h.device)[None, :]
-        allowed = k_pos < q_pos
+    def keys_values(i, k_own, v_own, mask):
+        n = k_own.shape[2]
+        keys = torch.cat((ref.cache.k[i, :, :, :n], k_own), dim=2)
+        values = torch.cat((ref.cache.v[i, :, :, :n], v_own), dim=2)
+        q_pos = torch.arange(n, device=k_own.device)[:, None]
+        k_pos = torch.arange(n, device=k_own.device)[None, :]
+        earlier = k_pos < q_pos
         window = config.window_of(i)
         if window is not None:
-            allowed &= k_pos > q_pos - window
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        scores.diagonal(dim1=-2, dim2=-1).copy_((q * k_own).sum(-1) * config.scale)
-        probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
-        p_diag = probs.diagonal(dim1=-2, dim2=-1)
-        out = (probs - torch.diag_embed(p_diag)) @ values + p_diag[..., None] * v_own
-        return block.attn_output(out.transpose(1, 2).reshape(1, n, -1))
+            earlier &= k_pos > q_pos - window
+        return keys, values, torch.cat((earlier, k_pos == q_pos), dim=1)
 
-    return attend
+    return keys_values
+
+
+class DraftEstimator:
+    """What a draft kind's ``estimate_hidden`` asks for, over one calibration sequence."""
+
+    def __init__(self, decoder: Decoder, ref: Reference):
+        self.decoder, self.ref = decoder, ref
+
+    def reference_hidden(self, layer: int) -> torch.Tensor:
+        """The full model's own hidden states after block ``layer - 1`` (exact for an early exit's prefix)."""
+        if self.ref.exits is not None:
+            return self.ref.exits[layer]
+        d = self.decoder
+        return d.run_blocks(d.embed_tokens(self.ref.tokens, 0), 0, None, 0, layer)[:, self.ref.prompt_len : -1]
+
+    def mixed(self, segment) -> torch.Tensor:
+        """``segment``'s blocks over the sequence with mixed attention. The generic path has no attention
+        of its own to mix: its draft reads its own K/V at every position (DESIGN.md section 5's plain
+        parallel estimate)."""
+        d = self.decoder
+        hook = None if getattr(d, "whole_blocks", False) else _mixed_keys_values(d, self.ref)
+        h = d.run_blocks(d.embed_tokens(self.ref.tokens, 0), 0, None, segment.start, segment.stop, segment.skip_attn,
+                         segment.skip_mlp, keys_values=hook)
+        return h[:, self.ref.prompt_len : -1]
 
 
 @torch.inference_mode()
@@ -157,23 +174,8 @@ def draft_logits(decoder: Decoder, plan: DraftPlan, ref: Reference, head=None) -
     """The draft plan's logits at the continuation's positions (prompt_len..N-2), in one forward. ``head``
     (a ``TorchDraftHead``: exit adapter and/or reduced vocabulary) replaces the shared head; its logits
     are ``-inf`` outside the draft vocabulary."""
-    h = _draft_hidden(decoder, plan, ref)
+    h = kind_of(plan, decoder.config.num_layers).estimate_hidden(DraftEstimator(decoder, ref))
     return (decoder.head(h) if head is None else head.full_logits(h))[0]
-
-
-def _draft_hidden(decoder: Decoder, plan: DraftPlan, ref: Reference) -> torch.Tensor:
-    """The draft's hidden state before its head, at the continuation's positions."""
-    if plan.is_early_exit and ref.exits is not None:
-        return ref.exits[plan.exit_layer]
-    h = decoder.embed_tokens(ref.tokens, 0)
-    if plan.is_early_exit:
-        h = decoder.run_blocks(h, 0, None, 0, plan.exit_layer)
-    else:
-        # The generic path has no attention of its own to mix: its layer-skip draft reads its own K/V at
-        # every position (DESIGN.md section 5's plain parallel estimate).
-        mixed = None if getattr(decoder, "whole_blocks", False) else _mixed_attention(decoder, ref)
-        h = decoder.run_blocks(h, 0, None, skip_attn=set(plan.skip_attn), skip_mlp=set(plan.skip_mlp), attention=mixed)
-    return h[:, ref.prompt_len : -1]
 
 
 def profile_plan(decoder: Decoder, plan: DraftPlan, references: list[Reference], head=None) -> Profile:

@@ -15,8 +15,10 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import torch
 
-from speccompile.runtime.decoder import Decoder
+from speccompile.runtime.decoder import Decoder, Positions
+from speccompile.runtime.draft_kinds import kind_of
 from speccompile.runtime.manifest import DraftPlan
+from speccompile.runtime.segments import Segment, full_model
 
 
 @dataclass
@@ -35,32 +37,31 @@ class CostModel:
         return n_attn * self.attn[t - 1] + n_mlp * self.mlp[t - 1]
 
     def plain_step(self) -> float:
-        L = self.num_layers
-        return self.embed[0] + self._blocks(1, L, L) + self.head[0]
+        return self.segment(full_model(self.num_layers), 1)
+
+    def segment(self, segment: Segment, t: int) -> float:
+        """One call of ``segment`` on ``t`` tokens: the embedding when it starts from tokens, the sublayers
+        it runs, the head when it has one."""
+        n_attn = sum(1 for i in range(segment.start, segment.stop) if i not in segment.skip_attn)
+        n_mlp = sum(1 for i in range(segment.start, segment.stop) if i not in segment.skip_mlp)
+        return ((self.embed[t - 1] if segment.from_tokens else 0.0) + self._blocks(t, n_attn, n_mlp)
+                + (self.head[t - 1] if segment.head is not None else 0.0))
 
     def draft_step(self, plan: DraftPlan) -> float:
-        L = self.num_layers
-        if plan.is_early_exit:
-            return self.embed[0] + self._blocks(1, plan.exit_layer, plan.exit_layer) + self.head[0]
-        return self.embed[0] + self._blocks(1, L - len(plan.skip_attn), L - len(plan.skip_mlp)) + self.head[0]
+        kind = kind_of(plan, self.num_layers)
+        return sum(self.segment(segment, t) for segment, t in kind.draft_calls())
 
     def draft_head_extra(self, plan: DraftPlan) -> float:
-        """What a plan's draft head (``runtime/adapter.py``) adds to one draft step over the shared head: an
-        exit adapter is a gated MLP of the model's MLP width, so one MLP sublayer; a reduced vocabulary
-        scales the head's matmul by ``draft_vocab / vocab_size`` (negative: a saving)."""
-        extra = self.mlp[0] if plan.head.startswith("adapter:") else 0.0
-        if plan.draft_vocab and self.vocab_size:
-            extra -= self.head[0] * (1.0 - min(plan.draft_vocab / self.vocab_size, 1.0))
-        return extra
+        """What a plan's draft head adds to one draft step over the shared head (``draft_kinds.draft_head``)."""
+        return kind_of(plan, self.num_layers).head_extra(self)
 
-    def verify(self, plan: DraftPlan, t: int) -> float:
-        """Cost of verifying ``t`` tokens (the round's input token plus t-1 drafts)."""
-        L = self.num_layers
-        if plan.is_early_exit:
-            exit_layer = plan.exit_layer
-            prefix_last = self.embed[0] + self._blocks(1, exit_layer, exit_layer)
-            return prefix_last + self._blocks(t, L - exit_layer, L - exit_layer) + self.head[t - 1]
-        return self.embed[t - 1] + self._blocks(t, L, L) + self.head[t - 1]
+    def verify(self, plan: DraftPlan | None, t: int, reuse: int | None = None) -> float:
+        """Cost of verifying ``t`` tokens (the round's input token plus t-1 drafts), ``reuse`` of them
+        (default t-1) already through the plan's prefix."""
+        if plan is None:
+            return self.segment(full_model(self.num_layers), t)
+        calls = kind_of(plan, self.num_layers).verify_calls(t, t - 1 if reuse is None else reuse)
+        return sum(self.segment(segment, n) for segment, n in calls if n > 0)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -124,12 +125,13 @@ def measure_costs(decoder: Decoder, max_tokens: int, context: int = 128, rounds:
                 lambda h=h: decoder.head(h),
             ))
             continue
-        rope = decoder.rope_at(context, t)
-        mask = decoder.attention_mask(context, t, context + t, device, config.sliding_window)  # timing only
+        where = Positions.of(context, t, device, cache)
+        rope = decoder.rope_at(where)
+        mask = decoder.attention_mask(where, config.sliding_window)  # timing only
         jobs.append((
             lambda ids=ids: decoder.embed_tokens(ids, context),
-            lambda h=h, rope=rope, mask=mask: [decoder.attention_sublayer(i, h, context, cache, rope, mask)
-                                                for i in range(L)],
+            lambda h=h, rope=rope, mask=mask, where=where: [decoder.attention_sublayer(i, h, where, cache, rope, mask)
+                                                            for i in range(L)],
             lambda h=h: [decoder.mlp_sublayer(i, h) for i in range(L)],
             lambda h=h: decoder.head(h),
         ))
@@ -176,20 +178,23 @@ class StepCosts:
     def plain_step(self) -> float:
         return self.forward[0]
 
-    def _share(self, plan: DraftPlan) -> float:
-        return self.sublayers.draft_step(plan) / self.sublayers.plain_step()
+    def _share(self, segment: Segment) -> float:
+        """The part of a full-model step that ``segment`` is, by the sublayer timings."""
+        return self.sublayers.segment(segment, 1) / self.sublayers.plain_step()
 
     def draft_step(self, plan: DraftPlan) -> float:
-        share = self._share(plan) + self.sublayers.draft_head_extra(plan) / self.sublayers.plain_step()
+        kind = kind_of(plan, self.sublayers.num_layers)
+        share = sum(self._share(segment) for segment, _ in kind.draft_calls())
+        share += kind.head_extra(self.sublayers) / self.sublayers.plain_step()
         return self.forward[0] * share + self.draft_overhead
 
     def verify(self, plan: DraftPlan | None, t: int, reuse: int | None = None) -> float:
-        """Verifying ``t`` tokens; for an early exit, ``reuse`` of them (default t-1) skip the prefix."""
-        if plan is None or not plan.is_early_exit:
+        """Verifying ``t`` tokens, ``reuse`` of them (default t-1) already through the plan's prefix: each
+        call of the plan's verify costs its share of a full-model call of as many tokens."""
+        if plan is None:
             return self.full(t)
-        reuse = t - 1 if reuse is None else reuse
-        prefix = self._share(plan)
-        return self.full(t) * (1 - prefix) + (self.full(t - reuse) * prefix if t > reuse else 0.0)
+        calls = kind_of(plan, self.sublayers.num_layers).verify_calls(t, t - 1 if reuse is None else reuse)
+        return sum(self.full(n) * self._share(segment) for segment, n in calls if n > 0)
 
     def as_dict(self) -> dict:
         return {"backend": self.backend, "forward": self.forward, "draft_overhead": self.draft_overhead,

@@ -225,6 +225,34 @@ def apply_rotary(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
     return torch.cat((x_rot * cos + rotate_half(x_rot) * sin, x_pass), dim=-1)
 
 
+class Positions:
+    """Where a call's T tokens sit, in the two forms ``Decoder.run_blocks`` takes.
+
+    ``ids`` ``[T]``: their absolute positions (rotary, learned positions, where K/V are written).
+    ``keys``: how many cache positions attention reads (the call's own T without a cache). ``exact``:
+    the keys end at the call's last position (an eager call, ``pos`` an int); False when they are the
+    whole static cache (``pos`` a tensor: fixed shapes for CUDA graphs). ``span``: an upper bound of the
+    positions, known without reading the tensor (rotary tables are computed that far). ``query``: the
+    positions the causal mask compares keys with (relative ones without a cache).
+    """
+
+    __slots__ = ("ids", "keys", "exact", "span", "query")
+
+    def __init__(self, ids: Tensor, keys: int, exact: bool, span: int, query: Tensor):
+        self.ids, self.keys, self.exact, self.span, self.query = ids, keys, exact, span, query
+
+    @classmethod
+    def of(cls, pos: "int | Tensor", t: int, device, cache: "KVCache | None") -> "Positions":
+        if isinstance(pos, Tensor):
+            if cache is None:
+                raise ValueError("tensor positions need a static cache (they are for fixed-shape steps)")
+            return cls(pos, cache.max_len, False, cache.max_len, pos)
+        ids = torch.arange(pos, pos + t, device=device)
+        if cache is None:  # a parallel pass over a whole sequence: keys are the call's own tokens
+            return cls(ids, t, True, pos + t, ids - pos)
+        return cls(ids, pos + t, True, pos + t, ids)
+
+
 class Decoder(nn.Module):
     """Embedding, blocks, final norm and lm_head, with a static KV cache and sublayer skipping."""
 
@@ -283,31 +311,32 @@ class Decoder(nn.Module):
         return KVCache(self.config, max_len, dtype=dtype or weight.dtype, device=device or weight.device)
 
     # -- forward pieces --------------------------------------------------------------------------
-    def embed_tokens(self, tokens: Tensor, pos: int) -> Tensor:
-        """tokens ``[B, T]`` at absolute positions pos..pos+T-1 -> hidden ``[B, T, d]``."""
+    def embed_tokens(self, tokens: Tensor, pos: "int | Tensor") -> Tensor:
+        """tokens ``[B, T]`` at positions ``pos`` (the first one, or all of them as a tensor) -> ``[B, T, d]``."""
         h = self.embed(tokens)
         c = self.config
         if c.embed_scale is not None:
-            h = h * torch.tensor(c.embed_scale, dtype=h.dtype)
+            h = h * torch.tensor(c.embed_scale, dtype=h.dtype)  # a CPU scalar: no host copy during graph capture
         if self.pos_embed is not None:
-            t = tokens.shape[1]
-            ids = torch.arange(pos + c.position_offset, pos + c.position_offset + t, device=tokens.device)
-            h = h + self.pos_embed(ids)
+            ids = pos if isinstance(pos, Tensor) else torch.arange(pos, pos + tokens.shape[1], device=tokens.device)
+            h = h + self.pos_embed(ids + c.position_offset)
         return h
 
-    def rope_at(self, pos: int, t: int, local: bool = False) -> tuple[Tensor, Tensor] | None:
+    def rope_at(self, where: "Positions", local: bool = False) -> tuple[Tensor, Tensor] | None:
+        """cos/sin ``[T, rotary_dim]`` at the call's positions (None without rotary)."""
         if self.config.positions != "rotary":
             return None
-        cos, sin = self.rope_table(pos + t, local)
-        return cos[pos : pos + t], sin[pos : pos + t]
+        cos, sin = self.rope_table(where.span, local)
+        return cos.index_select(0, where.ids), sin.index_select(0, where.ids)
 
-    def attention_mask(self, pos: int, t: int, total: int, device, window: int | None) -> Tensor | None:
-        """Boolean ``[t, total]`` mask (True = attend) for queries at pos..pos+t-1 over keys 0..total-1,
-        inside ``window`` (a block's ``ArchConfig.window_of``; None: no window)."""
-        if t == 1 and (window is None or total <= window):
+    def attention_mask(self, where: "Positions", window: int | None) -> Tensor | None:
+        """Boolean ``[T, keys]`` mask (True = attend): each query sees the keys up to its own position,
+        inside ``window`` (a block's ``ArchConfig.window_of``; None: no window). None when a one-token
+        eager call sees every key it is given anyway."""
+        if where.exact and where.ids.shape[0] == 1 and (window is None or where.keys <= window):
             return None
-        q_pos = torch.arange(pos, pos + t, device=device)[:, None]
-        k_pos = torch.arange(total, device=device)[None, :]
+        q_pos = where.query[:, None]
+        k_pos = torch.arange(where.keys, device=where.ids.device)[None, :]
         mask = k_pos <= q_pos
         if window is not None:
             mask &= k_pos > q_pos - window
@@ -317,16 +346,22 @@ class Decoder(nn.Module):
         """Block ``i``'s rotary table (``ArchConfig.rotary_of``)."""
         return {"global": rope, "local": local_rope, None: None}[self.config.rotary_of(i)]
 
-    def attention_sublayer(self, i: int, h: Tensor, pos: int, cache: KVCache | None, rope, mask) -> Tensor:
+    def attention_sublayer(self, i: int, h: Tensor, where: "Positions", cache: KVCache | None, rope, mask,
+                           keys_values=None) -> Tensor:
         """Block ``i``'s attention branch; ``rope`` and ``mask`` are the block's own (``layer_rope``,
-        ``ArchConfig.window_of``)."""
+        ``ArchConfig.window_of``). The call's K/V are written into ``cache`` at its positions (an index
+        copy: the same code runs eagerly and inside a CUDA graph) and attention reads the cache's first
+        ``where.keys`` positions. ``keys_values(i, k, v, mask) -> (keys, values, mask)`` replaces that
+        (the acceptance estimator's mixed attention)."""
         block = self.layers[i]
         q, k, v = block.attn.project(block.attn_input(h), rope)
         t = h.shape[1]
-        if cache is not None:
-            cache.k[i, :, :, pos : pos + t] = k
-            cache.v[i, :, :, pos : pos + t] = v
-            k, v = cache.k[i, :, :, : pos + t], cache.v[i, :, :, : pos + t]
+        if keys_values is not None:
+            k, v, mask = keys_values(i, k, v, mask)
+        elif cache is not None:
+            cache.k[i].index_copy_(2, where.ids, k)
+            cache.v[i].index_copy_(2, where.ids, v)
+            k, v = cache.k[i, :, :, : where.keys], cache.v[i, :, :, : where.keys]
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=self.config.scale, enable_gqa=block.attn.n_kv != block.attn.n_heads
         )
@@ -339,38 +374,43 @@ class Decoder(nn.Module):
     def run_blocks(
         self,
         h: Tensor,
-        pos: int,
+        pos: "int | Tensor",
         cache: KVCache | None,
         start: int = 0,
         stop: int | None = None,
         skip_attn: frozenset[int] | set[int] = frozenset(),
         skip_mlp: frozenset[int] | set[int] = frozenset(),
-        attention=None,
+        keys_values=None,
         observe=None,
     ) -> Tensor:
-        """Blocks start..stop-1 on hidden ``[B, T, d]`` at positions pos..; a skipped sublayer passes
-        the residual stream through unchanged and writes no KV. ``attention`` replaces the attention
-        sublayer (same signature as ``attention_sublayer``); the acceptance estimator uses it.
-        ``observe(kind, i, h_in, branch)`` sees every sublayer that ran ("attn" / "mlp"), its input
-        stream and its residual branch (the tuner's cosine similarities)."""
-        attend = attention or self.attention_sublayer
-        stop = self.config.num_layers if stop is None else stop
-        t = h.shape[1]
-        total = pos + t if cache is not None else t
-        ropes = (self.rope_at(pos, t), self.rope_at(pos, t, local=True) if self.config.local_rope else None)
+        """Blocks start..stop-1 on hidden ``[B, T, d]``; a skipped sublayer passes the residual stream
+        through unchanged and writes no KV.
+
+        ``pos`` is the first position (eager: attention reads the cache up to the call's last position)
+        or every position as a tensor ``[T]`` (gpt-fast's ``input_pos``: attention reads the whole static
+        cache under a mask built from the positions, so nothing depends on a Python-side position and the
+        same code is captured into CUDA graphs, ``runtime/torch_graphs.py``). ``keys_values``: see
+        ``attention_sublayer``. ``observe(kind, i, h_in, branch)`` sees every sublayer that ran ("attn" /
+        "mlp"), its input stream and its residual branch (the tuner's cosine similarities)."""
+        c = self.config
+        stop = c.num_layers if stop is None else stop
+        where = Positions.of(pos, h.shape[1], h.device, cache)
+        ropes = (self.rope_at(where), self.rope_at(where, local=True) if c.local_rope else None)
         masks: dict = {}  # window -> mask, built once per call
 
         def mask_of(i: int):
-            window = self.config.window_of(i)
+            window = c.window_of(i)
             if window not in masks:
-                masks[window] = self.attention_mask(pos if cache is not None else 0, t, total, h.device, window)
+                masks[window] = self.attention_mask(where, window)
             return masks[window]
 
         for i in range(start, stop):
-            attn_out = None if i in skip_attn else attend(i, h, pos, cache, self.layer_rope(i, *ropes), mask_of(i))
-            if observe is not None and attn_out is not None:
-                observe("attn", i, h, attn_out)
-            if self.config.parallel_residual:
+            attn_out = None
+            if i not in skip_attn:
+                attn_out = self.attention_sublayer(i, h, where, cache, self.layer_rope(i, *ropes), mask_of(i), keys_values)
+                if observe is not None:
+                    observe("attn", i, h, attn_out)
+            if c.parallel_residual:  # GPT-NeoX: both branches read the block's input
                 mlp_out = None if i in skip_mlp else self.mlp_sublayer(i, h)
                 if observe is not None and mlp_out is not None:
                     observe("mlp", i, h, mlp_out)
@@ -417,3 +457,26 @@ def build_decoder(config: ArchConfig, weights: dict[str, Tensor], dtype=torch.fl
     if config.local_rope:
         model.rope_local_inv_freq.data = weights["rope_local_inv_freq"].float().to(device)
     return model.eval()
+
+
+def run_segment(decoder, segment, ids: Tensor | None, pos: "int | Tensor", cache, hidden: Tensor | None, head,
+                count: int = 0) -> Tensor | None:
+    """One ``Segment`` (``runtime/segments.py``) on a decoder (this module's, or the generic path's):
+    embed ``ids`` (``[1, T]``) or read the ``count`` hidden states kept at the positions, run the
+    segment's blocks, keep their output where asked, and apply ``head`` (a callable on hidden states)
+    when the segment has one. ``pos`` an int runs eagerly; a tensor of positions runs with fixed shapes
+    (CUDA graphs)."""
+    fixed = isinstance(pos, Tensor)
+    if segment.from_tokens:
+        h = decoder.embed_tokens(ids, pos)
+    elif fixed:
+        h = hidden.index_select(1, pos)
+    else:
+        h = hidden[:, pos : pos + count]
+    h = decoder.run_blocks(h, pos, cache, segment.start, segment.stop, segment.skip_attn, segment.skip_mlp)
+    if segment.keep_hidden:
+        if fixed:
+            hidden.index_copy_(1, pos, h)
+        else:
+            hidden[:, pos : pos + h.shape[1]] = h
+    return None if segment.head is None else head(h)

@@ -7,9 +7,9 @@ The acceptance rule (greedy match, Leviathan/Chen rejection) is written once ove
 ``runtime/speculative.py``; a drafter never sees logits of the verifier.
 
 Sources (one file each):
-- ``ModelDrafter`` (here): a plan's subgraph of the model itself, layer skip or early exit; its draft
-  steps go through a ``DraftStep``, which the runtime backs with the backend and the tuner backs with a
-  precomputed profile, so both replay the *same* policy object.
+- ``ModelDrafter`` (here): a plan's subgraph of the model itself (its draft kind,
+  ``runtime/draft_kinds/``); its draft steps go through a ``DraftStep``, which the runtime backs with
+  the backend and the tuner backs with a precomputed profile, so both replay the *same* policy object.
 - ``runtime/ngram.py``: prompt lookup over the prompt and the text generated so far.
 - ``runtime/retrieval.py``: lookup in a datastore built from calibration text at build time.
 - ``runtime/hybrid.py``: per round, a lookup hit when there is one, the model's draft otherwise, and a
@@ -119,13 +119,15 @@ class DraftPolicy:
 
 
 class BackendStep:
-    """A model draft step through the backend's subgraph for ``plan`` (what the runtime uses)."""
+    """A model draft step of ``plan``'s kind on the backend (what the runtime uses)."""
 
     def __init__(self, backend, plan: DraftPlan):
-        self.backend, self.plan = backend, plan
+        from .draft_kinds import kind_of
+
+        self.backend, self.kind = backend, kind_of(plan, backend.config.num_layers)
 
     def __call__(self, token: int, pos: int, ctx: RoundContext) -> tuple[int, float, np.ndarray | None]:
-        logits = self.backend.draft(self.plan, token, pos)
+        logits = self.kind.draft(self.backend, token, pos)
         if ctx.params.greedy:
             drafted = int(np.argmax(logits))
             return drafted, float(softmax(logits)[drafted]), None
@@ -140,7 +142,10 @@ class ModelDrafter:
     name = "model"
 
     def __init__(self, plan: DraftPlan, step: DraftStep, policy: DraftPolicy):
+        from .draft_kinds import kind_of
+
         self.plan, self.step, self.policy = plan, step, policy
+        self.kind = kind_of(plan)
 
     def start(self, prompt: Sequence[int]) -> None:
         pass
@@ -155,8 +160,7 @@ class ModelDrafter:
             draft.sources.append(self.name)
             if confidence < self.policy.threshold:
                 break
-        # Early exit: the prefix blocks ran on the round's input token and every drafted token but the last.
-        draft.reuse = len(draft.tokens) if self.plan.is_early_exit else 0
+        draft.reuse = self.kind.reuse(len(draft.tokens))
         return draft
 
     def feedback(self, draft: Draft, accepted: int) -> None:

@@ -274,12 +274,12 @@ class HFDecoder(nn.Module):
         return Pending(tokens, pos)
 
     def run_blocks(self, h, pos: int, cache, start: int = 0, stop: int | None = None,
-                   skip_attn=frozenset(), skip_mlp=frozenset(), attention=None) -> Tensor:
+                   skip_attn=frozenset(), skip_mlp=frozenset(), keys_values=None) -> Tensor:
         """Blocks start..stop-1 (less the skipped ones) on ``h`` at positions pos..; returns the hidden
         state after the last block that ran."""
         if set(skip_attn) != set(skip_mlp):
             raise ArtifactError("the generic torch path skips whole blocks only (skip_attn must equal skip_mlp)")
-        if attention is not None:
+        if keys_values is not None:
             raise NotImplementedError("the generic path has no per-sublayer attention override")
         stop = len(self.layers) if stop is None else stop
         run = tuple(i for i in range(start, stop) if i not in skip_attn)

@@ -1,8 +1,8 @@
 """Draft-and-verify decoding, written once for every backend and every draft source (gpt-fast style, numpy).
 
-A backend provides three calls on its static KV cache: ``forward`` (full model), ``draft`` (one token
-through a plan's subgraph) and ``verify`` (full-model logits for a round's tokens; for early-exit plans
-it reuses the draft's prefix). Rollback after a rejection is only a smaller ``pos`` for the next call.
+A backend (``runtime/backends/base.py``) runs segments of the model on its static KV cache; a plan's
+draft kind (``runtime/draft_kinds/``) turns a draft step and a verify into segments (an early exit's
+verify reuses the draft's prefix). Rollback after a rejection is only a smaller ``pos`` for the next call.
 
 Each round asks a drafter (``runtime/drafters.py``) for candidates and verifies them in one call.
 Greedy: accept drafted tokens while they equal the verifier's argmax, then take the verifier's token
@@ -16,26 +16,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Protocol, Sequence
+from typing import Iterator
 
 import numpy as np
 
-from .drafters import BackendStep, Draft, DraftPolicy, RoundContext, make_drafter
-from .manifest import ArchConfig, DraftPlan
+from .backends.base import Backend
+from .drafters import BackendStep, Draft, RoundContext, make_drafter
+from .manifest import DraftPlan
 from .sampling import SamplingParams, probabilities, sample
-
-
-class Backend(Protocol):
-    max_len: int
-    config: "ArchConfig"
-
-    def reserve(self, max_len: int) -> None: ...
-
-    def forward(self, tokens: Sequence[int], pos: int) -> np.ndarray: ...  # [T, V]
-
-    def draft(self, plan: DraftPlan, token: int, pos: int) -> np.ndarray: ...  # [V]
-
-    def verify(self, plan: DraftPlan, tokens: Sequence[int], pos: int, n_reuse: int) -> np.ndarray: ...  # [T, V]
 
 
 @dataclass
@@ -183,9 +171,12 @@ def reserve_cache(backend: Backend, request: DecodeRequest, plan: DraftPlan | No
 
 def backend_drafter(backend: Backend, plan: DraftPlan | None, root: Path | None = None, max_draft: int | None = None):
     """The drafter for ``plan`` running on ``backend`` (None, plain decoding, when ``plan`` is None)."""
-    if plan is not None and plan.draft_head_file is not None:  # an exit adapter / reduced vocabulary, from ``root``
-        backend.load_draft_head(plan, root)
-    return None if plan is None else make_drafter(plan, BackendStep(backend, plan), root, max_draft)
+    if plan is None:
+        return None
+    backend.check_plans({plan.name: plan})  # a plan this backend cannot run is refused before any work
+    if plan.draft_head_file is not None:  # an exit adapter / reduced vocabulary, from ``root``
+        backend.load_draft_head(plan.draft_head_file, root)
+    return make_drafter(plan, BackendStep(backend, plan), root, max_draft)
 
 
 def decode_all(backend: Backend, request: DecodeRequest, plan: DraftPlan | None = None,

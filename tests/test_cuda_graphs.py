@@ -9,7 +9,9 @@ import pytest
 import torch
 from lossless import assert_same_greedy, run
 
+from speccompile.runtime.draft_kinds import kind_of
 from speccompile.runtime.manifest import DraftPlan
+from speccompile.runtime.segments import full_model
 from speccompile.runtime.torch_backend import GRAPH_CACHE_STEP, TorchBackend
 from speccompile.runtime.torch_graphs import eager_capture
 
@@ -68,8 +70,11 @@ def test_each_step_is_captured_once_and_replayed(tiny_decoder):
     backend.draft(plan, 8, 12)
     backend.verify(plan, [7, 8, 9], 11, 2)
     backend.verify(plan, [1, 2, 3], 12, 2)
-    assert capture.count == first + 3  # exit draft + exit verify (T=3, reuse=2)
-    assert set(backend.static.graphs) >= {("forward", 1), ("exit", 1), ("exit-verify", 1, 3, 2)}
+    # exit draft; the verify: the prefix on the 1 fresh token, the suffix on all 3 kept states
+    assert capture.count == first + 4
+    kind = kind_of(plan, decoder.config.num_layers)
+    assert set(backend.static.graphs) >= {(full_model(decoder.config.num_layers), 1), (kind.draft_segment, 1),
+                                          (kind.prefix, 1), (kind.suffix, 3)}
 
 
 def test_graph_steps_match_eager_logits_at_the_same_positions(tiny_decoder):

@@ -30,9 +30,12 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .adapter import DraftHead, expand_logits, load_draft_head
-from .errors import ArtifactError, BackendUnavailableError
-from .manifest import ArchConfig, DraftPlan
+from ..adapter import DraftHead, expand_logits, load_draft_head
+from ..errors import ArtifactError, BackendUnavailableError
+from ..manifest import ArchConfig, DraftPlan
+from ..segments import FINAL_HEAD, Segment, full_model
+from .base import Backend
+from .graph_index import GraphIndex
 
 _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "uint8": np.uint8}
 
@@ -47,12 +50,13 @@ def _ort():
     return onnxruntime
 
 
-class OnnxBackend:
+class OnnxBackend(Backend):
     name = "onnx"
 
     def __init__(self, root: Path, record: dict[str, Any], config: ArchConfig, device: str = "cpu",
                  providers: list | None = None, threads: int = 0, roles: Sequence[str] | None = None,
-                 mmap: bool = False, prepack: bool = True, kv_in_place: bool = True):
+                 mmap: bool = False, prepack: bool = True, kv_in_place: bool = True,
+                 plans: dict[str, DraftPlan] | None = None):
         """``record`` is the manifest's ``backends["onnx"]``. ``providers`` overrides the execution
         providers chosen from ``device`` ("cpu" or "cuda"); ``threads`` is ORT's intra-op thread count
         (0: ORT's default); ``roles`` limits the sessions created to those graph keys (default: every
@@ -68,7 +72,8 @@ class OnnxBackend:
         next to the draft graphs; ``prepack=False`` keeps them at one copy of the weights, slower.
 
         ``kv_in_place=False`` runs fused graphs the way standard graphs run (past slice in, present
-        copied back): only there to measure what the in-place cache saves."""
+        copied back): only there to measure what the in-place cache saves. ``plans``: the manifest's, for
+        exports whose graph records predate their ``segment`` (``graph_index``)."""
         ort = _ort()
         self.root = Path(root)
         self.record = record
@@ -84,12 +89,17 @@ class OnnxBackend:
         self.plan_records = plan_records
         self.prepack = prepack
         self.fused = {key for key, g in graphs.items() if g.get("variant") == "fused"} if kv_in_place else set()
-        exits = {(r.get("prefix"), r.get("suffix")) for r in plan_records.values() if r.get("kind") == "early_exit"}
-        only_exits = plan_records and all(r.get("kind") == "early_exit" for r in plan_records.values())
-        # (prefix, suffix) graphs that together compute the full model, when no verify session is needed.
-        self.full_split = next(iter(exits)) if roles is None and only_exits and len(exits) == 1 else None
+        L = config.num_layers
+        self.index = GraphIndex(record, plans or {}, L)
+        # No session for the whole-model graph when the other graphs compose the full model and none of them
+        # runs every block from the tokens (an export whose plans all exit at one block): with prepacking each
+        # session packs its own copy of the weights it uses, and prefix + suffix already cover them all.
+        without = GraphIndex(record, plans or {}, L, opened=set(graphs) - {"verify"})
+        whole = any(blocks[0] == 0 and blocks[1] == L for blocks, _ in without.blocks)
+        self.full_split = without.calls(full_model(L)) if roles is None and not whole else None
         if self.full_split is not None:
             roles = [key for key in graphs if key != "verify"]
+            self.index = without
         if providers is None:
             if device == "cpu":
                 providers = ["CPUExecutionProvider"]
@@ -197,33 +207,13 @@ class OnnxBackend:
     def from_artifact(cls, root: Path, manifest, device: str = "cpu", **kwargs) -> "OnnxBackend":
         if "onnx" not in manifest.backends:
             raise BackendUnavailableError("this artifact has no 'onnx' backend; rebuild with --backend onnx")
-        backend = cls(Path(root), manifest.backends["onnx"], manifest.config, device=device, **kwargs)
+        backend = cls(Path(root), manifest.backends["onnx"], manifest.config, device=device, plans=manifest.plans, **kwargs)
         backend.check_plans(manifest.plans)
         return backend
 
-    def check_plans(self, plans: dict[str, DraftPlan]) -> None:
-        """Every plan must have graphs exported for exactly its subgraph (skip sets / exit layer)."""
-        L = self.config.num_layers
-        for name, plan in plans.items():
-            if not plan.has_model_draft:
-                continue  # a lookup-only plan verifies with the full model: no graphs of its own
-            rec = self.plan_records.get(name)
-            if rec is None:
-                raise ArtifactError(f"plan {name!r} has no ONNX graphs (exported plans: {sorted(self.plan_records)}); "
-                                    "re-export with --backend onnx after changing plans")
-            if plan.is_early_exit:
-                ok = rec.get("kind") == "early_exit" and rec.get("exit_layer") == plan.exit_layer
-                graph, layers = rec.get("prefix"), set(range(plan.exit_layer))
-            else:
-                ok = rec.get("kind") == "layer_skip"
-                graph, layers = rec.get("draft"), set(range(L)) - set(plan.skip_attn)
-            if ok and graph in self.inputs:
-                kv = {int(n.split(".")[1]) for n in self.inputs[graph] if n.startswith("past_key_values.")}
-                ok = kv == layers
-            ok = ok and (plan.draft_head_file is None) == (rec.get("draft_head") is None)  # draft head graphs
-            if not ok:
-                raise ArtifactError(f"plan {name!r} does not match its exported ONNX graphs ({plan.describe()}); "
-                                    "re-export with --backend onnx after changing plans")
+    def unsupported(self, segment: Segment) -> str | None:
+        reason = self.index.check(segment)
+        return None if reason is None else f"{reason}; re-export with --backend onnx after changing plans"
 
     def replica(self) -> "OnnxBackend":
         """Another backend over the same sessions and weights with its own KV buffers (one per concurrent
@@ -331,69 +321,39 @@ class OnnxBackend:
         self.sessions[key].run_with_iobinding(io)
         return outs
 
-    def _plan(self, plan: DraftPlan) -> dict:
-        rec = self.plan_records.get(plan.name)
-        if rec is None:
-            raise ArtifactError(f"the ONNX export has no graphs for plan {plan.name!r} (it has {sorted(self.plan_records)}); "
-                                "rebuild the artifact with --backend onnx")
-        return rec
-
     @staticmethod
     def _logits(x: np.ndarray) -> np.ndarray:
         return x[0].astype(np.float32, copy=False)
 
-    # -- the backend protocol ----------------------------------------------------------------------
-    def forward(self, tokens: Sequence[int], pos: int) -> np.ndarray:
-        if self.full_split is not None:
-            prefix, suffix = self.full_split
-            hidden = self._run(prefix, pos, ids=tokens, hidden_out=self.exit_hidden[:, pos: pos + len(tokens)])["hidden"]
-            return self._suffix_logits(suffix, "head", pos, hidden)
-        return self._logits(self._run("verify", pos, ids=tokens)["logits"])
+    # -- the backend interface ---------------------------------------------------------------------
+    def run(self, segment: Segment, pos: int, tokens: Sequence[int] | None = None, count: int = 0) -> np.ndarray | None:
+        """The segment's graphs in turn (``graph_index``): a blocks graph, then a head graph on its hidden
+        state. Hidden states the segment keeps go straight into the hidden buffer, where segments that
+        start from them read them in place."""
+        calls = self.index.calls(segment)
+        if calls is None:
+            raise ArtifactError(f"the ONNX export has no graphs for {segment.describe()}; rebuild the artifact with "
+                                "--backend onnx")
+        if segment.head not in (None, FINAL_HEAD) and segment.head not in self.draft_heads:
+            raise ArtifactError(f"draft head {segment.head!r} was not loaded; open the artifact with speccompile.runtime.load")
+        t = len(tokens) if segment.from_tokens else count
+        ids = tokens if segment.from_tokens else None
+        hidden = None if segment.from_tokens else self.exit_hidden[:, pos: pos + t]
+        for i, key in enumerate(calls):
+            keep = self.exit_hidden[:, pos: pos + t] if segment.keep_hidden and i == 0 else None
+            outs = self._run(key, pos, ids=ids, hidden=hidden, hidden_out=keep)
+            ids, hidden = None, outs.get("hidden", outs.get("last_hidden"))
+        if segment.head is None:
+            return None
+        logits = self._logits(outs["logits"])
+        if segment.head in self.draft_heads:  # a reduced draft vocabulary: back to token ids
+            logits = expand_logits(logits, self.draft_heads[segment.head].vocab, self.config.vocab_size)
+        return logits
 
-    def draft(self, plan: DraftPlan, token: int, pos: int) -> np.ndarray:
-        rec = self._plan(plan)
-        if rec.get("draft_head"):  # exit adapter / reduced vocabulary (speccompile/export_adapter.py)
-            return self._draft_with_head(plan, rec, token, pos)
-        if rec["kind"] == "early_exit":
-            h = self._run(rec["prefix"], pos, ids=[token], hidden_out=self.exit_hidden[:, pos: pos + 1])["hidden"]
-            return self._logits(self._run(rec["head"], pos, hidden=h)["logits"])[-1]
-        return self._logits(self._run(rec["draft"], pos, ids=[token])["logits"])[-1]
-
-    def load_draft_head(self, plan: DraftPlan, root: Path | None) -> None:
-        """Read ``plan``'s draft head file (its vocabulary ids; the weights are in the graphs) for ``draft``."""
+    def load_draft_head(self, head_file: str, root: Path | None) -> None:
+        """Read a draft head file's vocabulary ids (its weights are in the graphs) for segments ending in it."""
         c = self.config
-        self.draft_heads[plan.draft_head_file] = load_draft_head(Path(root or self.root) / plan.draft_head_file,
-                                                                 c.hidden_size, c.vocab_size)
-
-    def _draft_with_head(self, plan: DraftPlan, rec: dict, token: int, pos: int) -> np.ndarray:
-        head = self.draft_heads.get(plan.draft_head_file)
-        if head is None:
-            raise ArtifactError(f"plan {plan.name!r} needs its draft head {plan.draft_head_file!r}, which was not loaded; "
-                                "open the artifact with speccompile.runtime.load")
-        if rec["kind"] == "early_exit":
-            h = self._run(rec["prefix"], pos, ids=[token], hidden_out=self.exit_hidden[:, pos: pos + 1])["hidden"]
-        else:
-            h = self._run(rec["draft"], pos, ids=[token])["hidden"]
-        logits = self._run(rec["draft_head"], pos, hidden=h)["logits"]
-        return expand_logits(self._logits(logits)[-1], head.vocab, self.config.vocab_size)
-
-    def verify(self, plan: DraftPlan, tokens: Sequence[int], pos: int, n_reuse: int) -> np.ndarray:
-        rec = self._plan(plan)
-        if rec["kind"] != "early_exit":
-            return self.forward(tokens, pos)
-        fresh = list(tokens[n_reuse:])
-        if fresh:
-            self._run(rec["prefix"], pos + n_reuse, ids=fresh, hidden_out=self.exit_hidden[:, pos + n_reuse: pos + len(tokens)])
-        h = self.exit_hidden[:, pos: pos + len(tokens)]
-        return self._suffix_logits(rec["suffix"], rec["head"], pos, h)
-
-    def _suffix_logits(self, suffix: str, head: str, pos: int, hidden: np.ndarray) -> np.ndarray:
-        """Logits of the suffix graph on ``hidden``. A fused suffix ends at the last block and the shared
-        head graph finishes it, so that its lm_head is pre-packed once (speccompile/export_onnx.py)."""
-        out = self._run(suffix, pos, hidden=hidden)
-        if "logits" not in out:
-            out = self._run(head, pos, hidden=out["last_hidden"])
-        return self._logits(out["logits"])
+        self.draft_heads[head_file] = load_draft_head(Path(root or self.root) / head_file, c.hidden_size, c.vocab_size)
 
 
 __all__ = ["OnnxBackend"]

@@ -1,6 +1,6 @@
 """TensorRT backend: one engine per exported ONNX graph, KV cache in device memory (tensorrt + cuda-python).
 
-Mirrors ``runtime/onnx_backend.py`` (standard graphs) call for call, with device buffers instead of
+Mirrors ``runtime/backends/onnx_backend.py`` (standard graphs) segment for segment, with device buffers instead of
 numpy arrays:
 
 - the KV cache is one device buffer per layer and kind, ``[1, kv_heads, max_len, head_dim]``; a call
@@ -30,15 +30,18 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from .errors import ArtifactError, BackendUnavailableError, InputError
-from .manifest import ArchConfig, DraftPlan
+from ..errors import ArtifactError, BackendUnavailableError, InputError
+from ..manifest import ArchConfig, DraftPlan
+from ..segments import FINAL_HEAD, Segment
+from .base import Backend
+from .graph_index import GraphIndex
 
 _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "int32": np.int32, "uint8": np.uint8}
 
 
 def tensorrt_module():
     """``import tensorrt``, or a one-line error naming the install."""
-    from .cuda_device import INSTALL
+    from ..cuda_device import INSTALL
 
     try:
         import tensorrt
@@ -163,19 +166,20 @@ class TensorRTEngines:
             raise ArtifactError(f"TensorRT engine {key!r} failed to run; rerun with --debug for the TensorRT log")
 
 
-class TensorRTBackend:
+class TensorRTBackend(Backend):
     name = "tensorrt"
 
     def __init__(self, root: Path, record: dict[str, Any], config: ArchConfig, device: str = "cuda",
-                 engines=None, memory=None):
+                 engines=None, memory=None, plans: dict[str, DraftPlan] | None = None):
         """``record`` is the manifest's ``backends["tensorrt"]``. ``device`` "cuda:N" picks the GPU
         ("cpu", the CLI's default, and "cuda" mean GPU 0: TensorRT runs nowhere else)."""
         self.root, self.record, self.config = Path(root), record, config
         try:
             self.graphs: dict[str, dict] = record["graphs"]
-            self.plan_records: dict[str, dict] = record.get("plans", {})
             self.context_len = int(record["context"])
-            self.full_split = tuple(record["full_split"]) if record.get("full_split") else None
+            full_split = set(record["full_split"]) if record.get("full_split") else None
+            engines_built = set(self.graphs) - {"verify"} if full_split else set(self.graphs)
+            self.index = GraphIndex(record, plans or {}, config.num_layers, opened=engines_built)
             self.step_tokens = int(record["profiles"]["step"]["max_tokens"])
             self.chunk = int(record["profiles"]["prefill"]["max_tokens"])
             self.dtype = np.dtype(_NP[record.get("dtype", "float32")])
@@ -185,7 +189,7 @@ class TensorRTBackend:
         if engines is None:
             tensorrt_module()  # the install hint first, before any CUDA call
         if memory is None:
-            from .cuda_device import CudaMemory
+            from ..cuda_device import CudaMemory
 
             index = int(device.partition(":")[2] or 0) if device.startswith("cuda") else 0
             memory = CudaMemory(index)
@@ -199,14 +203,17 @@ class TensorRTBackend:
     def from_artifact(cls, root: Path, manifest, device: str = "cuda", **kwargs) -> "TensorRTBackend":
         if "tensorrt" not in manifest.backends:
             raise BackendUnavailableError("this artifact has no 'tensorrt' backend; rebuild with --backend tensorrt")
-        return cls(Path(root), manifest.backends["tensorrt"], manifest.config, device=device, **kwargs)
+        return cls(Path(root), manifest.backends["tensorrt"], manifest.config, device=device, plans=manifest.plans,
+                   **kwargs)
 
     def replica(self) -> "TensorRTBackend":
         """Another backend over the same engines (weights on the device once) with its own stream,
         execution contexts and KV buffers: one per concurrent sequence."""
         memory = type(self.memory)(getattr(self.memory, "index", 0))
-        return TensorRTBackend(self.root, self.record, self.config, engines=self.engines.with_memory(memory),
-                               memory=memory)
+        other = TensorRTBackend(self.root, self.record, self.config, engines=self.engines.with_memory(memory),
+                                memory=memory)
+        other.index = self.index
+        return other
 
     # -- buffers -----------------------------------------------------------------------------------
     def _row(self) -> int:
@@ -281,46 +288,38 @@ class TensorRTBackend:
         out = np.empty((t, c.vocab_size), dtype=self.dtype)
         return m.to_host(out, b["logits"]).astype(np.float32, copy=False)
 
-    def _full(self, tokens: list[int], pos: int) -> np.ndarray:
-        """The full model on at most one profile's tokens: the verify engine, or prefix then suffix when
-        every plan exits at the same block (no verify engine: each weight on the device once)."""
-        if self.full_split is None:
-            return self._run("verify", pos, len(tokens), ids=tokens)
-        prefix, suffix = self.full_split
-        self._run(prefix, pos, len(tokens), ids=tokens, hidden_out_at=self._hidden_at(pos), logits=False)
-        return self._run(suffix, pos, len(tokens), hidden_at=self._hidden_at(pos))
+    # -- the backend interface ---------------------------------------------------------------------
+    def run(self, segment: Segment, pos: int, tokens: Sequence[int] | None = None, count: int = 0) -> np.ndarray | None:
+        """The segment's engines in turn (``graph_index``); hidden states go through the device buffer at
+        their positions. Token runs longer than the step profile (prompts) run in chunks of the prefill
+        profile: the same logits, one engine shape."""
+        t = len(tokens) if segment.from_tokens else count
+        if t > max(self.step_tokens, self.chunk) and segment.from_tokens:
+            parts = [self.run(segment, pos + s, tokens=list(tokens[s: s + self.chunk])) for s in range(0, t, self.chunk)]
+            return None if segment.head is None else np.concatenate(parts)
+        calls = self.index.calls(segment)
+        if calls is None:
+            raise ArtifactError(f"the TensorRT engines have no engine for {segment.describe()}; rebuild the artifact "
+                                "with --backend tensorrt")
+        ids = list(tokens) if segment.from_tokens else None
+        hidden_at = None if segment.from_tokens else self._hidden_at(pos)
+        out = None
+        for i, key in enumerate(calls):
+            last = i == len(calls) - 1
+            out = self._run(key, pos, t, ids=ids, hidden_at=hidden_at, hidden_out_at=self._hidden_at(pos),
+                            logits=last and segment.head is not None)
+            ids, hidden_at = None, self._hidden_at(pos)
+        return out
 
-    def _plan(self, plan: DraftPlan) -> dict:
-        rec = self.plan_records.get(plan.name)
-        if rec is None:
-            raise ArtifactError(f"the TensorRT engines have no graphs for plan {plan.name!r} (they have "
-                                f"{sorted(self.plan_records)}); rebuild the artifact with --backend tensorrt")
-        return rec
+    def unsupported(self, segment: Segment) -> str | None:
+        if segment.head not in (None, FINAL_HEAD):
+            return "TensorRT engines have no draft heads (exit adapters, reduced vocabularies) yet; use another plan"
+        reason = self.index.check(segment)
+        return None if reason is None else f"{reason}; rebuild the artifact with --backend tensorrt"
 
-    # -- the backend protocol ----------------------------------------------------------------------
-    def forward(self, tokens: Sequence[int], pos: int) -> np.ndarray:
-        """Prompts longer than the prefill profile run in chunks of it (same logits, one engine shape)."""
-        tokens = list(tokens)
-        size = self.step_tokens if len(tokens) <= self.step_tokens else self.chunk
-        parts = [self._full(tokens[s: s + size], pos + s) for s in range(0, len(tokens), size)]
-        return parts[0] if len(parts) == 1 else np.concatenate(parts)
-
-    def draft(self, plan: DraftPlan, token: int, pos: int) -> np.ndarray:
-        rec = self._plan(plan)
-        if rec["kind"] == "early_exit":
-            self._run(rec["prefix"], pos, 1, ids=[token], hidden_out_at=self._hidden_at(pos), logits=False)
-            return self._run(rec["head"], pos, 1, hidden_at=self._hidden_at(pos))[-1]
-        return self._run(rec["draft"], pos, 1, ids=[token])[-1]
-
-    def verify(self, plan: DraftPlan, tokens: Sequence[int], pos: int, n_reuse: int) -> np.ndarray:
-        rec = self._plan(plan)
-        if rec["kind"] != "early_exit":
-            return self.forward(tokens, pos)
-        fresh = list(tokens[n_reuse:])
-        if fresh:
-            self._run(rec["prefix"], pos + n_reuse, len(fresh), ids=fresh, hidden_out_at=self._hidden_at(pos + n_reuse),
-                      logits=False)
-        return self._run(rec["suffix"], pos, len(tokens), hidden_at=self._hidden_at(pos))
+    def load_draft_head(self, head_file: str, root: Path | None) -> None:
+        raise ArtifactError(f"draft head {head_file!r}: TensorRT engines have no draft heads (exit adapters, reduced "
+                            "vocabularies) yet; use another plan or the onnx backend")
 
 
 __all__ = ["TensorRTBackend", "TensorRTEngines", "check_target", "refit_weights", "tensorrt_module"]

@@ -1,14 +1,14 @@
-"""PyTorch backend: the canonical decoder on a static KV cache, for the draft-and-verify loop.
+"""PyTorch backend: the canonical decoder (or the generic path's) on a static KV cache.
 
-Early-exit plans: a draft step runs blocks 0..E-1 on one token, keeps the hidden state at E for that
-position, and applies the shared head. Those blocks are the full model's own, so their KV entries and
-the kept hidden states are exactly what the verifier needs: ``verify`` runs blocks 0..E-1 only on the
-round's last token and blocks E..L-1 on all of them.
+It runs segments (``runtime/segments.py``) and knows nothing of draft plans: draft kinds
+(``runtime/draft_kinds/``) say which segments a draft step and a verify run. The cache is one
+``KVCache`` plus a hidden-state buffer ``[1, max_len, d]`` for segments that keep their output
+(early-exit prefix reuse); rollback is only a smaller position next time.
 
 CUDA graphs (opt-in: ``cuda_graphs=True``, or ``SPECCOMPILE_CUDA_GRAPHS=1`` for artifacts opened with
-``load``): on a CUDA device the decode step, the draft step and the verify of up to ``GRAPH_TOKENS``
-tokens are captured once and replayed (``runtime/torch_graphs.py``); prompts run eagerly. On CPU the
-flag is ignored and every call runs eagerly, unchanged.
+``load``): on a CUDA device every segment of up to ``GRAPH_TOKENS`` tokens that ends in the shared head
+(or in none) is captured once and replayed (``runtime/torch_graphs.py``), through the same decoder
+with tensor positions; prompts run eagerly. On CPU the flag is ignored and every call runs eagerly.
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from .decoder import Decoder, KVCache, build_decoder, pack_projections
-from .adapter import DraftHead, expand_logits, load_draft_head
-from .cpu_linear import use_streaming_linears
-from .errors import ArtifactError
-from .manifest import ArchConfig, DraftPlan
+from ..adapter import DraftHead, expand_logits, load_draft_head
+from ..cpu_linear import use_streaming_linears
+from ..decoder import Decoder, KVCache, build_decoder, pack_projections, run_segment
+from ..errors import ArtifactError
+from ..manifest import ArchConfig
+from ..segments import FINAL_HEAD, Segment
+from .base import Backend
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 GRAPH_TOKENS = 32  # longest step replayed from a CUDA graph (verify rounds); longer ones (prompts) run eagerly
@@ -37,7 +39,7 @@ def cuda_graphs_requested() -> bool:
     return os.environ.get("SPECCOMPILE_CUDA_GRAPHS", "0").strip().lower() in ("1", "true", "yes", "on")
 
 
-class TorchBackend:
+class TorchBackend(Backend):
     name = "torch"
 
     def __init__(self, decoder: Decoder, device: str | None = None, cuda_graphs: bool = False,
@@ -50,11 +52,11 @@ class TorchBackend:
         self.device = device or str(decoder.embed.weight.device)  # default: wherever the weights are
         self.dtype = decoder.embed.weight.dtype
         self.cache: KVCache | None = None
-        self.exit_hidden: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None
         self.max_len = 0
         self.cuda_graphs, self._capture = cuda_graphs, capture
         self.static = None  # torch_graphs.StaticSteps over the current cache, when graphs are on
-        self.draft_heads: dict[str, tuple[DraftHead, TorchDraftHead]] = {}  # plan.draft_head_file -> kernel
+        self.draft_heads: dict[str, tuple[DraftHead, TorchDraftHead]] = {}  # draft head file -> kernel
         if torch.device(self.device).type == "cpu":
             # q/k/v and gate/up as one product each, then the faster CPU form of small-row products,
             # measured on the products a step runs (runtime/cpu_linear.py)
@@ -66,6 +68,10 @@ class TorchBackend:
         if getattr(self.decoder, "whole_blocks", False):  # the generic path runs eagerly
             return False
         return self._capture is not None or (self.cuda_graphs and torch.device(self.device).type == "cuda")
+
+    @property
+    def reuses_prefix(self) -> bool:
+        return getattr(self.decoder, "prefix_reuse", True)
 
     @classmethod
     def from_files(cls, weights_path: Path, config: ArchConfig, dtype: str = "float32", device: str = "cpu",
@@ -89,80 +95,51 @@ class TorchBackend:
                 rounded = -(-max_len // GRAPH_CACHE_STEP) * GRAPH_CACHE_STEP
                 size = max(max_len, min(rounded, self.config.max_position_embeddings))
             self.cache = self.decoder.new_cache(size, dtype=self.dtype, device=self.device)
-            self.exit_hidden = torch.zeros(1, size, self.config.hidden_size, dtype=self.dtype, device=self.device)
+            self.hidden = torch.zeros(1, size, self.config.hidden_size, dtype=self.dtype, device=self.device)
             self.static = self._static_steps() if self.graphed else None
         self.max_len = max_len
 
     def _static_steps(self):
-        from .torch_graphs import StaticSteps, cuda_capture_with
+        from ..torch_graphs import StaticSteps, cuda_capture_with
 
         capture = self._capture or cuda_capture_with(torch.cuda.graph_pool_handle())
-        return StaticSteps(self.decoder, self.cache, self.exit_hidden, capture, max_tokens=GRAPH_TOKENS)
-
-    def _ids(self, tokens: Sequence[int]) -> torch.Tensor:
-        return torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
+        return StaticSteps(self.decoder, self.cache, self.hidden, capture, max_tokens=GRAPH_TOKENS)
 
     def _numpy(self, logits: torch.Tensor) -> np.ndarray:
         return logits[0].float().cpu().numpy()
 
+    # -- the backend interface ---------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, tokens: Sequence[int], pos: int) -> np.ndarray:
-        if self.static is not None and self.static.fits(len(tokens)):
-            return self._numpy(self.static.forward(tokens, pos))
-        return self._numpy(self.decoder(self._ids(tokens), pos, self.cache))
+    def run(self, segment: Segment, pos: int, tokens: Sequence[int] | None = None, count: int = 0) -> np.ndarray | None:
+        t = len(tokens) if segment.from_tokens else count
+        if self.static is not None and self.static.fits(t) and segment.head in (None, FINAL_HEAD):
+            out = self.static.run(segment, pos, tokens if segment.from_tokens else None, t)
+            return None if out is None else self._numpy(out)
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device) if segment.from_tokens else None
+        if segment.head in (None, FINAL_HEAD):
+            out = run_segment(self.decoder, segment, ids, pos, self.cache, self.hidden, self.decoder.head, count)
+            return None if out is None else self._numpy(out)
+        head, kernel = self._draft_head(segment.head)
+        out = run_segment(self.decoder, segment, ids, pos, self.cache, self.hidden, kernel, count)
+        return expand_logits(self._numpy(out), head.vocab, self.config.vocab_size)
 
-    @torch.inference_mode()
-    def draft(self, plan: DraftPlan, token: int, pos: int) -> np.ndarray:
-        if plan.draft_head_file is not None:
-            return self._draft_with_head(plan, token, pos)
-        if self.static is not None:
-            return self._numpy(self.static.draft(plan, token, pos))[-1]
-        d = self.decoder
-        h = d.embed_tokens(self._ids([token]), pos)
-        if plan.is_early_exit:
-            h = d.run_blocks(h, pos, self.cache, 0, plan.exit_layer)
-            self.exit_hidden[:, pos : pos + 1] = h
-        else:
-            h = d.run_blocks(h, pos, self.cache, skip_attn=set(plan.skip_attn), skip_mlp=set(plan.skip_mlp))
-        return self._numpy(d.head(h))[-1]
-
-    @torch.inference_mode()
-    def verify(self, plan: DraftPlan, tokens: Sequence[int], pos: int, n_reuse: int) -> np.ndarray:
-        if not plan.is_early_exit or not getattr(self.decoder, "prefix_reuse", True):
-            return self.forward(tokens, pos)
-        if self.static is not None and self.static.fits(len(tokens)) and n_reuse < len(tokens):
-            return self._numpy(self.static.verify_exit(plan, tokens, pos, n_reuse))
-        d, exit_layer = self.decoder, plan.exit_layer
-        fresh = list(tokens[n_reuse:])
-        h_new = d.run_blocks(d.embed_tokens(self._ids(fresh), pos + n_reuse), pos + n_reuse, self.cache, 0, exit_layer)
-        h = torch.cat((self.exit_hidden[:, pos : pos + n_reuse], h_new), dim=1)
-        return self._numpy(d.head(d.run_blocks(h, pos, self.cache, exit_layer)))
+    def unsupported(self, segment: Segment) -> str | None:
+        if getattr(self.decoder, "whole_blocks", False) and segment.skip_attn != segment.skip_mlp:
+            return "the generic torch path skips whole blocks only (skip_attn must equal skip_mlp)"
+        return None
 
     # -- draft heads: trained exit adapters and reduced vocabularies (runtime/adapter.py) ------------
-    def load_draft_head(self, plan: DraftPlan, root: Path | None) -> None:
-        """Make ``plan``'s draft head ready for ``draft`` (called when a drafter for ``plan`` is made)."""
-        if plan.draft_head_file is None:
-            return
+    def load_draft_head(self, head_file: str, root: Path | None) -> None:
         c = self.config
-        head = load_draft_head(Path(root or ".") / plan.draft_head_file, c.hidden_size, c.vocab_size)
-        cached = self.draft_heads.get(plan.draft_head_file)
+        head = load_draft_head(Path(root or ".") / head_file, c.hidden_size, c.vocab_size)
+        cached = self.draft_heads.get(head_file)
         if cached is None or cached[0] is not head:
-            self.draft_heads[plan.draft_head_file] = (head, TorchDraftHead.from_draft_head(self.decoder, head))
+            self.draft_heads[head_file] = (head, TorchDraftHead.from_draft_head(self.decoder, head))
 
-    @torch.inference_mode()
-    def _draft_with_head(self, plan: DraftPlan, token: int, pos: int) -> np.ndarray:
-        if plan.draft_head_file not in self.draft_heads:
-            raise ArtifactError(f"plan {plan.name!r} needs its draft head {plan.draft_head_file!r}, which was not loaded; "
-                                "open the artifact with speccompile.runtime.load")
-        head, kernel = self.draft_heads[plan.draft_head_file]
-        d = self.decoder
-        h = d.embed_tokens(self._ids([token]), pos)
-        if plan.is_early_exit:
-            h = d.run_blocks(h, pos, self.cache, 0, plan.exit_layer)
-            self.exit_hidden[:, pos : pos + 1] = h  # the model's own state at E: the verifier reuses it
-        else:
-            h = d.run_blocks(h, pos, self.cache, skip_attn=set(plan.skip_attn), skip_mlp=set(plan.skip_mlp))
-        return expand_logits(self._numpy(kernel(h))[-1], head.vocab, self.config.vocab_size)
+    def _draft_head(self, head_file: str) -> tuple[DraftHead, "TorchDraftHead"]:
+        if head_file not in self.draft_heads:
+            raise ArtifactError(f"draft head {head_file!r} was not loaded; open the artifact with speccompile.runtime.load")
+        return self.draft_heads[head_file]
 
 
 class TorchDraftHead(torch.nn.Module):
@@ -172,7 +149,7 @@ class TorchDraftHead(torch.nn.Module):
 
     def __init__(self, decoder: Decoder, width: int | None, vocab: np.ndarray | None = None):
         super().__init__()
-        from .decoder import _ACTIVATIONS, Norm
+        from ..decoder import _ACTIVATIONS, Norm
 
         c, d = decoder.config, decoder.config.hidden_size
         weight, dtype = decoder.embed.weight, decoder.embed.weight.dtype

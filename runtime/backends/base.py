@@ -1,0 +1,94 @@
+"""The backend interface: run segments on a static KV cache; nothing about draft plans.
+
+Draft-and-verify needs four things from a backend (DESIGN.md sections 2-3): run blocks ``a..b`` with
+a set of sublayers skipped at given positions, optionally keeping the hidden states there (``run``,
+``runtime/segments.py``); a head, the shared one or a plan's draft head (part of a segment, loaded
+by ``load_draft_head``); a static cache sized by ``reserve`` and rolled back by starting the next
+call at an earlier position; and ``replica`` (one cache per concurrent sequence over shared weights).
+What a plan is, which segments its draft step and verify run, and whether the verify reuses the
+draft's prefix, is decided once, by its draft kind (``runtime/draft_kinds/``).
+
+``draft``, ``verify`` and ``check_plans`` below are conveniences that hand the call to the plan's
+kind; a backend does not override them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from ..errors import ArtifactError
+from ..manifest import ArchConfig, DraftPlan
+from ..segments import Segment, full_model
+
+
+class Backend(ABC):
+    name: str = "backend"
+    config: ArchConfig
+    max_len: int = 0
+
+    @property
+    def reuses_prefix(self) -> bool:
+        """Whether hidden states kept by one call (``Segment.keep_hidden``) can feed a later call's
+        blocks; a backend that cannot (a model whose cache must be rebuilt from block 0) says False."""
+        return True
+
+    # -- what every backend implements --------------------------------------------------------------
+    @abstractmethod
+    def reserve(self, max_len: int) -> None:
+        """Make sure the static cache holds ``max_len`` positions (reused across requests)."""
+
+    @abstractmethod
+    def replica(self) -> "Backend":
+        """Another backend over the same weights with a cache of its own (one per concurrent sequence)."""
+
+    @abstractmethod
+    def run(self, segment: Segment, pos: int, tokens: Sequence[int] | None = None, count: int = 0) -> np.ndarray | None:
+        """Run ``segment`` at positions ``pos..``: on ``tokens`` when it starts at block 0, else on the
+        ``count`` hidden states kept at those positions. The KV of every attention sublayer that runs is
+        written at its positions; returns the logits ``[T, vocab]`` (float32) or None without a head."""
+
+    @abstractmethod
+    def unsupported(self, segment: Segment) -> str | None:
+        """None when ``run(segment)`` can work here, else why not (a short phrase for an error line)."""
+
+    @abstractmethod
+    def load_draft_head(self, head_file: str, root: Path | None) -> None:
+        """Make the draft head file ``head_file`` (artifact-relative, under ``root``) ready for segments
+        whose ``head`` names it."""
+
+    # -- conveniences on top ------------------------------------------------------------------------
+    def forward(self, tokens: Sequence[int], pos: int) -> np.ndarray:
+        """Full-model logits ``[T, vocab]`` for ``tokens`` at ``pos..`` (prefill, plain steps, verify)."""
+        return self.run(full_model(self.config.num_layers), pos, tokens=tokens)
+
+    def draft(self, plan: DraftPlan, token: int, pos: int) -> np.ndarray:
+        """One draft step of ``plan`` (its kind decides the segments): logits ``[vocab]``."""
+        from ..draft_kinds import kind_of
+
+        return kind_of(plan, self.config.num_layers).draft(self, token, pos)
+
+    def verify(self, plan: DraftPlan | None, tokens: Sequence[int], pos: int, n_reuse: int = 0) -> np.ndarray:
+        """Full-model logits for a round's ``tokens``; ``n_reuse`` of them already ran ``plan``'s prefix."""
+        if plan is None:
+            return self.forward(tokens, pos)
+        from ..draft_kinds import kind_of
+
+        return kind_of(plan, self.config.num_layers).verify(self, tokens, pos, n_reuse)
+
+    def check_plans(self, plans: dict[str, DraftPlan]) -> None:
+        """Refuse, before any work, a plan whose segments this backend cannot run (one line each)."""
+        from ..draft_kinds import kind_of
+
+        for name, plan in plans.items():
+            for segment in kind_of(plan, self.config.num_layers).segments():
+                reason = self.unsupported(segment)
+                if reason is not None:
+                    raise ArtifactError(f"plan {name!r} ({plan.describe()}) cannot run on the {self.name} backend: "
+                                        f"{reason}")
+
+
+__all__ = ["Backend", "Segment"]

@@ -1,0 +1,46 @@
+"""Draft kinds: one module per way of drafting with the model, and the registry that picks one.
+
+``kind_of(plan, num_layers)`` builds the plan's kind once: the ``kind`` the plan names, or, for plans
+that name none, the first built-in kind that ``matches`` it. A new kind is one module plus one line in
+``KINDS``; its options live in the plan's ``params``.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from ..errors import ArtifactError
+from ..manifest import DraftPlan
+from .base import DraftKind
+
+KINDS: dict[str, tuple[str, str]] = {
+    "early_exit": ("early_exit", "EarlyExit"),
+    "layer_skip": ("layer_skip", "LayerSkip"),
+    "lookup": ("lookup", "LookupOnly"),
+}
+"""Kind name -> (module in this package, class). Inferred kinds are tried in this order."""
+
+
+def kind_class(name: str) -> type[DraftKind]:
+    if name not in KINDS:
+        raise ArtifactError(f"draft kind {name[:64]!r} is not known to this runtime (known: {', '.join(KINDS)}); "
+                            "upgrade speccompile or rebuild the artifact")
+    module, cls = KINDS[name]  # a module of this package, or a dotted path (a kind defined elsewhere)
+    if "." in module:
+        return getattr(importlib.import_module(module), cls)
+    return getattr(importlib.import_module(f".{module}", __package__), cls)
+
+
+def kind_of(plan: DraftPlan, num_layers: int | None = None) -> DraftKind:
+    """The draft kind of ``plan`` (``num_layers``: the model's block count, needed by kinds that run
+    the model's later blocks)."""
+    if plan.kind is not None:
+        return kind_class(plan.kind)(plan, num_layers)
+    for name in KINDS:
+        cls = kind_class(name)
+        if cls.matches(plan):
+            return cls(plan, num_layers)
+    raise ArtifactError(f"plan {plan.name[:64]!r} matches no draft kind; rebuild the artifact")
+
+
+__all__ = ["KINDS", "DraftKind", "kind_class", "kind_of"]

@@ -1,0 +1,24 @@
+"""Lookup only: no model part. Model-free sources draft (``runtime/ngram.py``, ``runtime/retrieval.py``)
+and the full model verifies; a round without a hit is a plain step."""
+
+from __future__ import annotations
+
+from .base import DraftKind
+
+
+class LookupOnly(DraftKind):
+    name = "lookup"
+    has_model_part = False
+
+    @classmethod
+    def matches(cls, plan) -> bool:
+        return plan.exit_layer is None and not plan.skip_attn and not plan.skip_mlp
+
+    def segments(self):
+        return []
+
+    def draft(self, backend, token, pos):
+        raise RuntimeError(f"plan {self.plan.name!r} has no model draft; its drafts come from lookups")
+
+
+__all__ = ["LookupOnly"]

@@ -1,0 +1,63 @@
+"""Segments: the one vocabulary in which draft kinds ask backends for work.
+
+A backend never learns what a draft plan *is* (DESIGN.md section 2). A draft kind
+(``runtime/draft_kinds/``) expresses its draft step and its verify as segments, and every backend runs
+any segment it has the code or the exported graphs for:
+
+- blocks ``start .. stop-1``, less the attention / MLP sublayers in ``skip_attn`` / ``skip_mlp`` (the
+  residual stream passes a skipped sublayer unchanged and it writes no KV);
+- the input: the tokens' embeddings when ``start == 0``, otherwise the hidden states the backend kept
+  at the same positions (``keep_hidden`` of an earlier call);
+- ``keep_hidden``: the hidden states after block ``stop - 1`` are kept at their positions, for a later
+  segment that starts at ``stop`` (early-exit prefix reuse);
+- ``head``: ``None`` (no logits), ``"final"`` (the model's final norm and lm_head, shared by every
+  exit) or the artifact-relative path of a draft head file (an exit adapter and/or a reduced draft
+  vocabulary, ``runtime/adapter.py``; logits come back over the whole vocabulary).
+
+Numpy only: the ONNX Runtime and TensorRT backends use it without torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+FINAL_HEAD = "final"
+
+
+@dataclass(frozen=True)
+class Segment:
+    start: int
+    stop: int
+    skip_attn: frozenset[int] = frozenset()
+    skip_mlp: frozenset[int] = frozenset()
+    head: str | None = FINAL_HEAD
+    keep_hidden: bool = False
+
+    @property
+    def from_tokens(self) -> bool:
+        """Whether the segment starts from token ids (block 0) rather than kept hidden states."""
+        return self.start == 0
+
+    @property
+    def blocks_key(self) -> tuple:
+        """What identifies the segment's blocks (not its head or whether it keeps its hidden states)."""
+        return (self.start, self.stop, tuple(sorted(self.skip_attn)), tuple(sorted(self.skip_mlp)))
+
+    def with_head(self, head: str | None, keep_hidden: bool | None = None) -> "Segment":
+        keep = self.keep_hidden if keep_hidden is None else keep_hidden
+        return Segment(self.start, self.stop, self.skip_attn, self.skip_mlp, head, keep)
+
+    def describe(self) -> str:
+        skips = ""
+        if self.skip_attn or self.skip_mlp:
+            skips = f" less {len(self.skip_attn)} attention + {len(self.skip_mlp)} MLP sublayers"
+        head = {None: "", FINAL_HEAD: " + head"}.get(self.head, f" + draft head {self.head}")
+        return f"blocks {self.start}..{self.stop - 1}{skips}{head}"
+
+
+def full_model(num_layers: int) -> Segment:
+    """The whole model: every block and the final head (plain decoding, verification)."""
+    return Segment(0, num_layers)
+
+
+__all__ = ["FINAL_HEAD", "Segment", "full_model"]
