@@ -241,6 +241,18 @@ def test_backend_decodes_like_the_onnx_backend(exported, which):
     assert prefill_calls and all(s.get("input_ids", s.get("hidden"))[1] == 16 for s in prefill_calls)
 
 
+def test_a_draft_head_plan_is_refused_in_one_line_before_any_work(exported):
+    """The engines have no draft heads: a plan with an exit adapter is refused before an engine runs."""
+    decoder, root, both, _ = exported
+    backend, engines = _host_backend(root / "both", both, decoder.config, {"layer-skip": SKIP, "early-exit": EXIT})
+    adapter = DraftPlan(name="adapter", exit_layer=3, head="adapter:3", draft_head_file="draft_heads/a.safetensors")
+    with pytest.raises(ArtifactError) as exc:
+        decode_all(backend, DecodeRequest(PROMPT, 8), adapter, root)
+    message = str(exc.value)
+    assert "'adapter'" in message and "draft heads" in message and "\n" not in message
+    assert not engines.calls
+
+
 def test_chunked_prompt_logits_and_limits(exported):
     decoder, root, both, _ = exported
     backend, engines = _host_backend(root / "both", both, decoder.config, {"s": SKIP}, context=32, prefill=8)

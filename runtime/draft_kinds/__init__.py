@@ -14,21 +14,20 @@ from ..manifest import DraftPlan
 from .base import DraftKind
 
 KINDS: dict[str, tuple[str, str]] = {
-    "early_exit": ("early_exit", "EarlyExit"),
-    "layer_skip": ("layer_skip", "LayerSkip"),
-    "lookup": ("lookup", "LookupOnly"),
+    "early_exit": (".early_exit", "EarlyExit"),
+    "layer_skip": (".layer_skip", "LayerSkip"),
+    "lookup": (".lookup", "LookupOnly"),
 }
-"""Kind name -> (module in this package, class). Inferred kinds are tried in this order."""
+"""Kind name -> (module: ``.name`` in this package, or an absolute module name; class). Kinds a plan does
+not name are inferred, tried in this order."""
 
 
 def kind_class(name: str) -> type[DraftKind]:
     if name not in KINDS:
         raise ArtifactError(f"draft kind {name[:64]!r} is not known to this runtime (known: {', '.join(KINDS)}); "
                             "upgrade speccompile or rebuild the artifact")
-    module, cls = KINDS[name]  # a module of this package, or a dotted path (a kind defined elsewhere)
-    if "." in module:
-        return getattr(importlib.import_module(module), cls)
-    return getattr(importlib.import_module(f".{module}", __package__), cls)
+    module, cls = KINDS[name]
+    return getattr(importlib.import_module(module, __package__ if module.startswith(".") else None), cls)
 
 
 def kind_of(plan: DraftPlan, num_layers: int | None = None) -> DraftKind:

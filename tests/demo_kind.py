@@ -1,0 +1,36 @@
+"""A draft kind written outside the runtime, for ``tests/test_draft_kinds.py``: what adding a kind costs.
+
+The first ``params["blocks"]`` blocks and the shared head, with no prefix reuse (the verify runs the
+full model). This file plus one ``KINDS`` entry is all of it: no backend, cost model, estimator or
+exporter learns about it.
+"""
+
+from speccompile.runtime.draft_kinds.base import DraftKind
+from speccompile.runtime.segments import Segment
+
+
+class ShallowDraft(DraftKind):
+    name = "shallow"
+
+    @classmethod
+    def matches(cls, plan) -> bool:
+        return False  # only a plan that names it
+
+    @property
+    def draft_segment(self) -> Segment:
+        return Segment(0, int(self.plan.params["blocks"]), head=self.head)
+
+    def segments(self):
+        return [self.draft_segment]
+
+    def draft(self, backend, token, pos):
+        return backend.run(self.draft_segment, pos, tokens=[token])[-1]
+
+    def draft_calls(self):
+        return [(self.draft_segment, 1)]
+
+    def estimate_hidden(self, estimator):
+        return estimator.mixed(self.draft_segment)
+
+    def describe(self) -> str:
+        return f"the first {self.plan.params['blocks']} blocks, no prefix reuse"
