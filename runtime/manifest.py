@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
 
-from .errors import ArtifactError
-from .schema import REJECT_UNKNOWN, build_dataclass, check_value, json_type
+from .errors import ArtifactError, quote
+from .schema import REJECT_UNKNOWN, build_dataclass, check_json_shape, check_value, json_type
 
 SCHEMA_VERSION = 1
 MANIFEST_NAME = "manifest.json"
@@ -25,6 +25,11 @@ FILE_KEYS = ("file", "weights", "datastore")
 """Keys of a ``backends[...]`` record or of a plan (at any depth) whose string value names a file the
 runtime opens, as do keys ending in ``_file``. Each such file must be listed (and so hashed) in ``files``."""
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+CONFIG_CHOICES = {"qk_norm_over": ("head", "proj"), "norm": ("rms", "layer"), "mlp": ("gated", "plain"),
+                  "activation": ("silu", "gelu", "gelu_tanh", "relu"), "positions": ("rotary", "learned")}
+"""The string options of ``ArchConfig`` the decoder implements (``runtime/decoder.py``)."""
+MAX_SIZE = 1 << 24
+"""Largest size a config may name (vocabulary, widths, layers, context): past it the manifest is damaged."""
 
 
 @dataclass
@@ -92,18 +97,46 @@ class ArchConfig:
         return self.attn_scale if self.attn_scale is not None else self.head_dim**-0.5
 
     def validate(self) -> None:
+        """The rules the field types cannot say: names from known sets, sizes that fit together. (Whether
+        they fit the weights is ``runtime/artifact_check.py``'s, when the artifact is opened.)"""
         sizes = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",
                  "intermediate_size", "max_position_embeddings")
         if self.decoder not in ("canonical", "generic"):
-            raise ArtifactError(f"manifest config.decoder is {self.decoder!r}, not 'canonical' or 'generic'; this artifact "
-                                "needs a newer speccompile, or rebuild it")
-        if self.qk_norm_over not in ("head", "proj"):
-            raise ArtifactError(f"manifest config.qk_norm_over is {self.qk_norm_over!r}, not 'head' or 'proj'; rebuild the artifact")
-        if any(not 0 <= i < self.num_layers for i in self.nope_layers):
-            raise ArtifactError("manifest config.nope_layers names blocks outside the model; rebuild the artifact")
+            raise ArtifactError(f"manifest config.decoder is {quote(self.decoder)}, not 'canonical' or 'generic'; this "
+                                "artifact needs a newer speccompile, or rebuild it")
+        for name, allowed in CONFIG_CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ArtifactError(f"manifest config.{name} is {quote(getattr(self, name))}, not one of "
+                                    f"{', '.join(map(repr, allowed))}; rebuild the artifact")
         bad = [name for name in sizes if getattr(self, name) < 1]
         if bad:
             raise ArtifactError(f"manifest config has non-positive sizes {bad}; the manifest is damaged: rebuild the artifact")
+        big = [name for name in sizes if getattr(self, name) > MAX_SIZE]
+        if big:
+            raise ArtifactError(f"manifest config has sizes over {MAX_SIZE} {big}; the manifest is damaged: rebuild the "
+                                "artifact")
+        for name, layers in (("nope_layers", self.nope_layers), ("window_layers", self.window_layers or [])):
+            if any(not 0 <= i < self.num_layers for i in layers):
+                raise ArtifactError(f"manifest config.{name} names blocks outside 0..{self.num_layers - 1}; rebuild the "
+                                    "artifact")
+        if self.num_heads % self.num_kv_heads:
+            raise ArtifactError(f"manifest config.num_heads ({self.num_heads}) is not a multiple of num_kv_heads "
+                                f"({self.num_kv_heads}); the manifest is damaged: rebuild the artifact")
+        if self.decoder == "canonical" and self.positions == "rotary" and (
+                self.rotary_dim < 2 or self.rotary_dim % 2 or self.rotary_dim > self.head_dim):
+            raise ArtifactError(f"manifest config.rotary_dim ({self.rotary_dim}) must be even and in 2..head_dim "
+                                f"({self.head_dim}); the manifest is damaged: rebuild the artifact")
+        if self.num_experts < 0 or (self.num_experts and not 1 <= self.experts_per_token <= self.num_experts):
+            raise ArtifactError(f"manifest config routes {self.experts_per_token} of {self.num_experts} experts per "
+                                "token; the manifest is damaged: rebuild the artifact")
+        if self.sliding_window is not None and self.sliding_window < 1:
+            raise ArtifactError(f"manifest config.sliding_window must be >= 1 or null, got {self.sliding_window}; "
+                                "rebuild the artifact")
+        if self.position_offset < 0 or self.norm_eps < 0:
+            raise ArtifactError("manifest config.position_offset and norm_eps must not be negative; rebuild the artifact")
+        if any(value is not None and value <= 0 for value in (self.final_softcap, self.attn_scale)):
+            raise ArtifactError("manifest config.final_softcap and attn_scale must be positive or null; rebuild the "
+                                "artifact")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "config") -> "ArchConfig":
@@ -278,10 +311,11 @@ class Manifest:
         an ``ArtifactError``. Unknown top-level and plan fields are ignored (forward compatibility)."""
         if not isinstance(data, dict):
             raise ArtifactError(f"manifest.json must hold a JSON object, got {json_type(data)}; rebuild the artifact")
+        check_json_shape(data, "manifest")
         version = data.get("schema_version")
         if type(version) is not int or version != SCHEMA_VERSION:
             raise ArtifactError(
-                f"artifact schema version {version!r} is not supported by this runtime (it reads version "
+                f"artifact schema version {quote(version)} is not supported by this runtime (it reads version "
                 f"{SCHEMA_VERSION}); rebuild the artifact with `speccompile build` or install the matching runtime"
             )
         plans = data.get("plans", {})
@@ -298,17 +332,19 @@ class Manifest:
             plan.validate(self.config.num_layers)
         if self.default_plan is not None and self.default_plan not in self.plans:
             raise ArtifactError(
-                f"manifest default_plan {self.default_plan!r} is not one of its plans {sorted(self.plans)}; rebuild the artifact"
+                f"manifest default_plan {quote(self.default_plan)} is not one of its plans "
+                f"{quote(sorted(self.plans), 200)}; rebuild the artifact"
             )
         if self.dtype not in DTYPES:
-            raise ArtifactError(f"manifest dtype {self.dtype!r} is not one of {', '.join(DTYPES)}; rebuild the artifact")
+            raise ArtifactError(f"manifest dtype {quote(self.dtype)} is not one of {', '.join(DTYPES)}; rebuild the artifact")
         for relative, record in self.files.items():
             check_relative_path(relative, "files")
             digest, size = record.get("sha256"), record.get("bytes")
             if not isinstance(digest, str) or not _SHA256.fullmatch(digest):
-                raise ArtifactError(f"manifest entry for file {relative!r} has no valid sha256; rebuild the artifact")
+                raise ArtifactError(f"manifest entry for file {quote(relative)} has no valid sha256; rebuild the artifact")
             if type(size) is not int or size < 0:
-                raise ArtifactError(f"manifest entry for file {relative!r} has no valid byte size; rebuild the artifact")
+                raise ArtifactError(f"manifest entry for file {quote(relative)} has no valid byte size; rebuild the "
+                                    "artifact")
         if not self.backends:
             raise ArtifactError("manifest lists no backends; rebuild the artifact with --backend torch or onnx")
         check_backend_records(self.backends)
@@ -317,7 +353,7 @@ class Manifest:
             check_relative_path(relative, "a backend record or plan")
             if relative not in self.files:
                 raise ArtifactError(
-                    f"artifact file {relative!r} is used by the runtime but not listed with a sha256 in the manifest; "
+                    f"artifact file {quote(relative)} is used by the runtime but not listed with a sha256 in the manifest; "
                     "rebuild the artifact"
                 )
 
@@ -414,7 +450,7 @@ def check_relative_path(relative: str, where: str) -> None:
            or str(path) != relative or any(part in ("..", ".") for part in path.parts))
     if bad:
         raise ArtifactError(
-            f"manifest path {relative!r} (in {where}) is not a plain relative path inside the artifact; the manifest "
+            f"manifest path {quote(relative)} (in {where}) is not a plain relative path inside the artifact; the manifest "
             "was edited or damaged: rebuild the artifact"
         )
 
@@ -425,7 +461,8 @@ def confined_path(root: Path, relative: str) -> Path:
     real = (root / relative).resolve()
     if real != base and base not in real.parents:
         raise ArtifactError(
-            f"artifact file {relative!r} resolves to {str(real)!r}, outside the artifact {str(base)!r} (a symlink?); "
+            f"artifact file {quote(relative)} resolves to {quote(str(real), 200)}, outside the artifact "
+            f"{quote(str(base), 200)} (a symlink?); "
             "the runtime only reads files inside the artifact: replace the link with the file or rebuild"
         )
     return real
@@ -467,6 +504,8 @@ def read_manifest(root: Path, verify_files: bool = True) -> Manifest:
         raise ArtifactError(f"{path} is not UTF-8 text; the manifest is damaged: rebuild the artifact") from None
     except json.JSONDecodeError as exc:
         raise ArtifactError(f"{path} is not valid JSON ({exc.msg} at line {exc.lineno}); rebuild the artifact") from None
+    except ValueError as exc:  # an integer of more digits than Python converts (sys.int_info.str_digits_check_threshold)
+        raise ArtifactError(f"{path} holds a number Python will not read ({exc}); rebuild the artifact") from None
     except RecursionError:
         raise ArtifactError(f"{path} is nested too deeply to be a manifest; rebuild the artifact") from None
     manifest = Manifest.from_dict(data)
@@ -476,11 +515,11 @@ def read_manifest(root: Path, verify_files: bool = True) -> Manifest:
             continue
         if not file_path.is_file():
             raise ArtifactError(
-                f"artifact file {relative!r} is missing from {str(root)!r}; rebuild the artifact or restore the file"
+                f"artifact file {quote(relative)} is missing from {quote(str(root), 200)}; rebuild the artifact or restore the file"
             )
         if file_path.stat().st_size != record["bytes"] or sha256_file(file_path) != record["sha256"]:
             raise ArtifactError(
-                f"artifact file {relative!r} does not match its sha256 in the manifest (corrupted or edited); "
+                f"artifact file {quote(relative)} does not match its sha256 in the manifest (corrupted or edited); "
                 "rebuild the artifact"
             )
     return manifest

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from .errors import ArtifactError, BackendUnavailableError, InputError
+from .artifact_check import check_after_open, check_before_open
+from .errors import ArtifactError, BackendUnavailableError, InputError, opening_artifact
 from .manifest import DraftPlan, Manifest, read_manifest
 from .sampling import SamplingParams
 from .speculative import DecodeRequest, Stats, backend_drafter, decode, reserve_cache
@@ -248,8 +249,15 @@ class SpeculativeModel:
 
 
 def load(path: str | Path, backend: str | None = None, device: str = "cpu", verify: bool = True) -> SpeculativeModel:
-    """Open an artifact: check its manifest and file hashes, then load tokenizer and backend."""
+    """Open an artifact: check its manifest and file hashes, its geometry against the weights' headers,
+    then load tokenizer and backend. Whatever goes wrong is a SpeccompileError (one line)."""
     root = Path(path)
-    manifest = read_manifest(root, verify_files=verify)
-    tokenizer = TextTokenizer(root / TOKENIZER_FILE)
-    return SpeculativeModel(root, manifest, _open_backend(root, manifest, backend, device), tokenizer)
+    with opening_artifact(root):
+        manifest = read_manifest(root, verify_files=verify)
+        name = backend or next(iter(manifest.backends))
+        if name in manifest.backends:  # (an unknown name: _open_backend's one-line error)
+            check_before_open(root, manifest, name)
+        tokenizer = TextTokenizer(root / TOKENIZER_FILE)
+        opened = _open_backend(root, manifest, backend, device)
+        check_after_open(manifest, opened)
+    return SpeculativeModel(root, manifest, opened, tokenizer)

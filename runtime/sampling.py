@@ -2,6 +2,12 @@
 
 Speculative sampling is lossless with respect to the *processed* target distribution (temperature,
 top-k, top-p applied), so both sides must go through this one function.
+
+Any positive temperature is safe: the logits are shifted by their maximum *before* they are divided by
+the temperature, in float64, so no value can overflow (the largest becomes 0, the others tend to -inf).
+As the temperature tends to 0 the distribution tends to a one-hot on the argmax (greedy; exact ties
+share the mass), with no overflow and no nan at any tiny temperature (even a subnormal one). The server
+and the CLI both sample through here, so they follow the same rule.
 """
 
 from __future__ import annotations
@@ -22,15 +28,18 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
-def softmax(logits: np.ndarray) -> np.ndarray:
-    z = logits.astype(np.float64) - logits.max(axis=-1, keepdims=True)
-    e = np.exp(z)
+def softmax(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
+    """softmax(logits / temperature) for any temperature > 0, without overflow (see the module docstring)."""
+    z = np.asarray(logits, dtype=np.float64)
+    with np.errstate(over="ignore", divide="ignore", under="ignore"):
+        z = (z - z.max(axis=-1, keepdims=True)) / temperature  # <= 0 everywhere: exp cannot overflow
+        e = np.exp(z)
     return e / e.sum(axis=-1, keepdims=True)
 
 
 def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     """The distribution plain sampling draws from: softmax(logits / T), then top-k, then top-p."""
-    probs = softmax(logits / params.temperature)
+    probs = softmax(logits, params.temperature)
     if params.top_k and params.top_k < probs.shape[-1]:
         kth = np.partition(probs, -params.top_k)[-params.top_k]
         probs = np.where(probs >= kth, probs, 0.0)

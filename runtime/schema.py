@@ -20,7 +20,14 @@ import typing
 from functools import lru_cache
 from typing import Any
 
-from .errors import ArtifactError
+from .errors import ArtifactError, quote
+
+MAX_DEPTH = 32
+"""Deepest nesting of objects and lists a manifest may hold (a real one nests 6 deep)."""
+MAX_STRING = 4096
+"""Longest string value a manifest may hold (a path is at most 4096 bytes on Linux)."""
+MAX_KEY = 256
+"""Longest object key a manifest may hold (plan, tensor, graph and file names)."""
 
 REJECT_UNKNOWN = "__reject_unknown_fields__"
 """A dataclass with this class attribute set to True refuses JSON keys it has no field for; others
@@ -69,6 +76,65 @@ def _wrong(value: Any, annotation: Any, where: str) -> ArtifactError:
 @lru_cache(maxsize=None)
 def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
+
+
+def check_json_shape(data: Any, where: str, max_depth: int = MAX_DEPTH, max_string: int = MAX_STRING,
+                     max_key: int = MAX_KEY, error: type[Exception] = ArtifactError, fix: str = "rebuild the artifact",
+                     what: str = "") -> None:
+    """Refuse JSON data nested deeper than ``max_depth``, holding a string longer than ``max_string`` (an
+    object key: ``max_key``), or a string that is not Unicode text (a lone surrogate such as ``"\\ud800"``,
+    which JSON allows but no file system, tokenizer or UTF-8 encoder takes), before anything recursive
+    reads it. Written without recursion, so any depth ``json.loads`` returned is answered with ``error``
+    (one line, naming the place), never a RecursionError. The manifest's check and the server's request
+    check share it."""
+    stack: list[tuple[Any, tuple]] = [(data, ())]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, str):
+            if len(value) > max_string:
+                raise _located(error, where, path, f"{what}{json_path(where, path)} is a string of {len(value)} characters (at most "
+                            f"{max_string}); {fix}")
+            _check_text(value, where, path, error, fix, what)
+            continue
+        if not isinstance(value, (dict, list)):
+            continue
+        if len(path) >= max_depth:
+            raise _located(error, where, path, f"{what}{json_path(where, path)} is nested more than {max_depth} levels deep; {fix}")
+        if isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str):
+                    if len(key) > max_key:
+                        raise _located(error, where, path, f"{what}{json_path(where, path)} has a key of {len(key)} characters (at most "
+                                    f"{max_key}): {quote(key)}; {fix}")
+                    _check_text(key, where, path + (key,), error, fix, what)
+                stack.append((item, path + (key,)))
+        else:
+            stack.extend((item, path + (i,)) for i, item in enumerate(value))
+
+
+def _check_text(value: str, where: str, path: tuple, error: type[Exception], fix: str, what: str) -> None:
+    if value.isascii():
+        return
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _located(error, where, path, f"{what}{json_path(where, path)} is not valid Unicode text (a lone surrogate "
+                    f"{quote(exc.object[exc.start:exc.end])} at character {exc.start}); {fix}") from None
+
+
+def _located(error: type[Exception], where: str, path: tuple, message: str) -> Exception:
+    """``error(message)`` with ``field``: the place, for a server's error ``param``."""
+    exc = error(message)
+    exc.field = json_path(where, path) or None
+    return exc
+
+
+def json_path(where: str, path: tuple) -> str:
+    """``where['key'][3]`` (``key[3]`` when ``where`` is empty), each key quoted with a bounded prefix."""
+    if not where and path and isinstance(path[0], str):
+        where, path = path[0] if path[0].isidentifier() and len(path[0]) <= 40 else quote(path[0], 40), path[1:]
+    parts = [f"[{i}]" if isinstance(i, int) else f"[{quote(i, 40)}]" for i in path]
+    return where + "".join(parts if len(parts) <= 8 else parts[:6] + ["...", parts[-1]])
 
 
 def check_value(value: Any, annotation: Any, where: str) -> Any:
@@ -152,4 +218,5 @@ def build_dataclass(cls: type, data: Any, where: str):
     return cls(**kwargs)
 
 
-__all__ = ["REJECT_UNKNOWN", "build_dataclass", "check_value", "describe", "json_type"]
+__all__ = ["MAX_DEPTH", "MAX_KEY", "MAX_STRING", "REJECT_UNKNOWN", "build_dataclass", "check_json_shape",
+           "check_value", "describe", "json_path", "json_type"]

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import click
@@ -404,3 +405,94 @@ def test_unexpected_errors_are_one_line_with_a_debug_hint():
     assert "second line" in line  # folded onto the one line
     debug = CliRunner().invoke(broken, ["--debug"])
     assert isinstance(debug.exception, RuntimeError)  # the traceback, for a bug report
+
+
+# -- issue 27: manifests that do not fit their weights, unbounded quotes, deep values, tiny temperatures ------
+
+
+GEOMETRY_EDITS = [  # (config change, words the error must hold)
+    ({"num_layers": 5}, ["num_layers", "5"]),
+    ({"num_layers": 3}, ["layers [3] outside 0..2"]),  # the plan's reference to block 3, checked first
+    ({"hidden_size": 32}, ["hidden_size"]),
+    ({"vocab_size": 300}, ["vocab_size"]),
+    ({"rotary_dim": 8}, ["rotary_dim"]),
+    ({"num_heads": 2}, ["num_heads"]),
+    ({"num_kv_heads": 1}, ["num_kv_heads"]),
+    ({"head_dim": 32}, ["head_dim"]),
+    ({"intermediate_size": 64}, ["intermediate_size"]),
+    ({"num_experts": 2, "experts_per_token": 1}, ["num_experts"]),
+    ({"tie_word_embeddings": True}, ["lm_head"]),
+    ({"qk_norm": True}, ["q_norm"]),
+    ({"norm": "layer"}, ["norm", "bias"]),
+    ({"mlp": "plain"}, ["gate"]),
+    ({"positions": "learned"}, ["pos_embed"]),
+    ({"num_heads": 3}, ["num_heads", "num_kv_heads"]),  # not a multiple: refused by the schema's rules
+    ({"activation": "swish"}, ["activation", "swish"]),
+]
+
+
+@pytest.mark.parametrize("change, words", GEOMETRY_EDITS, ids=[",".join(c) for c, _ in GEOMETRY_EDITS])
+def test_a_config_that_does_not_fit_the_weights_is_one_line(artifact_copy, change, words):
+    """The manifest's geometry is checked against the safetensors header before the backend opens: the
+    runtime's own error naming the field, never the crash handler's "this is a bug" line."""
+    edit_manifest(artifact_copy, lambda d: d["config"].update(change))
+    with pytest.raises(ArtifactError) as refused:
+        load(artifact_copy)
+    assert type(refused.value).__name__ == "ArtifactError", refused.value  # a check, not the boundary's net
+    line = assert_one_line_error(invoke("generate", artifact_copy, "--prompt", "x", "--max-new-tokens", "2"), *words)
+    assert "this is a bug" not in line
+
+
+@pytest.mark.parametrize("where", ["files", "weights", "plan-name", "default-plan", "config-string"])
+def test_an_over_long_value_is_quoted_by_a_bounded_prefix(artifact_copy, where):
+    long = "weights/" + "a" * 1_000_000
+
+    def change(d):
+        if where == "files":
+            d["files"][long] = {"sha256": "0" * 64, "bytes": 1}
+        elif where == "weights":
+            d["files"][long] = d["files"]["weights/model.safetensors"]
+            d["backends"]["torch"]["weights"] = long
+        elif where == "plan-name":
+            d["plans"][long] = next(iter(d["plans"].values()))
+        elif where == "default-plan":
+            d["default_plan"] = long
+        else:
+            d["config"]["model_type"] = long
+
+    edit_manifest(artifact_copy, change)
+    for command in (("inspect", artifact_copy), ("generate", artifact_copy, "--prompt", "x", "--max-new-tokens", "2")):
+        result = invoke(*command)
+        assert_one_line_error(result)
+        assert len(result.stderr) < 1000, len(result.stderr)
+    with pytest.raises(ArtifactError) as refused:
+        load(artifact_copy)
+    assert len(str(refused.value)) <= 600 and "characters" in str(refused.value)
+
+
+@pytest.mark.parametrize("depth", [40, 600, 950, 100_000])
+def test_a_recursion_deep_value_in_a_plan_is_one_line(artifact_copy, depth):
+    text = (artifact_copy / "manifest.json").read_text()
+    deep = "[" * depth + "]" * depth
+    (artifact_copy / "manifest.json").write_text(text.replace('"measured": {', f'"measured": {{"deep": {deep}, ', 1))
+    with pytest.raises(ArtifactError, match="nested"):
+        load(artifact_copy)
+    assert_one_line_error(invoke("generate", artifact_copy, "--prompt", "x", "--max-new-tokens", "2"), "nested")
+
+
+@pytest.mark.parametrize("temperature", ["1e-40", "1e-300", "5e-324"])
+def test_a_tiny_temperature_decodes_like_greedy_in_the_cli(tiny_artifact, temperature):
+    """softmax(logits / T) with T too small for the division to fit a float: the same tokens as greedy, no
+    overflow warning, in the CLI (the server's test is in test_hostile_bodies.py: the same rule)."""
+    args = ("generate", tiny_artifact, "--prompt", "class Point:", "--max-new-tokens", "12", "--json",
+            "--no-speculate")
+    greedy = invoke(*args)
+    tiny = invoke(*args, "--temperature", temperature, "--seed", "5")
+    assert tiny.exit_code == 0 and "Warning" not in tiny.stderr, tiny.stderr
+    last = lambda result: json.loads(result.stdout.strip().splitlines()[-1])["token_ids"]  # noqa: E731
+    assert last(tiny) == last(greedy)
+    model = load(tiny_artifact)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        sampled = model.generate("class Point:", max_new_tokens=12, temperature=float(temperature), seed=1)
+    assert sampled.token_ids == last(greedy)
