@@ -17,7 +17,8 @@ from pathlib import Path
 
 import numpy as np
 
-from speccompile.runtime.drafters import RoundContext, make_drafter
+from speccompile.runtime.drafter_factory import make_drafter
+from speccompile.runtime.drafters import RoundContext
 from speccompile.runtime.manifest import DraftPlan
 from speccompile.runtime.sampling import SamplingParams
 

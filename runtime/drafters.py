@@ -15,13 +15,13 @@ Sources (one file each):
 - ``runtime/hybrid.py``: per round, a lookup hit when there is one, the model's draft otherwise, and a
   lookup continuation that extends the model's draft.
 
-``make_drafter(plan, ...)`` turns a plan (data, in the manifest) into its drafter.
+``runtime/drafter_factory.py``'s ``make_drafter(plan, ...)`` turns a plan (data, in the manifest) into its
+drafter.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Protocol, Sequence
 
 import numpy as np
@@ -168,34 +168,4 @@ class ModelDrafter:
         self.policy.update(drafted, min(accepted, drafted))
 
 
-# Model-free sources by name: module (relative to this package) and class. A new source is one file
-# plus one line here.
-LOOKUP_SOURCES = {"ngram": ("ngram", "NgramDrafter"), "retrieval": ("retrieval", "RetrievalDrafter")}
-
-
-def lookup_drafter(source: str, plan: DraftPlan, root: Path | None):
-    import importlib
-
-    if source not in LOOKUP_SOURCES:
-        from .errors import ArtifactError
-
-        raise ArtifactError(f"plan {plan.name!r} uses draft source {source!r}, which this runtime does not know "
-                            f"(known: {', '.join(LOOKUP_SOURCES)}); upgrade speccompile")
-    module, cls = LOOKUP_SOURCES[source]
-    return getattr(importlib.import_module(f".{module}", __package__), cls).from_plan(plan, root)
-
-
-def make_drafter(plan: DraftPlan, step: DraftStep | None, root: Path | None = None,
-                 max_draft: int | None = None):
-    """The drafter a plan describes: its model subgraph (through ``step``), its lookups, or both."""
-    from .hybrid import HybridDrafter
-
-    model = ModelDrafter(plan, step, DraftPolicy.from_plan(plan, max_draft)) if plan.has_model_draft else None
-    lookups = [lookup_drafter(source, plan, root) for source in plan.lookup]
-    if model is not None and not lookups:
-        return model
-    return HybridDrafter(lookups, model, extend=plan.extend)
-
-
-__all__ = ["BackendStep", "Draft", "DraftPolicy", "DraftStep", "Drafter", "ModelDrafter", "RoundContext",
-           "make_drafter"]
+__all__ = ["BackendStep", "Draft", "DraftPolicy", "DraftStep", "Drafter", "ModelDrafter", "RoundContext"]

@@ -21,7 +21,8 @@ from typing import Iterator
 import numpy as np
 
 from .backends.base import Backend
-from .drafters import BackendStep, Draft, RoundContext, make_drafter
+from .drafter_factory import make_drafter
+from .drafters import BackendStep, Draft, RoundContext
 from .manifest import DraftPlan
 from .sampling import SamplingParams, probabilities, sample
 

@@ -19,14 +19,12 @@ and always prepends bos; both are repaired here from the file's own metadata
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 import shutil
 from pathlib import Path
 
 from speccompile.convert import check_supported
-from speccompile.loading import SourceModel, load_source
 from speccompile.runtime.errors import SpeccompileError
 
 GGUF_MAGIC = b"GGUF"
@@ -155,8 +153,9 @@ def dequantise_to_folder(path: Path, dtype: str, folder: Path) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def load_gguf(path: Path, dtype: str = "float32") -> SourceModel:
-    """A source model from a .gguf file: dequantised once into the cache folder, then loaded from it."""
+def gguf_folder(path: Path, dtype: str = "float32") -> tuple[Path, str]:
+    """The ``save_pretrained`` folder of a .gguf file, dequantised once into the cache, and the file's
+    sha256 (the source's revision). ``speccompile.loading.load_source`` loads the folder."""
     path = Path(path)
     require_gguf_support()
     check_gguf_file(path)
@@ -165,5 +164,5 @@ def load_gguf(path: Path, dtype: str = "float32") -> SourceModel:
     if not (folder / "config.json").is_file():
         folder.parent.mkdir(parents=True, exist_ok=True)
         dequantise_to_folder(path, dtype, folder)
-    source = load_source(str(folder), dtype=dtype)
-    return dataclasses.replace(source, name=str(path), revision=sha)
+    return folder, sha
+

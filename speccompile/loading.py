@@ -6,6 +6,8 @@ an id that is not cached is a one-line error that says how to pass a local folde
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 from dataclasses import dataclass
@@ -158,9 +160,11 @@ def load_source(name: str | None, trust_remote_code: bool = False, dtype: str = 
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     if name and name.lower().endswith(".gguf"):
-        from speccompile.gguf_input import load_gguf
+        from speccompile.gguf_input import gguf_folder
 
-        return load_gguf(Path(name).expanduser(), dtype=dtype)
+        gguf = Path(name).expanduser()
+        folder, sha = gguf_folder(gguf, dtype)
+        return dataclasses.replace(load_source(str(folder), dtype=dtype), name=str(gguf), revision=sha)
     path, revision = resolve_model_path(name)
     read_model_type(path)  # a one-line error for a broken config.json; the architecture is judged once loaded
     try:

@@ -17,7 +17,8 @@ from click.testing import CliRunner
 gguf = pytest.importorskip("gguf")
 
 from speccompile.cli import main  # noqa: E402
-from speccompile.gguf_input import cache_root, load_gguf  # noqa: E402
+from speccompile.gguf_input import cache_root  # noqa: E402
+from speccompile.loading import load_source  # noqa: E402
 
 PROMPT = "def add(a, b):\n    return"
 
@@ -127,7 +128,7 @@ def test_gguf_loads_with_the_original_logits_and_tokenizer(tiny_model_dir, tiny_
     original_dir = tiny_model_dir("llama")
     original = AutoModelForCausalLM.from_pretrained(original_dir, attn_implementation="eager").eval()
     original_tokenizer = AutoTokenizer.from_pretrained(original_dir)
-    source = load_gguf(tiny_gguf)
+    source = load_source(str(tiny_gguf))
 
     sha = hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
     assert source.name == str(tiny_gguf) and source.revision == sha
@@ -144,7 +145,7 @@ def test_gguf_loads_with_the_original_logits_and_tokenizer(tiny_model_dir, tiny_
     assert torch.allclose(got, expected, atol=1e-5, rtol=0), (got - expected).abs().max()
 
     stamp = (source.path / "config.json").stat().st_mtime_ns
-    again = load_gguf(tiny_gguf)
+    again = load_source(str(tiny_gguf))
     assert again.path == source.path and (again.path / "config.json").stat().st_mtime_ns == stamp
 
 
