@@ -184,6 +184,10 @@ class DraftPlan:
     # draft vocabulary (draft_vocab tokens), in one safetensors file in the artifact.
     draft_head_file: str | None = None
     measured: dict[str, Any] = field(default_factory=dict)
+    # The draft kind (runtime/draft_kinds/): None for the built-in kinds, which are inferred from the fields
+    # above; a kind added later names itself here and keeps its own options in ``params``.
+    kind: str | None = None
+    params: dict[str, Any] = field(default_factory=dict)
 
     @property
     def is_early_exit(self) -> bool:
@@ -191,7 +195,10 @@ class DraftPlan:
 
     @property
     def has_model_draft(self) -> bool:
-        return self.exit_layer is not None or bool(self.skip_attn) or bool(self.skip_mlp)
+        """Whether the plan drafts with a subgraph of the model (its kind has a model part)."""
+        from .draft_kinds import kind_of
+
+        return kind_of(self).has_model_part
 
     def validate(self, num_layers: int) -> None:
         for name, layers in (("skip_attn", self.skip_attn), ("skip_mlp", self.skip_mlp)):
@@ -240,18 +247,17 @@ class DraftPlan:
         return self.short_ngram >= self.ngram_min
 
     def describe(self) -> str:
+        from .draft_kinds import kind_of
+        from .draft_kinds.draft_head import describe as describe_head
+
         parts = []
         short = f", 1 token after a match of <= {self.short_ngram}" if self.drafts_after_short_match else ""
         names = {"ngram": f"n-gram lookup (n {self.ngram_max}..{self.ngram_min}{short})", "retrieval": "retrieval"}
         parts += [names.get(source, source) for source in self.lookup]
-        if self.is_early_exit:
-            adapter = " + trained adapter" if self.head.startswith("adapter:") else ""
-            parts.append(f"early exit after block {self.exit_layer}{adapter}")
-        elif self.has_model_draft:
-            parts.append(f"skip {len(self.skip_attn)} attention + {len(self.skip_mlp)} MLP sublayers")
-        if self.has_model_draft and self.draft_vocab is not None:
-            parts[-1] += f" (draft vocabulary {self.draft_vocab})"
-        return ", else ".join(parts) if len(parts) > 1 else parts[0]
+        kind = kind_of(self)
+        if kind.has_model_part:
+            parts.append(kind.describe() + describe_head(self))
+        return ", else ".join(parts) if len(parts) > 1 else (parts[0] if parts else "nothing")
 
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "plan") -> "DraftPlan":
