@@ -24,7 +24,9 @@ def quote(value, limit: int = QUOTE_PREFIX) -> str:
         if len(value) <= limit:
             return ascii_safe(repr(value))
         return f"{ascii_safe(repr(value[:limit]))[:-1]}...' ({len(value)} characters)"
-    text = ascii_safe(repr(value)) if not isinstance(value, int) or abs(value) < 10**limit else f"<{value.bit_length()}-bit integer>"
+    if isinstance(value, int) and abs(value) >= 10**limit:  # (repr of an int over 4300 digits raises)
+        return f"<{value.bit_length()}-bit integer>"
+    text = ascii_safe(repr(value))
     return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
 
 

@@ -87,46 +87,45 @@ def check_json_shape(data: Any, where: str, max_depth: int = MAX_DEPTH, max_stri
     reads it. Written without recursion, so any depth ``json.loads`` returned is answered with ``error``
     (one line, naming the place), never a RecursionError. The manifest's check and the server's request
     check share it."""
+    def refuse(path: tuple, problem: str) -> Exception:
+        exc = error(f"{what}{json_path(where, path)} {problem}; {fix}")
+        exc.field = json_path(where, path) or None  # the place, for a server's error ``param``
+        return exc
+
     stack: list[tuple[Any, tuple]] = [(data, ())]
     while stack:
         value, path = stack.pop()
         if isinstance(value, str):
             if len(value) > max_string:
-                raise _located(error, where, path, f"{what}{json_path(where, path)} is a string of {len(value)} characters (at most "
-                            f"{max_string}); {fix}")
-            _check_text(value, where, path, error, fix, what)
+                raise refuse(path, f"is a string of {len(value)} characters (at most {max_string})")
+            if (bad := _surrogate(value)) is not None:
+                raise refuse(path, bad)
             continue
         if not isinstance(value, (dict, list)):
             continue
         if len(path) >= max_depth:
-            raise _located(error, where, path, f"{what}{json_path(where, path)} is nested more than {max_depth} levels deep; {fix}")
+            raise refuse(path, f"is nested more than {max_depth} levels deep")
         if isinstance(value, dict):
             for key, item in value.items():
                 if isinstance(key, str):
                     if len(key) > max_key:
-                        raise _located(error, where, path, f"{what}{json_path(where, path)} has a key of {len(key)} characters (at most "
-                                    f"{max_key}): {quote(key)}; {fix}")
-                    _check_text(key, where, path + (key,), error, fix, what)
+                        raise refuse(path, f"has a key of {len(key)} characters (at most {max_key}): {quote(key)}")
+                    if (bad := _surrogate(key)) is not None:
+                        raise refuse(path + (key,), bad)
                 stack.append((item, path + (key,)))
         else:
             stack.extend((item, path + (i,)) for i, item in enumerate(value))
 
 
-def _check_text(value: str, where: str, path: tuple, error: type[Exception], fix: str, what: str) -> None:
+def _surrogate(value: str) -> str | None:
+    """What makes ``value`` not Unicode text (a lone surrogate), or None."""
     if value.isascii():
-        return
+        return None
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as exc:
-        raise _located(error, where, path, f"{what}{json_path(where, path)} is not valid Unicode text (a lone surrogate "
-                    f"{quote(exc.object[exc.start:exc.end])} at character {exc.start}); {fix}") from None
-
-
-def _located(error: type[Exception], where: str, path: tuple, message: str) -> Exception:
-    """``error(message)`` with ``field``: the place, for a server's error ``param``."""
-    exc = error(message)
-    exc.field = json_path(where, path) or None
-    return exc
+        return f"is not valid Unicode text (a lone surrogate {quote(exc.object[exc.start:exc.end])} at character {exc.start})"
+    return None
 
 
 def json_path(where: str, path: tuple) -> str:

@@ -458,8 +458,8 @@ def serve(artifact, host, port, backend, device, slots, max_queue, plan, api_key
 
     app = create_app(artifact, slots=slots, max_queue=max_queue, plan=plan, api_key=api_key, backend=backend,
                      device=device)
-    click.echo(f"serving {artifact} on http://{host}:{port}/v1 with {slots} slot(s), queue {max_queue}", err=True)
-    run_server(app, host=host, port=port)
+    run_server(app, host=host, port=port, announce=lambda url: click.echo(
+        f"serving {artifact} on {url}/v1 with {slots} slot(s), queue {max_queue}", err=True))
 
 
 if __name__ == "__main__":

@@ -20,9 +20,15 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from speccompile.runtime import InputError, SpeculativeModel
+from speccompile.runtime.errors import one_line, quote
+from speccompile.runtime.schema import check_json_shape
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for /v1/completions
 MAX_STOP_STRINGS = 8
+MAX_BODY_DEPTH = 16
+"""Deepest nesting a request body may have (a chat request with content parts nests 5 deep)."""
+MAX_KEY = 256
+"""Longest object key a request body may hold."""
 
 
 # -- errors --------------------------------------------------------------------------------------------
@@ -33,28 +39,40 @@ class APIError(InputError):
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
-        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.status, self.message, self.param, self.code, self.kind = status, str(self), param, code, kind
         self.headers = headers or {}
+
+
+class SafeJSONResponse(JSONResponse):
+    """JSON with every non-ASCII character escaped: a body that quotes what a client sent can always be
+    encoded (a lone surrogate would make Starlette's UTF-8 rendering raise, and the server drop the
+    connection)."""
+
+    def render(self, content) -> bytes:
+        return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
 def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
                    kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> JSONResponse:
-    body = {"error": {"message": message, "type": kind, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    """The OpenAI error body; the message on one bounded line, the param a bounded name."""
+    body = {"error": {"message": one_line(message), "type": kind, "param": None if param is None else one_line(param, 120),
+                      "code": code}}
+    return SafeJSONResponse(body, status_code=status, headers=headers)
 
 
 def validation_message(exc: ValidationError) -> tuple[str, str | None]:
     """The first pydantic error as one line naming the field, and the field (the error's ``param``)."""
-    err = exc.errors()[0]
+    err = exc.errors(include_input=False, include_url=False)[0]
     loc = [str(part) for part in err.get("loc", ())]
     name = ".".join(loc) or None
+    shown = quote(name, 80)[1:-1] if name and len(name) <= 80 else quote(name, 80)
     if err["type"] == "extra_forbidden":
-        return f"unrecognized request argument '{name}'; remove it (this server does not support it)", name
+        return f"unrecognized request argument '{shown}'; remove it (this server does not support it)", name
     if err["type"] == "missing":
-        return f"missing required field '{name}'", name
+        return f"missing required field '{shown}'", name
     if not loc:
         return f"the request body must be a JSON object ({err['msg']})", None
-    return f"field '{name}': {err['msg']}", name
+    return f"field '{shown}': {err['msg']}", name
 
 
 # -- request bodies --------------------------------------------------------------------------------------
@@ -103,16 +121,38 @@ class ChatRequest(BaseRequest):
     top_logprobs: int | None = None
 
 
+def _not_json(constant: str):
+    raise ValueError(f"{constant} is not a JSON number")
+
+
 def parse_request(raw: bytes, schema: type[BaseRequest]) -> BaseRequest:
-    """A JSON body as ``schema``, with 400s that name the problem (FastAPI's default is a 422 list)."""
+    """A JSON body as ``schema``, with 400s that name the problem (FastAPI's default is a 422 list).
+
+    Hostile shapes are refused before anything recursive or the tokenizer reads them: bodies that are not
+    UTF-8 JSON, NaN / Infinity (not JSON), integers of more digits than Python converts, nesting deeper
+    than ``MAX_BODY_DEPTH``, keys longer than ``MAX_KEY``, and strings that are not Unicode text (lone
+    surrogates such as ``"\\ud800"``, valid JSON but refused by the tokenizer): each a 400 naming the
+    field. The body's size is bounded before this (``RequestGuard``: 413)."""
     if not raw.strip():
         raise APIError(400, "the request body is empty; send a JSON object")
     try:
-        data = json.loads(raw)
+        data = json.loads(raw, parse_constant=_not_json)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON ({exc}); send a JSON object") from None
+    except ValueError as exc:  # NaN / Infinity, or an integer over sys.get_int_max_str_digits() digits
+        raise APIError(400, f"the request body holds a value this server does not accept ({exc}); send plain "
+                            "JSON numbers") from None
+    except RecursionError:
+        raise APIError(400, f"the request body is nested too deeply (at most {MAX_BODY_DEPTH} levels); send a "
+                            "flatter JSON object") from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}")
+    try:
+        check_json_shape(data, "", max_depth=MAX_BODY_DEPTH, max_string=len(raw), max_key=MAX_KEY, error=InputError,
+                         fix=f"send a JSON object of UTF-8 text, nested at most {MAX_BODY_DEPTH} deep",
+                         what="field ")
+    except InputError as exc:
+        raise APIError(400, str(exc), getattr(exc, "field", None)) from None
     try:
         return schema.model_validate(data)
     except ValidationError as exc:
@@ -152,14 +192,14 @@ class SamplingOptions:
 
 def check_sampling(req: BaseRequest, max_tokens: int | None, prompt_tokens: int, context: int) -> SamplingOptions:
     """Range checks with messages naming the value and the fix; max_tokens defaults to the rest of the context."""
-    if not 0.0 <= req.temperature <= 2.0:
+    if not 0.0 <= req.temperature <= 2.0:  # any value in between is safe (runtime/sampling.py)
         raise APIError(400, f"temperature must be between 0 and 2 (got {req.temperature}); use 0 for greedy", "temperature")
     if not 0.0 < req.top_p <= 1.0:
         raise APIError(400, f"top_p must be in (0, 1] (got {req.top_p})", "top_p")
     if req.top_k < 0:
-        raise APIError(400, f"top_k must be 0 (no cut) or positive (got {req.top_k})", "top_k")
+        raise APIError(400, f"top_k must be 0 (no cut) or positive (got {quote(req.top_k)})", "top_k")
     if req.seed is not None and not 0 <= req.seed < 2**63:
-        raise APIError(400, f"seed must be an integer in 0..2**63-1 (got {req.seed})", "seed")
+        raise APIError(400, f"seed must be an integer in 0..2**63-1 (got {quote(req.seed)})", "seed")
     if prompt_tokens >= context:
         raise APIError(400, f"the prompt is {prompt_tokens} tokens but the model's context is {context}; shorten "
                             "the prompt", "prompt", code="context_length_exceeded")
@@ -167,7 +207,7 @@ def check_sampling(req: BaseRequest, max_tokens: int | None, prompt_tokens: int,
     if max_tokens is None:
         max_tokens = room
     if max_tokens < 1:
-        raise APIError(400, f"max_tokens must be at least 1 (got {max_tokens})", "max_tokens")
+        raise APIError(400, f"max_tokens must be at least 1 (got {quote(max_tokens)})", "max_tokens")
     if max_tokens > room:
         raise APIError(400, f"the prompt is {prompt_tokens} tokens and max_tokens is {max_tokens}: together "
                             f"{prompt_tokens + max_tokens}, over the model's context of {context} tokens; "
@@ -191,7 +231,7 @@ def completion_prompt_ids(model: SpeculativeModel, prompt) -> list[int]:
     if isinstance(prompt, str):
         if not prompt.strip():
             raise APIError(400, "the prompt is empty; send some text", "prompt")
-        ids = model.tokenizer.encode(prompt)
+        ids = tokenize(lambda: model.tokenizer.encode(prompt), "prompt")
     else:
         ids = [int(t) for t in prompt]
     if not ids:
@@ -257,15 +297,29 @@ class ChatTemplate:
                                          **self._special_tokens)
         except jinja2.exceptions.TemplateError as exc:
             raise APIError(400, f"the model's chat template refused these messages: {exc}", "messages") from None
+        except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as exc:
+            # A template written for other message shapes (e.g. content parts where it expects a string).
+            raise APIError(400, f"the model's chat template cannot render these messages ({type(exc).__name__}: "
+                                f"{quote(str(exc), 120)})", "messages") from None
 
     def prompt_ids(self, messages: list[ChatMessage]) -> list[int]:
         if not messages:
             raise APIError(400, "messages is empty; send at least one message", "messages")
         plain = [_message_dict(m, i) for i, m in enumerate(messages)]
-        ids = self._tokenizer.encode(self.render(plain), add_special_tokens=False).ids
+        text = self.render(plain)
+        ids = tokenize(lambda: self._tokenizer.encode(text, add_special_tokens=False).ids, "messages")
         if not ids:
             raise APIError(400, "the rendered chat prompt is empty", "messages")
         return ids
+
+
+def tokenize(encode, field: str) -> list[int]:
+    """``encode()``, with what the tokenizer refuses (text it cannot take) as a 400 naming ``field``."""
+    try:
+        return encode()
+    except (TypeError, ValueError, UnicodeError) as exc:  # tokenizers raises TypeError for text it cannot read
+        raise APIError(400, f"the tokenizer cannot encode the {field} ({type(exc).__name__}: {quote(str(exc), 120)}); "
+                            "send UTF-8 text", field) from None
 
 
 def _message_dict(message: ChatMessage, index: int) -> dict:

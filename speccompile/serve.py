@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
+import logging
 import math
 import socket
 import threading
@@ -41,8 +43,10 @@ from speccompile.openai_api import (
     parse_request, refuse_unsupported, sse_event,
 )
 from speccompile.runtime import InputError, SpeculativeModel, load
+from speccompile.runtime.errors import SpeccompileError, quote
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
+log = logging.getLogger("speccompile.serve")
 
 
 # -- decoding in a slot ----------------------------------------------------------------------------------
@@ -194,11 +198,16 @@ class ServerMetrics:
                 self._totals["accepted"] += outcome.accepted
 
 
-# -- the guard at the door: API key, body size, request counts -----------------------------------------
+# -- the guard at the door: API key, body size, request counts, the last line against crashes ---------
 
 class RequestGuard:
     """Pure ASGI middleware (it never buffers a response, so streaming and disconnects pass through):
-    401 for a wrong API key on /v1/*, 413 for a body over the limit, and per-status request counts."""
+    401 for a wrong API key on /v1/*, 413 for a body over the limit, and per-status request counts.
+
+    It is also the catch-all: an exception no handler answered (a bug) is logged with its traceback and
+    answered with a 500 OpenAI error body, and is *not* re-raised, so the server does not drop the
+    connection and keeps serving every other request (Starlette's own last handler re-raises, which makes
+    uvicorn close the connection)."""
 
     def __init__(self, app, api_key: str | None, max_body_bytes: int, metrics: ServerMetrics):
         self.app, self.api_key, self.max_body_bytes, self.metrics = app, api_key, max_body_bytes, metrics
@@ -235,7 +244,18 @@ class RequestGuard:
                 if len(body) > self.max_body_bytes:
                     return await self._too_large(scope, receive, counting_send)
             receive = _replay(body, receive)
-        await self.app(scope, receive, counting_send)
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception as exc:
+            log.error("%s %s failed: %s: %s", scope["method"], path, type(exc).__name__, quote(str(exc), 200),
+                      exc_info=exc)
+            if "status" in status_seen:  # a stream already under way: end it (the client sees it cut short)
+                with contextlib.suppress(Exception):
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+                return
+            await error_response(500, f"internal error ({type(exc).__name__}); the server logged it and keeps serving: "
+                                      "please report it", kind="server_error", code="internal_error")(
+                scope, receive, counting_send)
 
     def _authorized(self, scope) -> bool:
         header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
@@ -322,10 +342,6 @@ def create_app(artifact_or_model: str | Path | SpeculativeModel, *, slots: int =
         return error_response(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
                               kind="invalid_request_error" if exc.status_code < 500 else "server_error")
 
-    @app.exception_handler(Exception)
-    async def on_crash(request, exc: Exception):
-        return error_response(500, f"internal error: {type(exc).__name__}: {exc}", kind="server_error")
-
     @app.get("/health")
     async def health():
         return {"status": "ok", "model": state.model_name, "slots": pool.size, "busy": pool.busy,
@@ -375,7 +391,7 @@ def create_app(artifact_or_model: str | Path | SpeculativeModel, *, slots: int =
 
 def _check_model(state: ServerState, name: str | None) -> None:
     if name is not None and name != state.model_name:
-        raise APIError(404, f"model '{name}' is not served here; this server serves '{state.model_name}'",
+        raise APIError(404, f"model {quote(name)} is not served here; this server serves '{state.model_name}'",
                        "model", code="model_not_found")
 
 
@@ -455,11 +471,46 @@ async def _respond(state: ServerState, req: BaseRequest, prompt_ids: list[int], 
 
 # -- running it ------------------------------------------------------------------------------------------
 
-def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info") -> None:
-    """Serve ``app`` with uvicorn until interrupted."""
+def bind_socket(host: str, port: int) -> socket.socket:
+    """A TCP socket bound to ``host``:``port`` (not yet listening), or an InputError naming the problem and
+    the fix: a host that is not an address of this machine, a port already taken or reserved."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except (socket.gaierror, UnicodeError, OverflowError, ValueError) as exc:
+        raise InputError(f"cannot listen on --host {quote(host)} ({getattr(exc, 'strerror', None) or exc}); use an "
+                         "address of this machine, e.g. 127.0.0.1 or 0.0.0.0") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        hints = {errno.EADDRINUSE: f"port {port} on {host} is already in use; stop the other server or pick another "
+                                   "--port",
+                 errno.EACCES: f"port {port} needs privileges on this system; use a port above 1023",
+                 errno.EADDRNOTAVAIL: f"--host {quote(host)} is not an address of this machine; use 127.0.0.1, 0.0.0.0 "
+                                      "or one of its interfaces' addresses"}
+        raise InputError(hints.get(exc.errno, f"cannot listen on {host}:{port} ({exc.strerror})")) from None
+    return sock
+
+
+def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
+               announce: Callable[[str], None] | None = None) -> None:
+    """Serve ``app`` with uvicorn until interrupted. The socket is bound first, so a taken port or a bad
+    host is an InputError (the CLI's one ``error:`` line) before ``announce(url)`` says it is serving."""
     import uvicorn
 
-    uvicorn.run(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5)
+    sock = bind_socket(host, port)
+    try:
+        server = uvicorn.Server(uvicorn.Config(app, log_level=log_level, timeout_graceful_shutdown=5))
+        if announce is not None:
+            announce(f"http://{host}:{sock.getsockname()[1]}")
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if not server.started:
+        raise SpeccompileError("the server stopped while starting (see the log above); check the artifact and the "
+                               "options, then run `speccompile serve` again")
 
 
 @contextlib.contextmanager

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -24,14 +23,10 @@ from prometheus_client.parser import text_string_to_metric_families
 from speccompile.cli import main
 from speccompile.openai_api import StopCutter
 from speccompile.runtime import load
-from speccompile.runtime.manifest import file_record
 from speccompile.serve import create_app, serve_in_thread
 
-# A ChatML-style template (the tiny tokenizer has none): written into the artifact's tokenizer config.
-CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}{{ '<|' + message['role'] + '|>\n' + message['content'] + '\n' }}"
-    "{% endfor %}{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
-)
+from helpers_reliability import copy_with_chat_template
+
 PROMPTS = ["def add(a, b):", "for i in range(10):", "class Point:", "import os\nimport sys\n"]
 API_KEY = "test-key-123"
 
@@ -39,16 +34,7 @@ API_KEY = "test-key-123"
 @pytest.fixture(scope="module")
 def chat_artifact(tiny_artifact, tmp_path_factory):
     """The tiny artifact with a chat template in tokenizer_config.json (and its manifest hash updated)."""
-    root = tmp_path_factory.mktemp("serve") / "tiny-chat"
-    shutil.copytree(tiny_artifact, root)
-    config_path = root / "tokenizer" / "tokenizer_config.json"
-    config = json.loads(config_path.read_text())
-    config["chat_template"] = CHAT_TEMPLATE
-    config_path.write_text(json.dumps(config, indent=2))
-    manifest = json.loads((root / "manifest.json").read_text())
-    manifest["files"]["tokenizer/tokenizer_config.json"] = file_record(root, "tokenizer/tokenizer_config.json")
-    (root / "manifest.json").write_text(json.dumps(manifest, indent=2))
-    return root
+    return copy_with_chat_template(tiny_artifact, tmp_path_factory.mktemp("serve") / "tiny-chat")
 
 
 @pytest.fixture(scope="module")
@@ -395,3 +381,31 @@ def test_cli_serve_answers_and_refuses_a_bad_plan(chat_artifact):
     finally:
         process.terminate()
         process.wait(timeout=20)
+
+
+@pytest.fixture
+def taken_port():
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen(1)
+        yield holder.getsockname()[1]
+
+
+@pytest.mark.parametrize("case", ["port-taken", "host-not-here", "host-unknown", "no-artifact"])
+def test_cli_serve_startup_errors_are_one_line_before_serving(chat_artifact, taken_port, tmp_path, case):
+    """Issue 27: a start-up failure is the CLI's one ``error:`` line and exit 1, and nothing claimed to be
+    serving first (the socket is bound before the "serving" line; uvicorn's own log never runs)."""
+    artifact, options = str(chat_artifact), ["--port", str(taken_port)]
+    words = {"port-taken": [str(taken_port), "already in use", "--port"], "host-not-here": ["10.255.255.1", "--host"],
+             "host-unknown": ["no-such-host.invalid", "--host"], "no-artifact": ["does not exist"]}[case]
+    if case == "host-not-here":
+        options = ["--host", "10.255.255.1", "--port", "0"]
+    elif case == "host-unknown":
+        options = ["--host", "no-such-host.invalid", "--port", "0"]
+    elif case == "no-artifact":
+        artifact = str(tmp_path / "missing")
+    result = CliRunner().invoke(main, ["serve", artifact, *options])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 1 and len(lines) == 1 and lines[0].startswith("error: "), result.output
+    assert all(word in lines[0] for word in words), lines[0]
+    assert "serving" not in result.output and "Traceback" not in result.output
