@@ -6,22 +6,8 @@ import subprocess
 import sys
 
 import pytest
-from click.testing import CliRunner
-
-from speccompile.cli import main
+from cli_helpers import assert_one_line_error, invoke
 from tiny_models import make_tokenizer
-
-
-def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
-def assert_one_line_error(result, *needles):
-    assert result.exit_code != 0, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
 
 
 def leftovers(folder):

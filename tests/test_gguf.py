@@ -12,11 +12,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from click.testing import CliRunner
+from cli_helpers import assert_one_line_error as one_line_error
+from cli_helpers import invoke
 
 gguf = pytest.importorskip("gguf")
 
-from speccompile.cli import main  # noqa: E402
 from speccompile.gguf_input import cache_root  # noqa: E402
 from speccompile.loading import load_source  # noqa: E402
 
@@ -110,16 +110,8 @@ def tiny_gguf(tiny_model_dir, tmp_path_factory):
     return write_llama_gguf(tiny_model_dir("llama"), tmp_path_factory.mktemp("gguf") / "tiny-llama.f32.gguf")
 
 
-def invoke(*args):
-    return CliRunner().invoke(main, [str(a) for a in args])
-
-
 def assert_one_line_error(result, *needles):
-    assert result.exit_code == 1, result.output
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
+    one_line_error(result, *needles, exit_code=1)
 
 
 def test_gguf_loads_with_the_original_logits_and_tokenizer(tiny_model_dir, tiny_gguf, tmp_path):

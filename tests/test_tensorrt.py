@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from import_blocker import preamble
 
 from speccompile.export_onnx import export_onnx
 from speccompile.export_tensorrt import backend_record, engine_context, profile_shapes, step_tokens
@@ -176,13 +177,7 @@ def test_refit_names_map_to_weights_bin(exported):
         refit_weights(names, both, blob[: blob.size // 2])
 
 
-BLOCKER = """
-import sys
-class Block:
-    def find_spec(self, name, path=None, target=None):
-        if name.split('.')[0] in ('tensorrt', 'cuda'):
-            raise ImportError(name + ' is blocked in this process')
-sys.meta_path.insert(0, Block())
+BLOCKER = preamble("tensorrt", "cuda") + """
 sys.argv = ['speccompile'] + sys.argv[1:]
 from speccompile.cli import main
 main()

@@ -9,17 +9,9 @@ decodes greedily (plain and speculatively with PLAN) and prints one JSON line.
 
 import sys
 
-BLOCKED = ("torch", "transformers")
+import import_blocker  # this script's folder is on sys.path when it runs
 
-
-class _Blocker:
-    def find_spec(self, name, path=None, target=None):
-        if name.split(".")[0] in BLOCKED:
-            raise ImportError(f"{name} is blocked in this process (torch-free runtime test)")
-        return None
-
-
-sys.meta_path.insert(0, _Blocker())
+import_blocker.block("torch", "transformers")
 
 import json  # noqa: E402
 import os  # noqa: E402
@@ -46,7 +38,7 @@ def main() -> None:
         out[mode] = tokens
         out[f"{mode}_accepted"] = stats.accepted
     out["torch_blocked"] = blocked
-    out["torch_loaded"] = any(m.split(".")[0] in BLOCKED for m in sys.modules)
+    out["torch_loaded"] = any(m.split(".")[0] in ("torch", "transformers") for m in sys.modules)
     print(json.dumps(out))
 
 
