@@ -2,7 +2,7 @@
 
 The first ``params["blocks"]`` blocks and the shared head, with no prefix reuse (the verify runs the
 full model). This file plus one ``KINDS`` entry is all of it: no backend, cost model, estimator or
-exporter learns about it.
+exporter learns about it. (``DraftKind`` runs, prices and estimates a kind's ``draft_segment``.)
 """
 
 from speccompile.runtime.draft_kinds.base import DraftKind
@@ -19,18 +19,6 @@ class ShallowDraft(DraftKind):
     @property
     def draft_segment(self) -> Segment:
         return Segment(0, int(self.plan.params["blocks"]), head=self.head)
-
-    def segments(self):
-        return [self.draft_segment]
-
-    def draft(self, backend, token, pos):
-        return backend.run(self.draft_segment, pos, tokens=[token])[-1]
-
-    def draft_calls(self):
-        return [(self.draft_segment, 1)]
-
-    def estimate_hidden(self, estimator):
-        return estimator.mixed(self.draft_segment)
 
     def describe(self) -> str:
         return f"the first {self.plan.params['blocks']} blocks, no prefix reuse"

@@ -3,8 +3,8 @@
 A kind is built from a ``DraftPlan`` (data, in the manifest) and owns every decision that depends on
 what the plan is (the pattern of vLLM's proposers and transformers' candidate generators):
 
-- ``segments()``: the subgraphs its draft steps and verifies run (exporters export exactly these,
-  backends refuse a plan whose segments they cannot run, before any work);
+- ``draft_segment``, ``segments()``: the subgraphs its draft steps and verifies run (exporters export
+  exactly these, backends refuse a plan whose segments they cannot run, before any work);
 - ``draft`` / ``verify``: one draft step and one verify, as calls of ``Backend.run``; ``reuse``: how
   many of a round's verify inputs already ran the verifier's prefix (early exit);
 - ``draft_calls`` / ``verify_calls``: the same calls as (segment, token count) pairs, which the cost
@@ -44,13 +44,18 @@ class DraftKind(ABC):
         """Whether ``plan`` (with no explicit ``kind``) is of this kind."""
 
     # -- what runs ------------------------------------------------------------------------------------
+    @property
     @abstractmethod
+    def draft_segment(self) -> Segment:
+        """The segment one draft step runs on the round's latest token."""
+
     def segments(self) -> list[Segment]:
         """Every segment ``draft`` and ``verify`` may run, besides the full model."""
+        return [self.draft_segment]
 
-    @abstractmethod
     def draft(self, backend, token: int, pos: int) -> np.ndarray:
         """Logits ``[vocab]`` of one draft step on ``token`` at ``pos``."""
+        return backend.run(self.draft_segment, pos, tokens=[token])[-1]
 
     def verify(self, backend, tokens: Sequence[int], pos: int, reuse: int) -> np.ndarray:
         """Full-model logits ``[T, vocab]`` for a round's tokens (the input token, then the drafts)."""
@@ -63,7 +68,7 @@ class DraftKind(ABC):
     # -- what it costs ---------------------------------------------------------------------------------
     def draft_calls(self) -> list[tuple[Segment, int]]:
         """The ``(segment, tokens)`` calls of one draft step."""
-        return []
+        return [(self.draft_segment, 1)]
 
     def verify_calls(self, tokens: int, reuse: int) -> list[tuple[Segment, int]]:
         """The ``(segment, tokens)`` calls of a verify of ``tokens`` tokens, ``reuse`` of them reused."""
@@ -77,8 +82,9 @@ class DraftKind(ABC):
 
     # -- what it is --------------------------------------------------------------------------------------
     def estimate_hidden(self, estimator):
-        """The draft's hidden states before its head over a calibration sequence, in one parallel pass."""
-        raise NotImplementedError(f"{self.name} drafts have no model part to estimate")
+        """The draft's hidden states before its head over a calibration sequence, in one parallel pass. A
+        real draft attends to the verifier's KV at accepted positions: the estimator's mixed attention."""
+        return estimator.mixed(self.draft_segment)
 
     def describe(self) -> str:
         """Its model part for ``inspect`` (empty without one)."""

@@ -39,9 +39,6 @@ class EarlyExit(DraftKind):
     def segments(self):
         return [self.draft_segment, self.prefix, self.suffix]
 
-    def draft(self, backend, token, pos):
-        return backend.run(self.draft_segment, pos, tokens=[token])[-1]
-
     def verify(self, backend, tokens, pos, reuse):
         if not backend.reuses_prefix:
             return backend.forward(tokens, pos)
@@ -53,9 +50,6 @@ class EarlyExit(DraftKind):
     def reuse(self, drafted: int) -> int:
         # The prefix ran on the round's input token and every drafted token but the last.
         return drafted
-
-    def draft_calls(self):
-        return [(self.draft_segment, 1)]
 
     def verify_calls(self, tokens: int, reuse: int):
         return [(self.prefix, tokens - reuse), (self.suffix, tokens)]

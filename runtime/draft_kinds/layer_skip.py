@@ -22,19 +22,6 @@ class LayerSkip(DraftKind):
     def draft_segment(self) -> Segment:
         return Segment(0, self.layers, frozenset(self.plan.skip_attn), frozenset(self.plan.skip_mlp), self.head)
 
-    def segments(self):
-        return [self.draft_segment]
-
-    def draft(self, backend, token, pos):
-        return backend.run(self.draft_segment, pos, tokens=[token])[-1]
-
-    def draft_calls(self):
-        return [(self.draft_segment, 1)]
-
-    def estimate_hidden(self, estimator):
-        # A real draft attends to the verifier's KV at accepted positions: the estimator's mixed attention.
-        return estimator.mixed(self.draft_segment)
-
     def describe(self) -> str:
         return f"skip {len(self.plan.skip_attn)} attention + {len(self.plan.skip_mlp)} MLP sublayers"
 

@@ -14,11 +14,15 @@ class LookupOnly(DraftKind):
     def matches(cls, plan) -> bool:
         return plan.exit_layer is None and not plan.skip_attn and not plan.skip_mlp
 
+    @property
+    def draft_segment(self):
+        raise RuntimeError(f"plan {self.plan.name!r} has no model draft; its drafts come from lookups")
+
     def segments(self):
         return []
 
-    def draft(self, backend, token, pos):
-        raise RuntimeError(f"plan {self.plan.name!r} has no model draft; its drafts come from lookups")
+    def draft_calls(self):
+        return []
 
 
 __all__ = ["LookupOnly"]
