@@ -114,7 +114,7 @@ class PassManager:
         if bound is not None and bound < best:
             return f"bound {bound:.2f}x < incumbent {best:.2f}x", bound, best
         left = self.budget.tuning_left()
-        if p.least_seconds() > left:
+        if p.least_seconds() > left or (left <= 0 and ir.plans):  # the first plan is made whatever the time
             return f"needs {p.least_seconds():.0f}s, {max(left, 0):.0f}s left", bound, best
         return None, bound, best
 

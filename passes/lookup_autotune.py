@@ -36,6 +36,7 @@ DATASTORE_FILE = "retrieval/datastore.safetensors"
 HELD_OUT_DATASTORE_FILE = "retrieval/confirm-held-out.safetensors"  # tuning only, never in the artifact
 NGRAM_SIZES = ((1, 3), (2, 3), (2, 5), (3, 5), (1, 5))
 LOOKUP_DRAFTS = (2, 4, 6, 8, LOOKUP_MAX_DRAFT)
+MIN_GRID = 10  # lookup plans scored even when the budget has run out (the first plan of a build is always made)
 
 
 def lookup_grid(retrieval: bool):
@@ -86,8 +87,8 @@ class LookupAutotune(Pass):
 
     def _best_lookup(self) -> tuple[DraftPlan, object, list]:
         best = None
-        for plan in lookup_grid(self.retrieval):
-            if best is not None and _past(self):
+        for n, plan in enumerate(lookup_grid(self.retrieval)):
+            if n >= MIN_GRID and _past(self):
                 break
             estimate, rounds = self._score(plan)
             if best is None or estimate.expected_speedup > best[1].expected_speedup:
