@@ -36,7 +36,6 @@ DATASTORE_FILE = "retrieval/datastore.safetensors"
 HELD_OUT_DATASTORE_FILE = "retrieval/confirm-held-out.safetensors"  # tuning only, never in the artifact
 NGRAM_SIZES = ((1, 3), (2, 3), (2, 5), (3, 5), (1, 5))
 LOOKUP_DRAFTS = (2, 4, 6, 8, LOOKUP_MAX_DRAFT)
-MIN_GRID = 10  # lookup plans scored even when the budget has run out (the first plan of a build is always made)
 
 
 def lookup_grid(retrieval: bool):
@@ -87,9 +86,7 @@ class LookupAutotune(Pass):
 
     def _best_lookup(self) -> tuple[DraftPlan, object, list]:
         best = None
-        for n, plan in enumerate(lookup_grid(self.retrieval)):
-            if n >= MIN_GRID and _past(self):
-                break
+        for plan in lookup_grid(self.retrieval):  # in full, budget or not: the cheapest pass, and the first plan
             estimate, rounds = self._score(plan)
             if best is None or estimate.expected_speedup > best[1].expected_speedup:
                 best = (plan, estimate, rounds)

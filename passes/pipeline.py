@@ -141,7 +141,7 @@ class TuningOptions:
                          help="Bayesian search: total trials in the study (a resumed study runs only the rest).")
     time_budget: float | None = option(None, "--time-budget", type="seconds",
                                        help="auto: seconds for the whole build from the loaded model to the written "
-                                            "artifact (default: 2400 plain decode steps of the model, timed here, at "
+                                            "artifact (default: 3000 plain decode steps of the model, timed here, at "
                                             "least 15 s: ~90 s for SmolLM2-135M on 2 CPU cores); bayes: seconds of "
                                             "search; adapter: seconds for its pass (default 300).")
     study: str | None = option(None, "--study", type="path",

@@ -76,11 +76,11 @@ def tuning_backend(backends) -> str:
 
 def plan_budget(budget: Budget, context: TuningContext, backends) -> None:
     """Size a budgeted build once calibration has timed the model: the default total from the step time, and
-    the reserve for confirmation (``MIN_TURNS`` turns of plain decoding plus about two plans) and for writing
+    the reserve for confirmation (``MIN_TURNS`` turns of plain decoding and one or two plans) and for writing
     the artifact (an ONNX export costs about what the tuning runner's first export did)."""
     if budget.total is None:
         budget.total = default_seconds(context.cost.plain_step())
-    turn = 3 * context.confirm_tokens * context.costs.plain_step()
+    turn = 2.5 * context.confirm_tokens * context.costs.plain_step()
     export = context.timings.get("runner_backend", 0.0) if "onnx" in backends else 0.0
     budget.write_reserve = 1.5 * export + 1.0
     budget.reserve = MIN_TURNS * turn + budget.write_reserve
