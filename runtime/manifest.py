@@ -410,6 +410,12 @@ def check_backend_records(backends: dict[str, dict[str, Any]]) -> None:
             if key not in record:
                 raise ArtifactError(f"manifest backends[{name!r}] lacks {key!r}; rebuild the artifact with --backend {name}")
             check_value(record[key], annotation, f"backends[{name!r}].{key}")
+    for key, graph in backends.get("onnx", {}).get("graphs", {}).items():
+        for side, needs in (("inputs", ("name", "shape")), ("outputs", ("name",))):
+            for item in graph.get(side, []):
+                if not isinstance(item.get("name"), str) or ("shape" in needs and not isinstance(item.get("shape"), list)):
+                    raise ArtifactError(f"manifest backends['onnx'].graphs[{quote(key)}].{side} has an entry without "
+                                        f"{' or '.join(needs)}; rebuild the artifact with --backend onnx")
     for tensor, t in backends.get("onnx", {}).get("tensors", {}).items():
         if t["offset"] < 0 or t["nbytes"] < 0 or any(type(d) is not int or d < 0 for d in t["shape"]):
             raise ArtifactError(f"manifest backends['onnx'].tensors[{tensor!r}] has a negative offset, size or "
