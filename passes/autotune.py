@@ -14,6 +14,7 @@ from tqdm.auto import tqdm
 
 from speccompile.runtime.manifest import DraftPlan
 
+from .acceptance import best_policy
 from .base import Pass, PassResult
 from .budget import RATE_SLACK, exit_agreements, model_draft_bound
 from .ir import DecoderIR
@@ -62,7 +63,8 @@ def skip_counts(largest: int, score, grid: int = 10):
                 yield n
 
 
-PROBE_SHARES = (0.1, 0.2, 0.35, 0.5)  # skip counts (shares of the units) the layer-skip bound probes
+PROBES = 8  # skip counts the layer-skip bound probes, evenly over 1..all units
+PROBE_MARGIN = 0.15  # a probe's estimate on a quarter of the sequences, raised by 15%, bounds the full one
 SCORING_SHARE = 0.5  # budgeted passes score candidates on half the calibration sequences ...
 RESCORED = 3  # ... then the best few on all of them
 EXIT_CANDIDATES = 4  # a budgeted early-exit pass scores the exits of highest bound only
@@ -85,15 +87,18 @@ class CosineAutotune(Pass):
         self.adds = (plan_name,)
 
     def bound(self, ir: DecoderIR) -> float:
-        """Probe a few skip counts on a quarter of the calibration sequences: the geometric bound at each one's
-        agreement (plus slack) and cost."""
+        """Probe the coarse grid of skip counts on a quarter of the calibration sequences: at each, the larger of
+        the geometric bound at its agreement (plus slack) and its replayed estimate there plus ``PROBE_MARGIN``
+        (the estimate sees runs of matches, which the geometric model does not)."""
         ranking = cosine_ranking(self.context)
         sample = self.context.sample(0.25)
-        counts = sorted({max(1, min(len(ranking) - 1, round(f * len(ranking)))) for f in PROBE_SHARES})
+        largest = len(ranking) - 1
         bounds = []
-        for n in counts:
+        for n in sorted(set(range(1, largest + 1, max(1, largest // PROBES))) | {largest}):
             plan = skip_plan(ranking, n)
-            bounds.append(model_draft_bound(self.context, plan, self.context.profile(plan, sample).match_rate + RATE_SLACK))
+            profile = self.context.profile(plan, sample)
+            estimate = best_policy(profile, plan, self.context.costs, self.context.max_draft).expected_speedup
+            bounds += [model_draft_bound(self.context, plan, profile.match_rate + RATE_SLACK), estimate * (1 + PROBE_MARGIN)]
         return max(bounds)
 
     def call(self, ir: DecoderIR) -> PassResult:

@@ -140,14 +140,19 @@ def test_confirmation_drops_the_slower_plan_and_stops_at_the_deadline():
     assert figures["tie"]["confirmed_interval"] == [None, None]
 
 
+def build_tiny(model_dir, out, *args) -> dict:
+    """Build the tiny model with a small calibration; its manifest."""
+    result = CliRunner().invoke(main, ["build", str(model_dir), "-o", str(out), "--max-draft", "3",
+                                       "--calibration-tokens", "12", "--quiet", *args])
+    assert result.exit_code == 0, result.output
+    return json.loads((out / "manifest.json").read_text())
+
+
 def test_auto_build_records_its_budget_and_pass_table(tiny_model_dir, tmp_path):
     """A real auto build on a tiny model: every pass has a row (ran with its bound, or skipped with why), the plan
     kept was confirmed in turns, and inspect prints the table."""
     out = tmp_path / "auto"
-    result = CliRunner().invoke(main, ["build", str(tiny_model_dir("llama")), "-o", str(out), "--max-draft", "3",
-                                       "--calibration-tokens", "12", "--time-budget", "40", "--quiet"])
-    assert result.exit_code == 0, result.output
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = build_tiny(tiny_model_dir("llama"), out, "--time-budget", "40")
     rows = manifest["tuning"]["passes"]
     assert [r["pass"] for r in rows][:2] == ["lookup_autotune", "exit_autotune"]
     assert {r["pass"] for r in rows} >= {"cosine_autotune", "adapter_autotune", "hybrid_autotune", "confirm_plans"}
@@ -171,11 +176,7 @@ def test_auto_build_records_its_budget_and_pass_table(tiny_model_dir, tmp_path):
 
 
 def test_method_runs_its_pass_in_full(tiny_model_dir, tmp_path):
-    out = tmp_path / "exit"
-    result = CliRunner().invoke(main, ["build", str(tiny_model_dir("llama")), "-o", str(out), "--method", "early-exit",
-                                       "--max-draft", "3", "--calibration-tokens", "12", "--quiet"])
-    assert result.exit_code == 0, result.output
-    manifest = json.loads((out / "manifest.json").read_text())
+    manifest = build_tiny(tiny_model_dir("llama"), tmp_path / "exit", "--method", "early-exit")
     L = manifest["config"]["num_layers"]
     assert len(manifest["plans"]["early-exit"]["measured"]["per_exit_layer"]) == L - 1  # every exit scored
     assert "budget" not in manifest["tuning"] and "skipped" not in json.dumps(manifest["tuning"]["passes"])
@@ -193,3 +194,26 @@ def test_options_are_written_once(command):
     assert set(params) == fields | {"debug", "model" if command == "build" else "artifact"}
     assert isinstance(params["max_draft"].type, click.IntRange) and params["max_draft"].default == 8
     assert BuildOptions().max_draft == 8 and BuildOptions().show_progress and params["show_progress"].opts == ["--quiet"]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_bounds_hold_on_real_tiny_models(family, tiny_decoder):
+    """The bounds a skip decision rests on are not below what the passes then reach: each exit's bound against its
+    scored estimate, and the layer-skip bound against the cosine pass's best plan."""
+    import numpy as np
+
+    from speccompile.passes.autotune import CosineAutotune, ExitLayerAutotune
+    from speccompile.passes.tuning import TuningContext
+
+    _, decoder = tiny_decoder(family)
+    ir = DecoderIR(decoder.config, {})
+    ir.attach_decoder(decoder)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, decoder.config.vocab_size, 8).tolist() for _ in range(6)]
+    context = TuningContext.prepare(ir, prompts, 16, 4, show_progress=False)
+    bounds = ExitLayerAutotune(context, show_progress=False).exit_bounds()
+    for exit_layer, bound in bounds.items():
+        assert bound >= context.score(DraftPlan(name="e", exit_layer=exit_layer)).expected_speedup
+    cosine = CosineAutotune(context, show_progress=False)
+    bound = cosine.bound(ir)
+    assert bound >= cosine.run(ir).plans["layer-skip"].measured["expected_speedup"]
