@@ -18,12 +18,14 @@ QUOTE_PREFIX = 60
 
 
 def quote(value, limit: int = QUOTE_PREFIX) -> str:
-    """``repr(value)`` of at most ``limit`` characters of it: ``'weights/aaaa...' (1048576 characters)``.
+    """``repr(value)`` of at most ``limit`` characters of it, its start and its end:
+    ``'weights/aaaa...aaaa.safetensors' (1048576 characters)``.
     Surrogates and control characters come out escaped, so the quote is printable on one line."""
     if isinstance(value, str):
         if len(value) <= limit:
             return ascii_safe(repr(value))
-        return f"{ascii_safe(repr(value[:limit]))[:-1]}...' ({len(value)} characters)"
+        head, tail = value[: limit - limit // 3], value[-(limit // 3):]  # a path's file name is at its end
+        return f"{ascii_safe(repr(head))[:-1]}...{ascii_safe(repr(tail))[1:]} ({len(value)} characters)"
     if isinstance(value, int) and abs(value) >= 10**limit:  # (repr of an int over 4300 digits raises)
         return f"<{value.bit_length()}-bit integer>"
     text = ascii_safe(repr(value))
