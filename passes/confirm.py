@@ -115,7 +115,8 @@ class Confirmer:
         when its 95% interval against plain decoding lies below 1.0 (surely slower than plain), or below the
         leader's (paired per turn); the race ends when the leader's interval excludes 1.0 and every other
         plan has left or is surely within ``TIE`` of it, at ``max_turns``, or at ``deadline`` (a ``clock``
-        time; one turn always runs). Returns each plan's figures and notes on how the race ended."""
+        time; ``min_turns`` always run, or one turn's noise would pick the plan). Returns each plan's figures
+        and notes on how the race ended."""
         names = [plan.name for plan in plans]
         samples: dict[str, list[float]] = {name: [] for name in names}
         runs: dict[str, list[tuple[Stats, Stats]]] = {name: [] for name in names}  # (plain, plan) per turn
@@ -123,7 +124,7 @@ class Confirmer:
         left: dict[str, str] = {}  # plan -> why it left the race
         alive, turn, stopped = list(plans), 0, "max turns"
         while turn < max_turns:
-            if turn and deadline is not None and clock() >= deadline:
+            if turn >= min_turns and deadline is not None and clock() >= deadline:
                 stopped = "budget"
                 break
             prompt = self.prompts[turn % len(self.prompts)]
