@@ -87,6 +87,7 @@ def run_bench(artifact: str, prompts_path: str | None = None, max_new_tokens: in
     accepted = sum(r.stats.accepted for r in spec)
     drafted = sum(r.stats.drafted for r in spec)
     spec_same = [a.token_ids == b.token_ids for a, b in zip(plain, spec)]
+    divergences = _divergences(model.backend, prompt_ids, plain, spec)
     draft_plan = model.draft_plan(plan)
     report = {
         "artifact": str(artifact),
@@ -105,6 +106,9 @@ def run_bench(artifact: str, prompts_path: str | None = None, max_new_tokens: in
         "transformers": None,
         "speedup": {"speculative_vs_autoregressive": round(rate(spec) / rate(plain), 3)},
         "identical_detail": {"speculative_vs_autoregressive": f"{sum(spec_same)}/{len(spec_same)}"},
+        "divergences": divergences,
+        "near_tie_divergences": sum(d["near_tie"] for d in divergences),
+        "real_divergences": sum(not d["near_tie"] for d in divergences),
     }
     identical = all(spec_same)
     source_path = Path(model.manifest.source.get("path", ""))
@@ -136,6 +140,30 @@ def run_bench(artifact: str, prompts_path: str | None = None, max_new_tokens: in
                 identical = identical and all(same)
     report["identical"] = identical
     return report
+
+
+NEAR_TIE = 1e-4  # DESIGN.md section 6: a divergence where the top-2 logits are closer than this is rounding
+
+
+def _divergences(backend, prompt_ids, plain, spec) -> list[dict]:
+    """Where speculative output leaves plain output: per such prompt, the first differing new token and the
+    top-2 logit gap there of the backend's own logits (one call over prompt + plain output so far). A gap
+    under ``NEAR_TIE`` is floating-point rounding between a verify and the steps it replaces (DESIGN.md
+    section 6); a larger one means speculative decoding computed something else: a bug."""
+    import numpy as np
+
+    out = []
+    for p, (a, b) in enumerate(zip(plain, spec)):
+        if a.token_ids == b.token_ids:
+            continue
+        at = next((k for k, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
+                  min(len(a.token_ids), len(b.token_ids)))
+        tokens = list(prompt_ids[p]) + list(a.token_ids[:at])
+        backend.reserve(len(tokens) + 1)
+        top = np.sort(np.asarray(backend.forward(tokens, 0), dtype=np.float64)[-1])[-2:]
+        gap = float(top[1] - top[0])
+        out.append({"prompt": p, "token": at, "top2_gap": gap, "near_tie": gap < NEAR_TIE})
+    return out
 
 
 def _sources(results) -> dict:
@@ -202,6 +230,13 @@ def format_report(report: dict) -> str:
     lines.append("  speedup: " + ", ".join(f"{k.replace('_', ' ')} {v:.2f}x" for k, v in report["speedup"].items()))
     lines.append("  identical outputs: " + ("yes" if report["identical"] else "NO") + " ("
                  + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in report["identical_detail"].items()) + ")")
+    divergences = report.get("divergences") or []
+    if divergences:
+        real = [d for d in divergences if not d["near_tie"]]
+        lines.append(f"  speculative vs plain: {len(divergences) - len(real)} near-tie divergence(s) (top-2 gap < "
+                     f"{NEAR_TIE:g}: rounding), {len(real)} real" + (" (A BUG: " if real else ""))
+        if real:
+            lines[-1] += "; ".join(f"prompt {d['prompt']} token {d['token']}, gap {d['top2_gap']:.2e}" for d in real) + ")"
     for key in LABELS:
         if f"{key}_skipped" in report:
             lines.append(f"  {key} baseline skipped: {report[key + '_skipped']}")

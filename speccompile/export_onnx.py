@@ -56,7 +56,8 @@ WEIGHTS_NAME = "weights.bin"
 ALIGN = 64
 FORMAT_VERSION = 1
 DEFAULT_BLOCK_SIZE = 32
-DEFAULT_ACCURACY_LEVEL = 4  # int8 activations: onnxruntime's fast CPU MatMulNBits path (int8 at level 0 has none)
+DEFAULT_ACCURACY_LEVEL = 4  # int8 activations: onnxruntime's fast CPU MatMulNBits path (int8 at level 0 has none);
+# lossless only because the fused graphs make a k-row call compute what k one-row calls do (_FusedGraph.padding)
 
 CONTRIB = "com.microsoft"
 VARIANTS = ("standard", "fused")
@@ -451,16 +452,21 @@ class _FusedGraph(_Graph):
       the sum);
     - linear layers are ``FusedMatMul(transB=1)`` on the canonical ``[out, in]`` weight (no transposed
       copy, no reshapes), or ``MatMulNBits`` on its quantized form;
+    - a k-token call computes exactly what k 1-token calls compute (the speculative output then is the plain
+      output, bit for bit, even with int8 activations): attention runs on one padding row more than the call
+      has (``padding``), and a graph that starts from another graph's hidden state (an early exit's suffix,
+      the head) norms it with the same fused kernel the full graph uses there;
     - an early exit's ``suffix`` graph ends at the last block's hidden state (``last_hidden``); the runtime
       finishes it with the ``head`` graph the drafts use. ONNX Runtime pre-packs each session's matmul
       weights separately, so a head inside both graphs would be packed twice (SmolLM2's tied head:
       +113 MB, 1.105x the plain decoder's resident memory); this way it is packed once.
     """
 
-    def __init__(self, *args, quantizer: _Quantizer | None = None, pack: bool = True):
+    def __init__(self, *args, quantizer: _Quantizer | None = None, pack: bool = True, pad_rows: bool = True):
         super().__init__(*args)
-        self.quantizer, self.pack = quantizer, pack
+        self.quantizer, self.pack, self.pad_rows = quantizer, pack, pad_rows
         self.seqlens_k = self.total_len = None  # int32 [batch], int32 scalar
+        self._padding: tuple[str, str, str, str] | None = None  # see padding()
         self.gqa_rotary = False
 
     def linear(self, x: str, prefix: str, out_features: int) -> str:
@@ -566,21 +572,60 @@ class _FusedGraph(_Graph):
         if do_rotary:
             args += list(rope)
         out_name = f"gqa_{i}"
+        if self.pad_rows:  # one more query row after the real ones (see padding())
+            pads, seqlens_k, total_len, _ = self.padding(past_k)
+            args[:3] = [self.op("Pad", t, pads, mode="edge") if t else "" for t in args[:3]]
+            args[5:7] = [seqlens_k, total_len]
+            out_name = f"gqa_{i}_padded"
         present = [f"present.{i}.key", f"present.{i}.value"]
         self._n += 1
         self.nodes.append(helper.make_node(
             "GroupQueryAttention", args, [out_name] + present, name=f"n{self._n}", domain=CONTRIB, num_heads=nh,
             kv_num_heads=nkv, scale=float(c.scale), do_rotary=int(do_rotary),
             local_window_size=int(c.window_of(i)) if c.window_of(i) is not None else -1))
+        if self.pad_rows:
+            out_name = self.op("Slice", out_name, self.const([0], np.int64), self.padding(past_k)[3],
+                               self.const([1], np.int64))
         for name in present:
             self.outputs.append(helper.make_tensor_value_info(name, self.onnx_dtype, shape))
             self.output_records.append({"name": name, "dtype": _elem_name(self.onnx_dtype), "shape": shape})
         return self.linear(out_name, f"{p}.o", c.hidden_size)
 
+    def padding(self, past_k: str) -> tuple[str, str, str, str]:
+        """What every GroupQueryAttention of the graph needs to run on one more query row than the call has
+        (built once per graph): (``Pad`` pads for q/k/v [batch, seq, hidden], ``seqlens_k`` and
+        ``total_sequence_length`` counting that row, the call's ``seq`` as a 1-D end for slicing it off).
+
+        Why: GroupQueryAttention's CPU kernel multiplies attention probabilities by V with MLAS's SGEMM,
+        which takes a separate one-row kernel (another summation order) when a call has one query row. So
+        a 1-token step and the same position inside a k-token verify round differently (about 1e-6 in
+        fp32), and with int8 activations (MatMulNBits ``accuracy_level`` 4) such a difference moves an
+        activation across an int8 rounding boundary: SmolLM2's int4/int8 logits then differ by 0.5 to 1
+        between the two paths, and speculative output is not the plain output. Every other kernel here
+        computes a row the same way whatever the row count (``tests/test_real_shapes.py``). The extra row
+        is a copy of the last one, one position later: causal attention keeps it out of every real row's
+        result, its KV entry lands in the slot after the call's last position, which the next call
+        rewrites before anything reads it, and its output row is sliced off. A call that fills the cache
+        to its last slot has no room for it and runs unpadded (only at the context limit: the runtime
+        reserves a slot beyond every round). With the past given as a slice (``kv_in_place=False``,
+        GroupQueryAttention's growing-cache mode) the padding row always fits."""
+        if self._padding is None:
+            total64 = self.op("Cast", self.op("Unsqueeze", self.total_len, self.const([0], np.int64)), to=TensorProto.INT64)
+            full = self.op("Equal", self.op("Shape", past_k, start=2, end=3), total64)  # a static cache with no slot left
+            extra = self.op("Cast", self.op("Not", full), to=TensorProto.INT64)  # [1]: 1, or 0 when full
+            pads = self.op("Mul", self.const([0, 0, 0, 0, 1, 0], np.int64), extra)  # after the last row of seq
+            extra32 = self.op("Cast", extra, to=TensorProto.INT32)
+            total = self.op("Add", self.total_len, self.op("Squeeze", extra32, self.const([0], np.int64)))
+            seq = self.op("Slice", self.bt_shape, self.const([1], np.int64), self.const([2], np.int64))
+            self._padding = pads, self.op("Add", self.seqlens_k, extra32), total, seq
+        return self._padding
+
     def gqa_rope_cache(self, table: str = "global") -> tuple[str, str]:
         """cos/sin tables [total_len, rotary_dim / 2] for positions 0..total_len-1 (GQA indexes them)."""
         c = self.c
         total = self.op("Cast", self.total_len, to=TensorProto.INT64)
+        if self.pad_rows:  # room for the padding row's position (see padding())
+            total = self.op("Add", total, self.const(1, np.int64))
         pos = self.op("Range", self.const(0, np.int64), total, self.const(1, np.int64))
         inv_freq = "rope_local_inv_freq" if table == "local" else "rope_inv_freq"
         f = self.op("Mul", self.op("Unsqueeze", self.op("Cast", pos, to=TensorProto.FLOAT), self.const([-1], np.int64)),
@@ -614,13 +659,13 @@ def gqa_rotary_ok(config: ArchConfig) -> bool:
 
 def _build_fused(kind: str, name: str, config: ArchConfig, dtype: np.dtype, weights: dict[str, np.ndarray],
                  start: int, stop: int, skip_attn=frozenset(), skip_mlp=frozenset(),
-                 quantizer: _Quantizer | None = None, pack: bool = True) -> _FusedGraph:
+                 quantizer: _Quantizer | None = None, pack: bool = True, pad_rows: bool = True) -> _FusedGraph:
     """``_build`` for the fused variant: same kinds, same blocks, same names of weights, inputs and outputs,
     except that past KV inputs are the whole cache buffers and the graph also takes ``seqlens_k``
     ([batch] int32: total length - 1) and ``total_sequence_length`` (int32 scalar), as
     GroupQueryAttention does."""
     c = config
-    g = _FusedGraph(name, config, dtype, weights, quantizer=quantizer, pack=pack)
+    g = _FusedGraph(name, config, dtype, weights, quantizer=quantizer, pack=pack, pad_rows=pad_rows)
     d = c.hidden_size
     attn_layers = [i for i in range(start, stop) if i not in skip_attn]
     if kind in ("full", "prefix"):
@@ -658,6 +703,13 @@ def _build_fused(kind: str, name: str, config: ArchConfig, dtype: np.dtype, weig
             axis = g.const([1], np.int64)
             rope[table] = g.op("Unsqueeze", cos, axis), g.op("Unsqueeze", sin, axis)
     delta = None  # the pending residual branch: the stream is h + delta
+    if kind in ("suffix", "head"):
+        # The hidden state comes from another graph (an early exit's prefix or suffix), where the full graph
+        # has h + delta and a fused residual-add norm. A zero branch gives the same: the skip norm's sum is h
+        # itself and its normed output comes from the same kernel, so the split graphs compute the full
+        # graph's function to the bit (a plain norm kernel rounds differently, and int8 activations turn
+        # that into logits about 1e-2 apart: tests/test_real_shapes.py).
+        delta = g.op("Mul", h, g.const(np.array(0.0, dtype)))
     if kind != "head":
         for i in range(start, stop):
             run_attn, run_mlp = i not in skip_attn, i not in skip_mlp
@@ -712,6 +764,7 @@ def export_options(record: dict[str, Any] | None) -> dict[str, Any]:
     options: dict[str, Any] = {"variant": record.get("variant", "standard")}
     if options["variant"] == "fused":
         options["pack"] = record.get("packed_projections", True)
+        options["pad_rows"] = record.get("padded_attention_rows", True)  # older artifacts: re-exported padded
     quant = record.get("quantization")
     if quant:
         options.update(quantize=quant["scheme"], block_size=quant["block_size"], accuracy_level=quant["accuracy_level"])
@@ -750,7 +803,7 @@ def export_onnx(decoder, plans: dict[str, DraftPlan], out_dir: Path, dtype: str 
 def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan], out_dir: Path,
                         dtype: str = "float32", relative_to: Path | None = None, variant: str = "standard",
                         quantize: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                        accuracy_level: int = DEFAULT_ACCURACY_LEVEL, pack: bool = True,
+                        accuracy_level: int = DEFAULT_ACCURACY_LEVEL, pack: bool = True, pad_rows: bool = True,
                         draft_heads: dict[str, Path] | None = None) -> dict[str, Any]:
     """``export_onnx`` from an ``ArchConfig`` and canonical weights (name -> torch tensor or numpy array,
     as in weights/model.safetensors; a tied lm_head may be absent). No torch needed for numpy weights.
@@ -760,7 +813,10 @@ def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan]
     ("int8" / "int4", fused only): weight-only ``MatMulNBits`` for every linear layer and the head, in
     blocks of ``block_size`` along the input dimension; ``accuracy_level`` is MatMulNBits' (0: unset,
     4: int8 activations, ONNX Runtime's fast CPU path). ``pack`` (fused only): q/k/v and gate/up as one
-    matmul each, on weights concatenated in the graph (see ``_FusedGraph.linear_cat``). ``draft_heads`` maps
+    matmul each, on weights concatenated in the graph (see ``_FusedGraph.linear_cat``). ``pad_rows`` (fused
+    only): attention always runs on one more query row than the call has, so that a k-token verify computes
+    exactly the 1-token steps it replaces (see ``_FusedGraph.padding``; off only to measure the old form).
+    ``draft_heads`` maps
     plans' draft head files (exit adapters, reduced vocabularies) to where they are now; their graphs:
     ``speccompile/export_adapter.py``."""
     if dtype not in ("float32", "float16"):
@@ -787,7 +843,7 @@ def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan]
         variant = "standard"  # the portable graphs: ONNX Runtime runs them too, with the past KV copied per call
     if variant == "fused":
         def build(*args, **kwargs):
-            return _build_fused(*args, **kwargs, quantizer=quantizer, pack=pack)
+            return _build_fused(*args, **kwargs, quantizer=quantizer, pack=pack, pad_rows=pad_rows)
     else:
         build = _build
     graphs: dict[str, _Graph] = {"verify": build("full", "verify", config, np_dtype, weights, 0, L)}
@@ -873,6 +929,7 @@ def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan]
         "variant": variant,
         "quantization": quantizer.record() if quantizer is not None else None,
         "packed_projections": pack if variant == "fused" else False,
+        "padded_attention_rows": pad_rows if variant == "fused" else False,
         "weights": rel(weights_path),
         "weights_bytes": total_bytes,
         "tensors": tensors,

@@ -78,3 +78,32 @@ def test_bench_onnx_has_ort_and_optimum_baselines(tiny_model_dir, tmp_path):
         assert report[key]["tokens_per_s"] > 0, key
     assert report["identical"] is True
     assert report["identical_detail"]["optimum_vs_autoregressive"] == "3/3"
+    assert report["divergences"] == [] and report["near_tie_divergences"] == report["real_divergences"] == 0
+
+
+def test_bench_tells_near_ties_from_real_divergences(both_backends):
+    """bench classifies a speculative output that leaves plain output by the backend's own top-2 logit gap at the
+    first differing token: a wrong token where the model is decided is reported as real, with its gap."""
+    from types import SimpleNamespace
+
+    from speccompile.bench import NEAR_TIE, _divergences, format_report
+    from speccompile.runtime import load
+
+    model = load(both_backends, backend="onnx")
+    prompt = model.encode_prompt("def add(a, b):")
+    plain = model.generate(prompt, max_new_tokens=12, speculate=False).token_ids
+    logits = model.backend.forward(prompt + plain[:5], 0)[-1]
+    top = sorted(logits)[-2:]
+    wrong = plain[:5] + [int(sorted(range(len(logits)), key=lambda t: logits[t])[-2])] + plain[6:]
+    found = _divergences(model.backend, [prompt, prompt], [SimpleNamespace(token_ids=plain)] * 2,
+                         [SimpleNamespace(token_ids=plain), SimpleNamespace(token_ids=wrong)])
+    assert [(d["prompt"], d["token"]) for d in found] == [(1, 5)]
+    assert abs(found[0]["top2_gap"] - (top[1] - top[0])) < 1e-5 and top[1] - top[0] > NEAR_TIE
+    assert not found[0]["near_tie"]
+    report = {"plan": None, "prompts": 2, "prompt_source": "test", "max_new_tokens": 12, "backend": "onnx",
+              "autoregressive": {"tokens_per_s": 1.0}, "speculative": {"tokens_per_s": 1.0, "mean_accepted": 1.0,
+                                                                       "acceptance_rate": 0.0, "rounds": 1},
+              "speedup": {}, "identical": False, "identical_detail": {"speculative_vs_autoregressive": "1/2"},
+              "divergences": found}
+    text = format_report(report)
+    assert "0 near-tie divergence(s)" in text and "1 real" in text and "prompt 1 token 5" in text

@@ -1,0 +1,164 @@
+"""Lossless at a real model's shapes (DESIGN.md section 6, issue 23): kernels pick different paths for one
+row than for several, and the tiny test models hide it.
+
+A random-weight Llama with SmolLM2-135M's sizes (hidden 576, 9 query / 3 KV heads of 64, MLP 1536,
+vocabulary 49152, tied head, quantization blocks of 32) and three blocks, built from a config. For each
+place where one multi-token call stands in for single steps:
+
+- ONNX Runtime int8 / int4 (MatMulNBits with int8 activations), fused fp32 (GroupQueryAttention, packed
+  products) and standard graphs: one k-token call and k one-token steps give the same logits within half
+  the near-tie threshold (quantized: exactly, since int8 activations turn any difference into a jump of
+  a quantization step), and greedy speculative == plain over several prompts and plans;
+- the torch CPU backend with every product form ``runtime/cpu_linear.py`` may choose per row count
+  (``F.linear`` everywhere, ``W @ x^T`` everywhere, and each mixed): the same logit agreement (fp32),
+  and speculative == plain with the most mixed choice.
+
+Run: python -m pytest -q tests/test_real_shapes.py
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("onnxruntime")
+
+from lossless import NEAR_TIE, run  # noqa: E402
+from test_onnx_fused import make_artifact  # noqa: E402
+from speccompile.runtime.cpu_linear import MAX_ROWS  # noqa: E402
+from speccompile.runtime.manifest import DraftPlan, read_manifest  # noqa: E402
+from speccompile.runtime.onnx_backend import OnnxBackend  # noqa: E402
+from speccompile.runtime.torch_backend import TorchBackend  # noqa: E402
+from tiny_models import make_model  # noqa: E402
+
+SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+               head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=2048,
+               initializer_range=0.04)
+LAYERS = 3
+ROUNDING = NEAR_TIE / 2  # a divergence needs a top-2 gap below twice the rounding: keep that under the near-tie rule
+NEW_TOKENS = 16
+
+
+@pytest.fixture(scope="module")
+def real_shaped(tmp_path_factory):
+    """(folder, function -> a fresh canonical decoder) of the three-block SmolLM2-shaped model."""
+    from transformers import AutoModelForCausalLM
+
+    from speccompile.convert import arch_config, canonical_weights
+    from speccompile.runtime.decoder import build_decoder
+
+    folder = make_model("llama", tmp_path_factory.mktemp("real_shapes") / "smollm2-shaped", seed=7,
+                        num_hidden_layers=LAYERS, **SMOLLM2)
+    hf = AutoModelForCausalLM.from_pretrained(folder).eval()
+    config = arch_config(hf)
+    weights = canonical_weights(hf, config)
+    return folder, lambda: build_decoder(config, {k: v.clone() for k, v in weights.items()})
+
+
+def plans() -> dict[str, DraftPlan]:
+    out = [DraftPlan(name="skip", skip_attn=[1], skip_mlp=[1], max_draft=4, threshold=0.0),
+           DraftPlan(name="exit", exit_layer=1, max_draft=3, threshold=0.0),
+           DraftPlan(name="exit-last", exit_layer=LAYERS - 1, max_draft=6, adaptive=False),
+           DraftPlan(name="lookup", lookup=["ngram"], ngram_min=1, ngram_max=3, lookup_max_draft=8)]
+    return {p.name: p for p in out}
+
+
+def prompts(vocab: int) -> list[list[int]]:
+    """Two random prompts, the second repeating itself so that lookup drafts find matches."""
+    gen = torch.Generator().manual_seed(11)
+    first, second = (torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (5, 14))
+    return [first, second + second + second[:4]]
+
+
+def verify_vs_steps(backend, tokens: list[int]) -> float:
+    """Largest |logit| difference between one k-token call and k one-token steps over the same positions, for
+    k of 2, 4 and 8 (the row counts a verify has) at a few positions."""
+    worst = 0.0
+    for k, end in ((2, len(tokens) - 6), (4, len(tokens) - 3), (8, len(tokens))):
+        backend.reserve(len(tokens) + 1)
+        backend.forward(tokens[: end - k], 0)
+        together = np.asarray(backend.forward(tokens[end - k: end], end - k))
+        apart = np.stack([np.asarray(backend.forward([t], end - k + j))[-1] for j, t in enumerate(tokens[end - k: end])])
+        worst = max(worst, float(np.abs(together - apart).max()))
+    return worst
+
+
+def top2_gap(backend, tokens: list[int]) -> float:
+    """The backend's own top-2 logit gap for the token after ``tokens`` (one prefill call)."""
+    backend.reserve(len(tokens) + 1)
+    top = np.sort(np.asarray(backend.forward(tokens, 0))[-1])[-2:]
+    return float(top[1] - top[0])
+
+
+def assert_speculative_is_plain(backend, gap_probe, vocab: int, plan_map: dict[str, DraftPlan], root=None) -> None:
+    """Greedy speculative == plain on every prompt and plan; a divergence only where ``gap_probe``'s own top-2
+    gap is a near-tie (DESIGN.md section 6), at most one in all; and the drafts were accepted at all."""
+    near_ties = accepted = 0
+    for prompt in prompts(vocab):
+        plain, _ = run(backend, prompt, NEW_TOKENS)
+        for plan in plan_map.values():
+            spec, stats = run(backend, prompt, NEW_TOKENS, plan, root=root)
+            accepted += stats.accepted
+            if spec != plain:
+                i = next((k for k, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
+                gap = top2_gap(gap_probe, prompt + plain[:i])
+                assert gap < NEAR_TIE, f"{plan.name} diverges from plain at token {i}, top-2 gap {gap:.2e}: not rounding"
+                near_ties += 1
+    assert near_ties <= 1 and accepted > 0, (near_ties, accepted)
+
+
+@pytest.fixture(scope="module")
+def onnx_artifacts(real_shaped, tmp_path_factory):
+    """options name -> (artifact root, OnnxBackend with ONNX Runtime's default threads), built once each."""
+    folder, decoder = real_shaped[0], real_shaped[1]()
+    base = tmp_path_factory.mktemp("real_shapes_onnx")
+    options = {"int8": {"variant": "fused", "quantize": "int8"}, "int4": {"variant": "fused", "quantize": "int4"},
+               "fused": {"variant": "fused"}, "standard": {"variant": "standard"}}
+    cache = {}
+
+    def get(name: str):
+        if name not in cache:
+            root = make_artifact(decoder, plans(), base / name, folder / "tokenizer.json", **options[name])
+            cache[name] = root, OnnxBackend.from_artifact(root, read_manifest(root))
+        return cache[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", ["int8", "int4", "fused", "standard"])
+def test_onnx_verify_is_the_step_it_replaces(name, onnx_artifacts):
+    """A k-token call and k steps agree (quantized: to the bit), and, for the fused graphs the runtime runs on
+    CPU, greedy speculative == plain (quantized: every plan kind; fp32, whose rounding is continuous: the
+    early exit; the standard graphs': tests/test_onnx.py's)."""
+    root, backend = onnx_artifacts(name)
+    record = read_manifest(root).backends["onnx"]
+    assert (record["quantization"] or {}).get("scheme") == (name if name.startswith("int") else None)
+    rounding = verify_vs_steps(backend.replica(), prompts(backend.config.vocab_size)[1])
+    limit = 0.0 if record["quantization"] else ROUNDING
+    assert rounding <= limit, f"{name}: a k-token call and k steps give logits {rounding:.2e} apart (allowed {limit:.0e})"
+    if name != "standard":  # fp32 fused: the early exit's split graphs (the layer-skip path is the verify alone)
+        plan_map = plans() if record["quantization"] else {"exit": plans()["exit"]}
+        assert_speculative_is_plain(backend, backend.replica(), backend.config.vocab_size, plan_map, root)
+
+
+FORMS = {"F.linear": frozenset(), "W @ x^T": frozenset(range(1, MAX_ROWS + 1)),
+         "step F.linear, verify W @ x^T": frozenset(range(2, MAX_ROWS + 1)),
+         "step W @ x^T, verify F.linear": frozenset({1})}  # the last one also decodes (see below)
+
+
+def test_torch_cpu_product_forms(real_shaped, monkeypatch):
+    """Every choice runtime/cpu_linear.py can make of the product form per row count keeps a k-token call
+    within the rounding bound of k steps, and with the most mixed choice (a step streams W @ x^T, a verify
+    runs F.linear) greedy speculative == plain (fp32: only near-ties may differ)."""
+    from speccompile.runtime import cpu_linear
+
+    monkeypatch.setenv("SPECCOMPILE_CPU_LINEAR", "auto")
+    for form, rows in FORMS.items():
+        monkeypatch.setattr(cpu_linear, "choose_streaming_rows", lambda weights, rows=rows: rows)
+        decoder = real_shaped[1]()  # fresh: the choice is made once per model
+        backend = TorchBackend(decoder)
+        assert decoder._streaming_rows == rows
+        rounding = verify_vs_steps(backend, prompts(decoder.config.vocab_size)[1])
+        assert rounding < ROUNDING, f"torch {form}: a k-token call and k steps give logits {rounding:.2e} apart"
+    assert_speculative_is_plain(backend, TorchBackend(decoder), decoder.config.vocab_size, {"exit": plans()["exit"]})
