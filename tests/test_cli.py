@@ -177,18 +177,24 @@ def test_runtime_imports_neither_torch_nor_transformers():
 
 
 def test_auto_method_keeps_the_fastest_plan_or_plain(tiny_model_dir, tmp_path):
-    """auto tunes layer skip, early exit, lookup and hybrid plans, keeps the fastest confirmed one, and makes
-    it the default only if it beat plain decoding in its own confirmation."""
+    """auto runs lookup, then each model-draft pass whose bound can beat the best plan so far (the others are
+    recorded as skipped, with why), keeps the fastest confirmed plan, and makes it the default only if it beat
+    plain decoding in its own confirmation."""
     out = tmp_path / "auto"
     result = invoke("build", tiny_model_dir("qwen2"), "-o", out, "--max-draft", "3", "--calibration-tokens", "12",
                     "--quiet")
     assert result.exit_code == 0, result.output
     manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["tuning"]["method"] == "auto"
+    rows = {row["pass"]: row for row in manifest["tuning"]["passes"]}
+    assert {"lookup_autotune", "exit_autotune", "cosine_autotune", "confirm_plans"} <= set(rows)
+    for name in ("exit_autotune", "cosine_autotune"):  # each model-draft pass ran or says why not
+        assert rows[name].get("added") or rows[name].get("skipped"), rows[name]
     (name, plan), = manifest["plans"].items()
-    others = plan["measured"]["chosen_over"]
-    assert {name, *others} >= {"layer-skip", "early-exit", "lookup"} and manifest["tuning"]["method"] == "auto"
-    confirmed = [speedup for speedup in others.values() if speedup is not None]  # the top 3 predicted are timed
-    assert len(confirmed) == 2 and all(plan["measured"]["confirmed_speedup"] >= speedup for speedup in confirmed)
+    others = plan["measured"].get("chosen_over", {})
+    assert "lookup" in {name, *others}
+    confirmed = [speedup for speedup in others.values() if speedup is not None]
+    assert all(plan["measured"]["confirmed_speedup"] >= speedup for speedup in confirmed)
     pays = plan["measured"]["confirmed_speedup"] > 1.0
     assert manifest["default_plan"] == (name if pays else None)
     generated = invoke("generate", out, "--prompt", "def add(a, b):", "--max-new-tokens", "8")
