@@ -48,6 +48,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
+from speccompile.runtime.backends.graph_index import segments_from_plan_records
 from speccompile.runtime.manifest import ArchConfig, DraftPlan
 
 OPSET = 18
@@ -897,6 +898,8 @@ def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan]
             tensors[name] = dict(by_content[key])
     total_bytes = offset
 
+    # What each graph computes, for the backends' segment lookup (runtime/backends/graph_index.py).
+    segments = segments_from_plan_records({"graphs": graphs, "plans": plan_records}, plans, L)
     graph_records = {}
     for key, g in graphs.items():
         model = g.to_model()
@@ -918,7 +921,7 @@ def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan]
         graph_records[key] = {
             "file": rel(path), "variant": getattr(g, "variant", variant), "inputs": g.input_records,
             "outputs": g.output_records,
-            "initializers": list(g.used),
+            "initializers": list(g.used), "segment": segments.get(key),
         }
 
     return {
