@@ -22,7 +22,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -107,6 +109,7 @@ def profile(artifact: Path, threads: int, context: int, ks=(1, 8), calls: int = 
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.enable_profiling = True
+        options.profile_file_prefix = str(Path(tempfile.mkdtemp(prefix="verify-curve-")) / "ort")
         for name in graph.get("initializers", []):
             options.add_initializer(name, backend._ortvalues[name])
         backend.sessions["verify"] = ort.InferenceSession(str(artifact / graph["file"]), sess_options=options,
@@ -117,7 +120,9 @@ def profile(artifact: Path, threads: int, context: int, ks=(1, 8), calls: int = 
         for _ in range(calls):
             backend.forward(ids, context)
         wall = (time.perf_counter_ns() - start) / 1e6 / calls
-        trace = json.loads(Path(backend.sessions["verify"].end_profiling()).read_text())
+        trace_file = Path(backend.sessions["verify"].end_profiling())
+        trace = json.loads(trace_file.read_text())
+        shutil.rmtree(trace_file.parent, ignore_errors=True)
         groups = {"head product": 0.0, "block products": 0.0, "attention": 0.0, "other": 0.0}
         for event in trace:
             if event.get("cat") != "Node" or not event["name"].endswith("_kernel_time"):
