@@ -4,7 +4,10 @@ A backend (``runtime/backends/base.py``) runs segments of the model on its stati
 draft kind (``runtime/draft_kinds/``) turns a draft step and a verify into segments (an early exit's
 verify reuses the draft's prefix). Rollback after a rejection is only a smaller ``pos`` for the next call.
 
-Each round asks a drafter (``runtime/drafters.py``) for candidates and verifies them in one call.
+Each round asks a drafter (``runtime/drafters.py``) for candidates and verifies them in one call. A
+backend may keep the round on its device instead (``device_round``: the torch backend on CUDA,
+``runtime/device_round.py``: one host read per round, none per drafted token); the round below is the
+host round, which every other backend runs.
 Greedy: accept drafted tokens while they equal the verifier's argmax, then take the verifier's token
 (exact up to floating-point near-ties, DESIGN.md section 6). Sampling: Leviathan/Chen speculative
 sampling with rejection over the draft's q (one-hot for lookup sources), so the output has the plain
@@ -130,8 +133,11 @@ def decode(backend: Backend, request: DecodeRequest, drafter, stats: Stats) -> I
     stats.prefill_seconds = time.perf_counter() - start
     token = _pick(logits, params, rng)
     history = prompt + [token]
+    round_ = None
     if drafter is not None:
         drafter.start(prompt)
+        on_device = getattr(backend, "device_round", None)  # a backend whose rounds can stay on its device
+        round_ = on_device(drafter, request.seed) if on_device is not None else None
     new, stop = _emit([token], request, stats)
     stats.new_tokens += 1
     yield new
@@ -145,7 +151,7 @@ def decode(backend: Backend, request: DecodeRequest, drafter, stats: Stats) -> I
             new = [_pick(backend.forward([token], pos)[-1], params, rng)]
         else:
             ctx = RoundContext(history=history, pos=pos, limit=budget - 1, params=params, rng=rng)
-            new = _speculative_round(backend, drafter, ctx, stats)
+            new = round_(ctx, stats) if round_ is not None else _speculative_round(backend, drafter, ctx, stats)
         pos += len(new)
         token = new[-1]
         history.extend(new)

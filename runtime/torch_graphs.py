@@ -83,11 +83,14 @@ class StaticSteps:
             if decoder.config.local_rope:
                 decoder.rope_table(self.max_len, local=True)
         self.buffers: dict[int, tuple[Tensor, Tensor]] = {}  # T -> (token ids [1, T], positions [T])
+        self.offsets = torch.arange(max_tokens, dtype=torch.long, device=cache.k.device)  # positions = pos + these
         self.graphs: dict[tuple, Step] = {}
         self.captures = 0
 
-    def _inputs(self, tokens: Sequence[int] | None, t: int, pos: int) -> tuple[Tensor, Tensor]:
-        """Write ``tokens`` (when the segment embeds tokens) and their positions into the buffers for T."""
+    def _inputs(self, tokens: "Sequence[int] | Tensor | None", t: int, pos: int) -> tuple[Tensor, Tensor]:
+        """Write ``tokens`` (when the segment embeds tokens: host ints, or ids ``[T]`` already on the device,
+        copied there without a host round trip) and their positions (computed on the device from ``pos``)
+        into the buffers for T."""
         if pos < 0 or pos + t > self.max_len:
             raise ValueError(f"positions {pos}..{pos + t - 1} are outside the static cache (0..{self.max_len - 1}); "
                              "reserve() a longer cache first")
@@ -96,16 +99,21 @@ class StaticSteps:
             self.buffers[t] = (torch.zeros(1, t, dtype=torch.long, device=device),
                                torch.zeros(t, dtype=torch.long, device=device))
         ids, positions = self.buffers[t]
-        if tokens is not None:
+        if isinstance(tokens, Tensor):
+            ids.copy_(tokens.reshape(1, t))
+        elif tokens is not None:
             ids.copy_(torch.tensor([list(tokens)], dtype=torch.long))
-        positions.copy_(torch.arange(pos, pos + t, dtype=torch.long))
+        if t > self.offsets.shape[0]:  # a step longer than graphs take (called directly, not via the backend)
+            self.offsets = torch.arange(t, dtype=torch.long, device=positions.device)
+        torch.add(self.offsets[:t], pos, out=positions)
         return ids, positions
 
     def fits(self, t: int) -> bool:
         """Whether a step of ``t`` tokens is graphed (longer ones, prompts, run eagerly)."""
         return t <= self.max_tokens
 
-    def run(self, segment: Segment, pos: int, tokens: Sequence[int] | None = None, count: int = 0) -> Tensor | None:
+    def run(self, segment: Segment, pos: int, tokens: "Sequence[int] | Tensor | None" = None,
+            count: int = 0) -> Tensor | None:
         t = len(tokens) if tokens is not None else count
         ids, positions = self._inputs(tokens, t, pos)
         key = (segment, t)

@@ -11,6 +11,7 @@ from lossless import assert_same_greedy, run
 
 from speccompile.runtime.draft_kinds import kind_of
 from speccompile.runtime.manifest import DraftPlan
+from speccompile.runtime.sampling import SamplingParams
 from speccompile.runtime.segments import full_model
 from speccompile.runtime.torch_backend import GRAPH_CACHE_STEP, TorchBackend
 from speccompile.runtime.torch_graphs import eager_capture
@@ -107,6 +108,17 @@ def test_a_new_cache_drops_the_graphs_and_cpu_ignores_the_flag(tiny_decoder):
     assert cpu.static is None and cpu.cache.max_len == 16
 
 
+def _cuda_decoder(tiny_model_dir, dtype):
+    from transformers import AutoModelForCausalLM
+
+    from speccompile.convert import arch_config, canonical_weights
+    from speccompile.runtime.decoder import build_decoder
+
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).eval()
+    config = arch_config(hf)
+    return build_decoder(config, canonical_weights(hf, config), dtype=dtype, device="cuda")
+
+
 def _same_or_near_tie(decoder, prompt, reference, other, tolerance):
     """``other`` equals ``reference``, or first differs where the reference's top-2 logit gap (on the
     decoder's own device and dtype) is below ``tolerance``: DESIGN.md section 6's rule."""
@@ -128,20 +140,55 @@ def _same_or_near_tie(decoder, prompt, reference, other, tolerance):
 def test_cuda_graphs_greedy_equal(tiny_model_dir, dtype, plan_name):
     """On a GPU: real CUDA graphs give the eager CUDA backend's greedy tokens, plain and speculative
     (near-ties aside: 1e-4 in fp32, 2e-2 in fp16)."""
-    from transformers import AutoModelForCausalLM
-
-    from speccompile.convert import arch_config, canonical_weights
-    from speccompile.runtime.decoder import build_decoder
-
-    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).eval()
-    config = arch_config(hf)
-    decoder = build_decoder(config, canonical_weights(hf, config), dtype=dtype, device="cuda")
+    decoder = _cuda_decoder(tiny_model_dir, dtype)
     plan = PLANS[plan_name]
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
-    eager_plain, _ = run(TorchBackend(decoder), PROMPT, 32)
+    eager_plain, _ = run(TorchBackend(decoder, round_on_device=False), PROMPT, 32)
     graphed = TorchBackend(decoder, cuda_graphs=True)
     graphed_plain, _ = run(graphed, PROMPT, 32)
     graphed_spec, stats = run(graphed, PROMPT, 32, plan)
     assert graphed.static is not None and graphed.static.captures > 0 and stats.rounds > 0
     _same_or_near_tie(decoder, PROMPT, eager_plain, graphed_plain, tolerance)
     _same_or_near_tie(decoder, PROMPT, eager_plain, graphed_spec, tolerance)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("plan_name", ["skip", "exit", "ngram"])
+@pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
+def test_device_round_on_cuda_syncs_once_per_round(tiny_model_dir, monkeypatch, dtype, plan_name, graphs):
+    """On a GPU the torch backend's round is the device round (``runtime/device_round.py``): its greedy
+    tokens are the eager host round's (near-ties aside) and, once graphs are captured, each round makes
+    one synchronizing CUDA call (``torch.cuda.set_sync_debug_mode``), the read that ends it."""
+    import warnings
+
+    from speccompile.runtime.device_round import DeviceRound
+
+    decoder = _cuda_decoder(tiny_model_dir, dtype)
+    plan = PLANS.get(plan_name) or DraftPlan(name="ngram", lookup=["ngram"], ngram_min=1, ngram_max=3, lookup_max_draft=4)
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2
+    prompt = PROMPT + PROMPT[:5]  # a repeat, so the n-gram lookup drafts
+    reference, _ = run(TorchBackend(decoder, round_on_device=False), prompt, 32)
+    backend = TorchBackend(decoder, cuda_graphs=graphs)
+    run(backend, prompt, 32, plan)  # captures every graph the rounds replay
+    syncs: list[int] = []
+    original = DeviceRound.__call__
+
+    def counted(self, ctx, stats):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                return original(self, ctx, stats)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+                syncs.append(sum("synchroniz" in str(w.message) for w in caught))
+
+    monkeypatch.setattr(DeviceRound, "__call__", counted)
+    spec, stats = run(backend, prompt, 32, plan)
+    assert stats.rounds == len(syncs) > 0 and stats.accepted > 0
+    assert set(syncs) == {1}, f"synchronizing CUDA calls per round: {syncs}"
+    _same_or_near_tie(decoder, prompt, reference, spec, tolerance)
+    sampled = [run(backend, prompt, 16, plan, SamplingParams(temperature=0.8), seed=3)[0] for _ in range(2)]
+    assert sampled[0] == sampled[1]  # the round's generator is seeded from the request

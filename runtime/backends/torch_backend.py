@@ -9,6 +9,11 @@ CUDA graphs (opt-in: ``cuda_graphs=True``, or ``SPECCOMPILE_CUDA_GRAPHS=1`` for 
 ``load``): on a CUDA device every segment of up to ``GRAPH_TOKENS`` tokens that ends in the shared head
 (or in none) is captured once and replayed (``runtime/torch_graphs.py``), through the same decoder
 with tensor positions; prompts run eagerly. On CPU the flag is ignored and every call runs eagerly.
+
+Rounds on the device (``runtime/device_round.py``): on CUDA a speculative round keeps drafted tokens and
+acceptance on the GPU, one host read per round (``device_round``); on CPU the host round is faster and
+runs (``round_on_device=True`` or ``SPECCOMPILE_DEVICE_ROUND=1`` forces the device round anywhere, ``0``
+turns it off).
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from ..adapter import DraftHead, expand_logits, load_draft_head
+from ..adapter import DraftHead, load_draft_head
 from ..cpu_linear import use_streaming_linears
 from ..decoder import Decoder, KVCache, build_decoder, pack_projections, run_segment
 from ..errors import ArtifactError
@@ -34,6 +39,12 @@ GRAPH_TOKENS = 32  # longest step replayed from a CUDA graph (verify rounds); lo
 GRAPH_CACHE_STEP = 256  # with graphs on, caches grow in these steps: a new cache means recapturing every graph
 
 
+def device_round_requested() -> bool | None:
+    """``SPECCOMPILE_DEVICE_ROUND``: 1 the device round everywhere, 0 never, unset on CUDA only (None)."""
+    value = os.environ.get("SPECCOMPILE_DEVICE_ROUND", "").strip().lower()
+    return None if value in ("", "auto") else value in ("1", "true", "yes", "on")
+
+
 def cuda_graphs_requested() -> bool:
     """``SPECCOMPILE_CUDA_GRAPHS=1`` turns CUDA graphs on for backends opened from an artifact."""
     return os.environ.get("SPECCOMPILE_CUDA_GRAPHS", "0").strip().lower() in ("1", "true", "yes", "on")
@@ -43,10 +54,12 @@ class TorchBackend(Backend):
     name = "torch"
 
     def __init__(self, decoder: Decoder, device: str | None = None, cuda_graphs: bool = False,
-                 capture: Callable | None = None):
+                 capture: Callable | None = None, round_on_device: bool | None = None):
         """``cuda_graphs`` replays fixed-shape steps from CUDA graphs when ``device`` is CUDA (ignored on
         CPU). ``capture`` replaces the graph capture (``torch_graphs.eager_capture`` runs the same static
-        steps without graphs, on any device: how the bookkeeping is tested on CPU)."""
+        steps without graphs, on any device: how the bookkeeping is tested on CPU). ``round_on_device``:
+        speculative rounds stay on the device (``device_round``); None: on CUDA only, or as
+        ``SPECCOMPILE_DEVICE_ROUND`` says."""
         self.decoder = decoder
         self.config: ArchConfig = decoder.config
         self.device = device or str(decoder.embed.weight.device)  # default: wherever the weights are
@@ -55,6 +68,7 @@ class TorchBackend(Backend):
         self.hidden: torch.Tensor | None = None
         self.max_len = 0
         self.cuda_graphs, self._capture = cuda_graphs, capture
+        self.round_on_device = device_round_requested() if round_on_device is None else round_on_device
         self.static = None  # torch_graphs.StaticSteps over the current cache, when graphs are on
         self.draft_heads: dict[str, tuple[DraftHead, TorchDraftHead]] = {}  # draft head file -> kernel
         if torch.device(self.device).type == "cpu":
@@ -82,7 +96,8 @@ class TorchBackend(Backend):
 
     def replica(self) -> "TorchBackend":
         """Another backend over the same weights with its own KV cache (one per concurrent sequence)."""
-        other = TorchBackend(self.decoder, device=self.device, cuda_graphs=self.cuda_graphs, capture=self._capture)
+        other = TorchBackend(self.decoder, device=self.device, cuda_graphs=self.cuda_graphs, capture=self._capture,
+                             round_on_device=self.round_on_device)
         other.draft_heads = self.draft_heads
         return other
 
@@ -105,23 +120,38 @@ class TorchBackend(Backend):
         capture = self._capture or cuda_capture_with(torch.cuda.graph_pool_handle())
         return StaticSteps(self.decoder, self.cache, self.hidden, capture, max_tokens=GRAPH_TOKENS)
 
-    def _numpy(self, logits: torch.Tensor) -> np.ndarray:
-        return logits[0].float().cpu().numpy()
-
     # -- the backend interface ---------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, segment: Segment, pos: int, tokens: Sequence[int] | None = None, count: int = 0) -> np.ndarray | None:
-        t = len(tokens) if segment.from_tokens else count
+        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device) if segment.from_tokens else None
+        out = self.run_tensor(segment, pos, ids, count)
+        return None if out is None else out.float().cpu().numpy()
+
+    @torch.inference_mode()
+    def run_tensor(self, segment: Segment, pos: int, ids: torch.Tensor | None = None, count: int = 0) -> torch.Tensor | None:
+        """``run`` on device tensors, reading nothing back: token ids ``[T]`` (long, on this device) when
+        the segment starts at block 0; the logits ``[T, vocab]`` stay on the device (the model's dtype; a
+        draft head's over the whole vocabulary, ``-inf`` outside its own)."""
+        t = ids.shape[0] if segment.from_tokens else count
         if self.static is not None and self.static.fits(t) and segment.head in (None, FINAL_HEAD):
-            out = self.static.run(segment, pos, tokens if segment.from_tokens else None, t)
-            return None if out is None else self._numpy(out)
-        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device) if segment.from_tokens else None
-        if segment.head in (None, FINAL_HEAD):
-            out = run_segment(self.decoder, segment, ids, pos, self.cache, self.hidden, self.decoder.head, count)
-            return None if out is None else self._numpy(out)
-        head, kernel = self._draft_head(segment.head)
-        out = run_segment(self.decoder, segment, ids, pos, self.cache, self.hidden, kernel, count)
-        return expand_logits(self._numpy(out), head.vocab, self.config.vocab_size)
+            out = self.static.run(segment, pos, ids, t)
+        else:
+            head = self.decoder.head if segment.head in (None, FINAL_HEAD) else self._draft_head(segment.head)[1].full_logits
+            out = run_segment(self.decoder, segment, None if ids is None else ids.view(1, -1), pos, self.cache,
+                              self.hidden, head, count)
+        return None if out is None else out[0]
+
+    def device_round(self, drafter, seed: int | None):
+        """The speculative round of ``runtime.speculative.decode`` when it stays on this device
+        (``runtime/device_round.py``), or None: the host round runs."""
+        on_device = self.round_on_device
+        if on_device is None:
+            on_device = torch.device(self.device).type == "cuda"
+        if not on_device or drafter is None:
+            return None
+        from ..device_round import DeviceRound
+
+        return DeviceRound.for_drafter(self, drafter, seed)
 
     def unsupported(self, segment: Segment) -> str | None:
         if getattr(self.decoder, "whole_blocks", False) and segment.skip_attn != segment.skip_mlp:
