@@ -765,7 +765,7 @@ def export_options(record: dict[str, Any] | None) -> dict[str, Any]:
     options: dict[str, Any] = {"variant": record.get("variant", "standard")}
     if options["variant"] == "fused":
         options["pack"] = record.get("packed_projections", True)
-        options["pad_rows"] = record.get("padded_attention_rows", True)  # older artifacts: re-exported padded
+        options["pad_rows"] = record.get("padded_attention_rows", bool(record.get("quantization")))
     quant = record.get("quantization")
     if quant:
         options.update(quantize=quant["scheme"], block_size=quant["block_size"], accuracy_level=quant["accuracy_level"])
@@ -804,7 +804,7 @@ def export_onnx(decoder, plans: dict[str, DraftPlan], out_dir: Path, dtype: str 
 def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan], out_dir: Path,
                         dtype: str = "float32", relative_to: Path | None = None, variant: str = "standard",
                         quantize: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                        accuracy_level: int = DEFAULT_ACCURACY_LEVEL, pack: bool = True, pad_rows: bool = True,
+                        accuracy_level: int = DEFAULT_ACCURACY_LEVEL, pack: bool = True, pad_rows: bool | None = None,
                         draft_heads: dict[str, Path] | None = None) -> dict[str, Any]:
     """``export_onnx`` from an ``ArchConfig`` and canonical weights (name -> torch tensor or numpy array,
     as in weights/model.safetensors; a tied lm_head may be absent). No torch needed for numpy weights.
@@ -815,8 +815,10 @@ def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan]
     blocks of ``block_size`` along the input dimension; ``accuracy_level`` is MatMulNBits' (0: unset,
     4: int8 activations, ONNX Runtime's fast CPU path). ``pack`` (fused only): q/k/v and gate/up as one
     matmul each, on weights concatenated in the graph (see ``_FusedGraph.linear_cat``). ``pad_rows`` (fused
-    only): attention always runs on one more query row than the call has, so that a k-token verify computes
-    exactly the 1-token steps it replaces (see ``_FusedGraph.padding``; off only to measure the old form).
+    only; default: with ``quantize``): attention always runs on one more query row than the call has, so that
+    a k-token verify computes exactly the 1-token steps it replaces (see ``_FusedGraph.padding``). Quantized
+    graphs need it (int8 activations turn MLAS's one-row rounding into whole quantization steps); fp32 graphs
+    agree within the near-tie rule without it, and it costs their plain steps (about 0.88x measured).
     ``draft_heads`` maps
     plans' draft head files (exit adapters, reduced vocabularies) to where they are now; their graphs:
     ``speccompile/export_adapter.py``."""
@@ -825,6 +827,8 @@ def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan]
     if variant not in VARIANTS:
         raise ValueError(f"unknown ONNX graph variant {variant!r}; use one of {VARIANTS}")
     quantizer = None
+    if pad_rows is None:
+        pad_rows = quantize is not None
     if quantize is not None:
         if variant != "fused" or dtype != "float32":
             raise ValueError("quantized ONNX export needs variant='fused' and float32 weights")

@@ -181,8 +181,7 @@ def test_kv_cache_written_in_place_and_replicas_have_their_own(fused_artifact):
     ref.forward(tokens, 0)
     for layer in range(decoder.config.num_layers):  # the graph wrote the KV entries into our buffers
         np.testing.assert_allclose(ort.k[layer][:, :, :20], ref.cache.k[layer][:, :, :20].numpy(), atol=1e-5)
-        # slot 20 holds the padding row's entry (export_onnx._FusedGraph.padding), rewritten by the next call
-        assert ort.k[layer][:, :, 20].any() and not ort.k[layer][:, :, 21:].any()
+        assert not ort.k[layer][:, :, 20:].any()  # fp32 graphs run no padding row (export_onnx._FusedGraph.padding)
     copying = ort_backend(root, kv_in_place=False)  # same graphs, past copied in and present copied back
     copying.reserve(32)
     np.testing.assert_allclose(copying.forward(tokens, 0), logits, atol=1e-6)
