@@ -8,7 +8,7 @@ quantized graphs.
   has its own cache, and running the same graphs with the past copied in gives the same logits;
 - int8 / int4 artifacts: a k-token verify computes exactly the 1-token steps it replaces, and speculative
   greedy == the quantized model's own plain greedy, divergences only at near-ties of the quantized model
-  (threshold QUANT_NEAR_TIE, see its comment; at a real model's shapes: tests/test_real_shapes.py).
+  (the fp32 near-tie rule, see the comment on the padding; at a real model's shapes: tests/test_real_shapes.py).
 
 Run: OMP_NUM_THREADS=1 python -m pytest -q tests/test_onnx_fused.py
 """
@@ -25,7 +25,7 @@ import torch
 pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
-from lossless import assert_same_greedy, run  # noqa: E402
+from lossless import assert_same_greedy, assert_speculative_is_plain, run  # noqa: E402
 from speccompile.export_onnx import export_onnx  # noqa: E402
 from speccompile.runtime.manifest import DraftPlan, Manifest, file_record, read_manifest, write_manifest  # noqa: E402
 from speccompile.runtime.onnx_backend import OnnxBackend  # noqa: E402
@@ -38,8 +38,7 @@ TOL = 1e-4
 # 1-token steps it replaces, however small, can move an activation across an int8 rounding boundary and
 # the logits by a quantization step; so the fused graphs give attention the same kernels for one row as
 # for several (export_onnx._FusedGraph.padding) and the test requires the two paths to agree exactly. A
-# divergence would then need an exact tie; the fp32 rule (1e-4) is kept for it.
-QUANT_NEAR_TIE = 1e-4
+# divergence would then need an exact tie; the fp32 rule (lossless.NEAR_TIE, 1e-4) is kept for it.
 
 
 def _verify_vs_steps(backend: OnnxBackend, prompt: list[int], k: int = 4) -> float:
@@ -196,12 +195,6 @@ def test_kv_cache_written_in_place_and_replicas_have_their_own(fused_artifact):
     assert run(other, tokens, 16, plan)[0] == alone
 
 
-def _quantized_top2_gap(backend: OnnxBackend, tokens: list[int]) -> float:
-    backend.reserve(len(tokens) + 1)
-    top = np.sort(backend.forward(tokens, 0)[-1])[-2:]
-    return float(top[1] - top[0])
-
-
 @pytest.mark.parametrize("scheme,family", [("int4", "llama"), ("int8", "gpt_neox"), ("int4", "phi3")])
 def test_quantized_speculative_equals_quantized_plain(scheme, family, tiny_decoder, tiny_model_dir, tmp_path):
     _, decoder = tiny_decoder(family)
@@ -223,20 +216,8 @@ def test_quantized_speculative_equals_quantized_plain(scheme, family, tiny_decod
     assert 1e-6 < err < 0.5 * float(np.abs(full).max()), f"quantized logits {err:.2e} from float: not quantized, or broken"
     rounding = _verify_vs_steps(ort.replica(), prompt)
     assert rounding == 0.0, f"verify and step are {rounding:.2e} apart: int8 activations make that a quantization step"
-    near_ties = accepted = 0
-    gap_probe = ort.replica()
-    for p in range(3):
-        prompt = torch.randint(3, decoder.config.vocab_size, (4 + 11 * p,), generator=gen).tolist()
-        plain, _ = run(ort, prompt, 32)
-        for plan in plan_map.values():
-            spec, stats = run(ort, prompt, 32, plan)
-            accepted += stats.accepted
-            if spec != plain:
-                i = next((k for k, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
-                gap = _quantized_top2_gap(gap_probe, prompt + plain[:i])
-                assert gap < QUANT_NEAR_TIE, f"{plan.name} diverges at {i}, quantized top-2 gap {gap:.2e}"
-                near_ties += 1
-    assert near_ties <= 1 and accepted > 0
+    prompts = [torch.randint(3, decoder.config.vocab_size, (4 + 11 * p,), generator=gen).tolist() for p in range(3)]
+    assert_speculative_is_plain(ort, ort.replica(), prompts, plan_map, 32)  # the quantized model's own near-ties
 
 
 def test_build_quantize_cli(tiny_model_dir, tmp_path):

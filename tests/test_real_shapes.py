@@ -24,7 +24,7 @@ import torch
 
 pytest.importorskip("onnxruntime")
 
-from lossless import NEAR_TIE, run  # noqa: E402
+from lossless import NEAR_TIE, assert_speculative_is_plain  # noqa: E402
 from test_onnx_fused import make_artifact  # noqa: E402
 from speccompile.runtime.cpu_linear import MAX_ROWS  # noqa: E402
 from speccompile.runtime.manifest import DraftPlan, read_manifest  # noqa: E402
@@ -84,30 +84,6 @@ def verify_vs_steps(backend, tokens: list[int]) -> float:
     return worst
 
 
-def top2_gap(backend, tokens: list[int]) -> float:
-    """The backend's own top-2 logit gap for the token after ``tokens`` (one prefill call)."""
-    backend.reserve(len(tokens) + 1)
-    top = np.sort(np.asarray(backend.forward(tokens, 0))[-1])[-2:]
-    return float(top[1] - top[0])
-
-
-def assert_speculative_is_plain(backend, gap_probe, vocab: int, plan_map: dict[str, DraftPlan], root=None) -> None:
-    """Greedy speculative == plain on every prompt and plan; a divergence only where ``gap_probe``'s own top-2
-    gap is a near-tie (DESIGN.md section 6), at most one in all; and the drafts were accepted at all."""
-    near_ties = accepted = 0
-    for prompt in prompts(vocab):
-        plain, _ = run(backend, prompt, NEW_TOKENS)
-        for plan in plan_map.values():
-            spec, stats = run(backend, prompt, NEW_TOKENS, plan, root=root)
-            accepted += stats.accepted
-            if spec != plain:
-                i = next((k for k, (a, b) in enumerate(zip(plain, spec)) if a != b), min(len(plain), len(spec)))
-                gap = top2_gap(gap_probe, prompt + plain[:i])
-                assert gap < NEAR_TIE, f"{plan.name} diverges from plain at token {i}, top-2 gap {gap:.2e}: not rounding"
-                near_ties += 1
-    assert near_ties <= 1 and accepted > 0, (near_ties, accepted)
-
-
 @pytest.fixture(scope="module")
 def onnx_artifacts(real_shaped, tmp_path_factory):
     """options name -> (artifact root, OnnxBackend with ONNX Runtime's default threads), built once each."""
@@ -139,7 +115,7 @@ def test_onnx_verify_is_the_step_it_replaces(name, onnx_artifacts):
     assert rounding <= limit, f"{name}: a k-token call and k steps give logits {rounding:.2e} apart (allowed {limit:.0e})"
     if name != "standard":  # fp32 fused: the early exit's split graphs (the layer-skip path is the verify alone)
         plan_map = plans() if record["quantization"] else {"exit": plans()["exit"]}
-        assert_speculative_is_plain(backend, backend.replica(), backend.config.vocab_size, plan_map, root)
+        assert_speculative_is_plain(backend, backend.replica(), prompts(backend.config.vocab_size), plan_map, NEW_TOKENS, root)
 
 
 FORMS = {"F.linear": frozenset(), "W @ x^T": frozenset(range(1, MAX_ROWS + 1)),
@@ -161,4 +137,5 @@ def test_torch_cpu_product_forms(real_shaped, monkeypatch):
         assert decoder._streaming_rows == rows
         rounding = verify_vs_steps(backend, prompts(decoder.config.vocab_size)[1])
         assert rounding < ROUNDING, f"torch {form}: a k-token call and k steps give logits {rounding:.2e} apart"
-    assert_speculative_is_plain(backend, TorchBackend(decoder), decoder.config.vocab_size, {"exit": plans()["exit"]})
+    assert_speculative_is_plain(backend, TorchBackend(decoder), prompts(decoder.config.vocab_size), {"exit": plans()["exit"]},
+                                NEW_TOKENS)
