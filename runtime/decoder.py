@@ -467,6 +467,10 @@ def run_segment(decoder, segment, ids: Tensor | None, pos: "int | Tensor", cache
     when the segment has one. ``pos`` an int runs eagerly; a tensor of positions runs with fixed shapes
     (CUDA graphs)."""
     fixed = isinstance(pos, Tensor)
+    whole = (segment.from_tokens and segment.stop == decoder.config.num_layers and not segment.skip_attn
+             and not segment.skip_mlp and not segment.keep_hidden and segment.head is not None)
+    if whole and head == decoder.head:  # the full model: one call (the generic path's is one forward of its model)
+        return decoder(ids, pos, cache)
     if segment.from_tokens:
         h = decoder.embed_tokens(ids, pos)
     elif fixed:
