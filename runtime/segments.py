@@ -43,10 +43,6 @@ class Segment:
         """What identifies the segment's blocks (not its head or whether it keeps its hidden states)."""
         return (self.start, self.stop, tuple(sorted(self.skip_attn)), tuple(sorted(self.skip_mlp)))
 
-    def with_head(self, head: str | None, keep_hidden: bool | None = None) -> "Segment":
-        keep = self.keep_hidden if keep_hidden is None else keep_hidden
-        return Segment(self.start, self.stop, self.skip_attn, self.skip_mlp, head, keep)
-
     def describe(self) -> str:
         skips = ""
         if self.skip_attn or self.skip_mlp:
