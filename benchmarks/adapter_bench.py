@@ -176,6 +176,7 @@ def form_experiment(args) -> None:
     import torch.nn.functional as F
 
     from speccompile.passes.adapter import AdapterTrainer, exit_agreement
+    from speccompile.runtime.decoder import Positions
 
     ir, context, data, train_vocab, chunks, holdout = prepare_data(args)
     decoder, E = ir.decoder(), args.exit_layer
@@ -196,7 +197,7 @@ def form_experiment(args) -> None:
 
     def run_block(h):
         t = h.shape[1]
-        q, k, v = block.attn.project(block.attn_norm(h), decoder.rope_at(0, t))
+        q, k, v = block.attn.project(block.attn_norm(h), decoder.rope_at(Positions.of(0, t, h.device, None)))
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=decoder.config.scale,
                                              enable_gqa=block.attn.n_kv != block.attn.n_heads)
         h = h + block.attn.o(out.transpose(1, 2).reshape(1, t, -1))
