@@ -57,15 +57,76 @@ class Profile:
 
 
 def greedy_continuations(decoder: Decoder, prompts: list[list[int]], new_tokens: int, progress=None,
-                         eos: frozenset[int] = frozenset()) -> list[list[int]]:
-    """The target's own greedy continuation of each prompt, through the runtime's plain decoder, up to and
-    including an ``eos`` token."""
+                         eos: frozenset[int] = frozenset(), batch: int = 16) -> list[list[int]]:
+    """The target's own greedy continuation of each prompt, up to and including an ``eos`` token.
+
+    Batched when the decoder allows it (``batches_left_padded``): a calibration build spends most of its
+    time here, and on a memory-bound CPU step twelve rows cost about twice one row (SmolLM2-135M: 41 s
+    one prompt at a time, 8 s in one batch). Otherwise through the runtime's plain decoding loop."""
+    if batch > 1 and len(prompts) > 1 and batches_left_padded(decoder):
+        outputs = []
+        for first in range(0, len(prompts), batch):
+            group = prompts[first: first + batch]
+            outputs += _batched_greedy(decoder, group, new_tokens, eos)
+            if progress is not None:
+                progress.update(len(group))
+        return outputs
     backend = TorchBackend(decoder)
     outputs = []
     for prompt in prompts:
         outputs.append(decode_all(backend, DecodeRequest(prompt, new_tokens, eos_ids=frozenset(eos)))[0])
         if progress is not None:
             progress.update(1)
+    return outputs
+
+
+def batches_left_padded(decoder) -> bool:
+    """Whether left-padded rows decode as they would alone: the canonical decoder, with rotary (or no)
+    positions, whose attention depends only on how far apart a query and a key are, so a row shifted right
+    by its padding computes the same function (learned absolute positions do not)."""
+    return isinstance(decoder, Decoder) and decoder.config.positions == "rotary"
+
+
+@torch.inference_mode()
+def _batched_greedy(decoder: Decoder, prompts: list[list[int]], new_tokens: int, eos: frozenset[int]) -> list[list[int]]:
+    """Greedy continuations of several prompts at once, each left-padded to the longest. Padding keys are
+    masked out through the decoder's ``keys_values`` hook, which also builds the causal (and window) mask
+    over the whole cache (a padding query sees only itself, so no row of attention is empty); the cache is
+    a batched static cache written at the call's positions."""
+    weight = decoder.embed.weight
+    longest = max(len(p) for p in prompts)
+    pads = torch.tensor([longest - len(p) for p in prompts], device=weight.device)
+    ids = torch.tensor([[0] * (longest - len(p)) + list(p) for p in prompts], device=weight.device)
+    cache = KVCache(decoder.config, longest + new_tokens, batch=len(prompts), dtype=weight.dtype, device=weight.device)
+    state = {"pos": 0}
+
+    def padded_keys_values(i, k, v, mask):
+        pos, t = state["pos"], k.shape[2]
+        cache.k[i, :, :, pos: pos + t], cache.v[i, :, :, pos: pos + t] = k, v
+        keys = torch.arange(pos + t, device=k.device)
+        queries = torch.arange(pos, pos + t, device=k.device)
+        causal = keys[None, :] <= queries[:, None]
+        window = decoder.config.window_of(i)
+        if window is not None:
+            causal &= keys[None, :] > queries[:, None] - window
+        real = keys[None, None, :] >= pads[:, None, None]  # [B, 1, keys]
+        own = keys[None, None, :] == queries[None, :, None]  # [1, T, keys]: a padding query sees itself
+        return cache.k[i, :, :, : pos + t], cache.v[i, :, :, : pos + t], (causal & (real | own))[:, None]
+
+    outputs: list[list[int]] = [[] for _ in prompts]
+    done = [False] * len(prompts)
+    tokens = ids
+    for _ in range(new_tokens):
+        h = decoder.run_blocks(decoder.embed_tokens(tokens, state["pos"]), state["pos"], None,
+                               keys_values=padded_keys_values)
+        state["pos"] += tokens.shape[1]
+        tokens = decoder.head(h[:, -1:]).argmax(-1)
+        for row, token in enumerate(tokens[:, 0].tolist()):
+            if not done[row]:
+                outputs[row].append(token)
+                done[row] = token in eos
+        if all(done):
+            break
     return outputs
 
 

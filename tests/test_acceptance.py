@@ -78,3 +78,22 @@ def test_layer_skip_first_token_exact_and_mean_close(family, tiny_decoder):
     # Later tokens of a round attend to the draft's own K/V of that round, which the estimator replaces
     # by the full model's: for a draft that skips two of eight sublayers the bias is small.
     assert abs(est_mean - real_mean) / real_mean < 0.15, (est_mean, real_mean)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral", "gemma3_text", "smollm3", "gpt_neox", "opt"])
+def test_batched_calibration_continuations_equal_one_prompt_at_a_time(tiny_decoder, family):
+    """Calibration decodes its prompts as one left-padded batch where rows cannot see their padding
+    (rotary / NoPE positions, sliding windows); each row must be the plain loop's own greedy output, and
+    an eos ends only its own row. Learned positions (opt) take the one-prompt loop."""
+    from speccompile.passes.acceptance import batches_left_padded, greedy_continuations
+
+    _, decoder = tiny_decoder(family)
+    assert batches_left_padded(decoder) == (family != "opt")
+    batch_prompts = prompts(decoder.config.vocab_size, count=5)
+    alone = greedy_continuations(decoder, batch_prompts, 30, batch=1)
+    assert greedy_continuations(decoder, batch_prompts, 30) == alone
+    stop = alone[2][3]  # row 2 stops after its 4th token; rows that never produce it run to the end
+    ended = greedy_continuations(decoder, batch_prompts, 30, eos=frozenset({stop}))
+    for row, (got, full) in enumerate(zip(ended, alone)):
+        cut = full.index(stop) + 1 if stop in full else len(full)
+        assert got == full[:cut], row
