@@ -95,10 +95,18 @@ def incumbent(ir: DecoderIR) -> float:
     return max([1.0] + [p.measured.get("expected_speedup") or 0.0 for p in ir.plans.values()])
 
 
+BOUND_MARGIN = 0.05
+"""A budgeted pass runs only if its bound beats the incumbent by more than this: confirmation on a 2-core
+machine cannot tell plans within a few percent apart (``confirm.TIE``), so a pass that can at best add that
+much spends its seconds on a plan that cannot win (SmolLM2: the adapter pass, bound 1.28x next to a 1.26x
+lookup plan, took 20 s of an 95 s budget for a 0.95x plan)."""
+
+
 class PassManager:
     """Runs passes in order and records what each did and how long it took (into ``ir.tuning["passes"]``).
 
-    With a ``budget`` (``passes/budget.py``), a pass runs only if its bound beats the incumbent and its
+    With a ``budget`` (``passes/budget.py``), a pass runs only if its bound beats the incumbent (by
+    ``BOUND_MARGIN``) and its
     ``least_seconds`` fit in the budget's time left for tuning, and gets the tuning deadline; a pass named in
     ``budget.exempt`` (confirmation, choosing the default) always runs, by the deadline before the write."""
 
@@ -111,8 +119,9 @@ class PassManager:
         if self.budget is None or p.name in self.budget.exempt:
             return None, None, best
         bound = p.bound(ir)
-        if bound is not None and bound < best:
-            return f"bound {bound:.2f}x < incumbent {best:.2f}x", bound, best
+        if bound is not None and bound < best * (1 + BOUND_MARGIN):
+            margin = f" + {BOUND_MARGIN:.0%}" if bound >= best else ""
+            return f"bound {bound:.2f}x < incumbent {best:.2f}x{margin}", bound, best
         left = self.budget.tuning_left()
         if p.least_seconds() > left or (left <= 0 and ir.plans):  # the first plan is made whatever the time
             return f"needs {p.least_seconds():.0f}s, {max(left, 0):.0f}s left", bound, best

@@ -27,6 +27,7 @@ class Method:
     passes: Callable  # (PipelineInputs) -> list[Pass]
     budgeted: bool = False  # the build's time budget orders and skips its passes
     confirm_top: int | None = None  # confirm only the plans of highest expected speedup
+    confirm_close: float | None = None  # ... and of those only the ones predicted this close to the best
     keep_only_default: bool = False
 
 
@@ -99,7 +100,7 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("auto", "lookup and retrieval first, then, within the time budget, only the passes whose bound can beat "
            "the best plan so far (early exit, layer skip, exit adapter, reduced draft vocabularies, hybrids of lookup "
            "with each model draft); keeps the fastest by timed runs on the backend (plain decoding if none pays)",
-           _auto, budgeted=True, confirm_top=3, keep_only_default=True),
+           _auto, budgeted=True, confirm_top=3, confirm_close=0.9, keep_only_default=True),
     Method("cosine", "skip the sublayers whose input and output are most alike", _cosine),
     Method("early-exit", "draft with the first E blocks and verify only the rest", _early_exit),
     Method("bayes", "Bayesian search over skipped sublayers, seeded with the cosine plans (keeps both)", _bayes),

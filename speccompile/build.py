@@ -117,7 +117,8 @@ def tune_ir(ir: DecoderIR, prompts: list[list[int]], options, log: Callable[[str
                 f"{budget.tuning_left():.0f}s left for tuning passes")
         inputs = PipelineInputs(context, options, encode, generic=ir.config.decoder == "generic")
         passes = method.passes(inputs)
-        passes += [ConfirmPlans(context, options.show_progress, top=method.confirm_top, sequential=True),
+        passes += [ConfirmPlans(context, options.show_progress, top=method.confirm_top, sequential=True,
+                                close=method.confirm_close),
                    ChooseDefaultPlan(keep_only_default=method.keep_only_default)]
         ir = PassManager(passes, log, budget if method.budgeted else None)(ir)
         if ir.default_plan is None:
@@ -212,7 +213,7 @@ def onnx_export_of(manifest) -> dict:
     """The export options of an artifact's ONNX graphs, so that ``tune`` re-exports the same kind."""
     if "onnx" not in manifest.backends:
         return {}
-    from speccompile.export_onnx import export_options
+    from speccompile.exporters.onnx_export import export_options
 
     return export_options(manifest.backends["onnx"])
 
@@ -249,7 +250,7 @@ def check_options(options) -> None:
         raise SpeccompileError(f"unknown --backend {','.join(unknown)!r}; choose from {', '.join(BACKENDS)} "
                                "(comma-separated for several)")
     if "tensorrt" in getattr(options, "backends", ()):  # before the slow part: TensorRT and a GPU are needed
-        from speccompile.export_tensorrt import require_tensorrt
+        from speccompile.exporters.tensorrt import require_tensorrt
 
         require_tensorrt()
     if options.plot and not str(options.plot).lower().endswith(".png"):

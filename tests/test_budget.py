@@ -11,7 +11,7 @@ import pytest
 from click.testing import CliRunner
 
 from speccompile.cli import main
-from speccompile.passes.base import Pass, PassManager, PassResult
+from speccompile.passes.base import BOUND_MARGIN, Pass, PassManager, PassResult
 from speccompile.passes.budget import Budget, geometric_bound
 from speccompile.passes.confirm import Confirmer
 from speccompile.passes.ir import DecoderIR
@@ -72,6 +72,11 @@ def test_pass_below_the_incumbent_is_skipped_and_recorded(ir):
     assert table["weak"]["skipped"] == "bound 1.08x < incumbent 1.29x"
     assert table["strong"]["bound"] == 1.6 and table["strong"]["incumbent"] == 1.29 and table["strong"]["reached"] == 1.4
     assert table["slow"]["skipped"].startswith("needs 100s, 58s left")
+    # a bound within BOUND_MARGIN of the incumbent cannot win a confirmation: skipped too, and said so
+    close = AddPlan("close", 1.3, 1.3, Clock())
+    ir_close = PassManager([AddPlan("lookup", None, 1.29, Clock()), close], budget=Budget(60.0, clock=Clock()))(
+        DecoderIR(ir.config, {}))
+    assert not close.ran and ir_close.tuning["passes"][1]["skipped"] == "bound 1.30x < incumbent 1.29x + 5%"
     # without a budget (--method NAME), every pass runs in full
     clock2 = Clock()
     passes = [AddPlan("lookup", None, 1.29, clock2), AddPlan("weak", 1.08, 1.05, clock2)]
@@ -160,9 +165,9 @@ def test_auto_build_records_its_budget_and_pass_table(tiny_model_dir, tmp_path):
         if "skipped" in row:
             assert row["skipped"].startswith(("bound", "needs")) and "modified" not in row
             if row["skipped"].startswith("bound"):
-                assert row["bound"] < row["incumbent"]
+                assert row["bound"] < row["incumbent"] * (1 + BOUND_MARGIN)
         elif "bound" in row:
-            assert row["bound"] >= row["incumbent"]
+            assert row["bound"] >= row["incumbent"] * (1 + BOUND_MARGIN)
     budget = manifest["tuning"]["budget"]
     assert budget["seconds"] == 40 and not budget["default"] and budget["used"] < 40
     (plan,) = manifest["plans"].values()
@@ -217,3 +222,16 @@ def test_bounds_hold_on_real_tiny_models(family, tiny_decoder):
     cosine = CosineAutotune(context, show_progress=False)
     bound = cosine.bound(ir)
     assert bound >= cosine.run(ir).plans["layer-skip"].measured["expected_speedup"]
+
+
+def test_confirmation_races_only_plans_close_to_the_best():
+    """A budgeted build times only the plans that could win: predicted faster than plain decoding and within
+    10% of the best prediction (each plan in the race adds a decode to every turn)."""
+    from speccompile.passes.confirm import race_candidates
+
+    ranked = [DraftPlan(name=n, measured={"expected_speedup": e}) for n, e in
+              (("best", 1.30), ("close", 1.18), ("far", 1.10), ("slower", 0.95))]
+    assert [p.name for p in race_candidates(ranked, 3, 0.9)] == ["best", "close"]
+    assert [p.name for p in race_candidates(ranked, 3, None)] == ["best", "close", "far"]
+    slow = [DraftPlan(name="a", measured={"expected_speedup": 0.97}), DraftPlan(name="b", measured={"expected_speedup": 0.9})]
+    assert [p.name for p in race_candidates(slow, 3, 0.9)] == ["a"]  # the best is always timed: it may still pay
