@@ -97,7 +97,7 @@ class Family:
         L = config.num_layers
         self.pool = [random_model_plan(rng, L, f"pool-{i}") for i in range(POOL)]
         if backend == "onnx":
-            from speccompile.export_onnx import export_onnx
+            from speccompile.exporters.onnx_export import export_onnx
             from speccompile.runtime.onnx_backend import OnnxBackend
 
             record = export_onnx(self.decoder, {p.name: p for p in self.pool}, self.root / "onnx")

@@ -72,7 +72,7 @@ VARIANTS = {
 def derive(src: Path, dst: Path, options: dict) -> Path:
     """``src`` with its ONNX graphs re-exported with ``options`` (torch weights dropped), unless ``dst`` exists."""
     from speccompile.artifact import read_canonical_weights
-    from speccompile.export_onnx import export_onnx_weights
+    from speccompile.exporters.onnx_export import export_onnx_weights
     from speccompile.runtime.manifest import TOKENIZER_FILE, file_record, read_manifest, write_manifest
 
     if (dst / "manifest.json").is_file():
@@ -402,7 +402,7 @@ def lossless(root: Path, prompt_ids: list[list[int]], new_tokens: int, threads: 
 def refcoder_losses(variants_dir: Path, threads: int) -> dict[str, float]:
     """Held-out loss of the bundled reference model per precision (ONNX graphs exported from its weights)."""
     from speccompile.convert import arch_config, canonical_weights
-    from speccompile.export_onnx import export_onnx_weights
+    from speccompile.exporters.onnx_export import export_onnx_weights
     from speccompile.loading import load_source
     from speccompile.runtime.manifest import Manifest, file_record, write_manifest
 

@@ -8,7 +8,7 @@ SmolLM2-135M-Instruct (``benchmarks/smollm2.py`` sets it up) is exported once pe
 lookup plan (n-gram 5..1, one token after a match of <= 1 token: the drafts the ONNX build keeps on this
 model; no model subgraph, so every round is verified by the full graph). ``int4`` / ``int8`` / ``fp32``
 are today's graphs; ``-unpadded`` is the graph form before issue 23 (GroupQueryAttention on exactly the
-call's rows, so one-token steps take MLAS's one-row kernel: see ``export_onnx._FusedGraph.padding``);
+call's rows, so one-token steps take MLAS's one-row kernel: see ``exporters/onnx_fused.FusedGraph.padding``);
 ``int4-fp32act`` is MatMulNBits ``accuracy_level`` 1 (fp32 activations), the other candidate fix.
 
 For every prompt (the real-model benchmark's 12 and the 10 below), every variant decodes it plainly and
@@ -27,7 +27,6 @@ import argparse
 import json
 import shutil
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -81,7 +80,7 @@ def export_variants(names: list[str], out_dir: Path) -> dict[str, Path]:
 
     from smollm2 import ensure_model
     from speccompile.convert import arch_config, canonical_weights
-    from speccompile.export_onnx import export_onnx_weights
+    from speccompile.exporters.onnx_export import export_onnx_weights
     from speccompile.runtime.manifest import DraftPlan, Manifest, file_record, write_manifest
 
     folder = ensure_model()

@@ -18,7 +18,7 @@ The file (``draft_heads/<plan>.safetensors``, hashed in the manifest like every 
 ``adapter.up.weight`` ``[I, d]``, ``adapter.down.weight`` ``[d, I]`` when there is an adapter, and
 ``vocab.ids`` (int64, ``[N]``) when the vocabulary is reduced; its metadata names the format and the
 exit layer. Backends build their own kernels from these arrays (``torch_backend.TorchDraftHead``, the
-ONNX ``draft_head.*`` graphs of ``speccompile/export_adapter.py``).
+ONNX ``draft_head.*`` graphs of ``speccompile/exporters/onnx_blocks.py``).
 """
 
 from __future__ import annotations

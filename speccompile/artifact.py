@@ -240,7 +240,7 @@ def write_backend_files(root: Path, ir, backends: list[str]) -> dict:
         save_file(weights, str(root / WEIGHTS_FILE), metadata={"format": "pt", "producer": "speccompile"})
         records["torch"] = {"weights": WEIGHTS_FILE}
     if "onnx" in backends:
-        from speccompile.export_onnx import export_onnx_weights
+        from speccompile.exporters.onnx_export import export_onnx_weights
 
         onnx_dtype = "float16" if ir.dtype == "float16" else "float32"
         export = ir.tuning.get("onnx_export", {})  # graph variant, weight-only quantization (build --quantize)
@@ -250,7 +250,7 @@ def write_backend_files(root: Path, ir, backends: list[str]) -> dict:
         (root / relative).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, root / relative)
     if "tensorrt" in backends:  # engines built from the standard ONNX graphs, refitted from weights.bin at load
-        from speccompile.export_tensorrt import export_tensorrt
+        from speccompile.exporters.tensorrt import export_tensorrt
 
         graphs_for = {n: p for n, p in ir.plans.items() if getattr(p, "has_model_draft", True)}
         records["tensorrt"] = export_tensorrt(root, ir, records.get("onnx"), graphs_for)

@@ -40,7 +40,7 @@ class OnnxRunner:
             self._exports += 1
             folder.mkdir(parents=True)
             heads = {p.draft_head_file: self.ir.extra_files[p.draft_head_file] for p in plans.values()
-                     if p.draft_head_file in self.ir.extra_files}  # exported as graphs (export_adapter.py)
+                     if p.draft_head_file in self.ir.extra_files}  # exported as graphs (exporters/onnx_blocks.py)
             ir = dataclasses.replace(self.ir, plans=dict(plans), extra_files=heads)
             record = write_backend_files(folder, ir, ["onnx"])["onnx"]
             self._backend, self._key = OnnxBackend(folder, record, self.ir.config), key

@@ -100,7 +100,7 @@ def random_prompts(vocab: int, seed: int = 3) -> list[list[int]]:
 def drafter_artifact(tiny_decoder, tmp_path_factory):
     """family -> (decoder, folder with a datastore and ONNX graphs for the model plans, plans, ONNX record)."""
     from speccompile.artifact import model_plans
-    from speccompile.export_onnx import export_onnx
+    from speccompile.exporters.onnx_export import export_onnx
 
     cache = {}
 

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from lossless import chi_square_pvalue, exact_marginals, next_token_logits, sample_third_tokens  # noqa: E402
 from speccompile.convert import arch_config, canonical_weights, choose_path  # noqa: E402
-from speccompile.export_onnx import export_onnx_weights  # noqa: E402
+from speccompile.exporters.onnx_export import export_onnx_weights  # noqa: E402
 from speccompile.runtime.decoder import build_decoder  # noqa: E402
 from speccompile.runtime.manifest import DraftPlan  # noqa: E402
 from speccompile.runtime.onnx_backend import OnnxBackend  # noqa: E402

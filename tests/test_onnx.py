@@ -27,18 +27,18 @@ pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
 from lossless import assert_same_greedy, chi_square_pvalue, exact_marginals, next_token_logits, run, sample_third_tokens  # noqa: E402
-from speccompile.export_onnx import export_onnx, export_onnx_weights  # noqa: E402
+from speccompile.exporters.onnx_export import export_onnx, export_onnx_weights  # noqa: E402
 from speccompile.runtime.errors import ArtifactError  # noqa: E402
-from speccompile.runtime.manifest import Manifest, DraftPlan, file_record, read_manifest, write_manifest  # noqa: E402
+from speccompile.runtime.manifest import DraftPlan, read_manifest  # noqa: E402
 from speccompile.runtime.onnx_backend import OnnxBackend  # noqa: E402
 from speccompile.runtime.sampling import SamplingParams  # noqa: E402
 from speccompile.runtime.torch_backend import TorchBackend  # noqa: E402
-from tiny_models import FAMILIES, make_model, make_tokenizer  # noqa: E402
+from onnx_helpers import artifact_cache, check_logits, make_artifact, ort_backend  # noqa: E402
+from tiny_models import FAMILIES, make_model  # noqa: E402
 
 TESTS = Path(__file__).parent
 PROMPTS = 6
 NEW_TOKENS = 40
-TOL = 1e-4
 
 
 def plans(num_layers: int) -> dict[str, DraftPlan]:
@@ -52,38 +52,10 @@ def plans(num_layers: int) -> dict[str, DraftPlan]:
     return {p.name: p for p in out}
 
 
-def make_artifact(decoder, plan_map: dict[str, DraftPlan], root: Path) -> Path:
-    """A minimal ONNX-only artifact folder: onnx/ + tokenizer/ + manifest.json (no torch weights). The
-    runtime requires the tokenizer to be listed and hashed like every file it opens."""
-    root.mkdir(parents=True, exist_ok=True)
-    make_tokenizer(root / "tokenizer")
-    record = export_onnx(decoder, plan_map, root / "onnx")
-    files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
-    manifest = Manifest(config=decoder.config, plans=plan_map, default_plan=next(iter(plan_map)),
-                        files={f: file_record(root, f) for f in files}, backends={"onnx": record})
-    write_manifest(root, manifest)
-    return root
-
-
-def ort_backend(root: Path, **kwargs) -> OnnxBackend:
-    return OnnxBackend.from_artifact(root, read_manifest(root), threads=1, **kwargs)
-
-
 @pytest.fixture(scope="session")
 def onnx_artifact(tiny_decoder, tmp_path_factory):
     """family -> (decoder, artifact root, plans, OnnxBackend), built once per family."""
-    base = tmp_path_factory.mktemp("onnx_artifacts")
-    cache = {}
-
-    def get(family: str):
-        if family not in cache:
-            _, decoder = tiny_decoder(family)
-            plan_map = plans(decoder.config.num_layers)
-            root = make_artifact(decoder, plan_map, base / family)
-            cache[family] = (decoder, root, plan_map, ort_backend(root))
-        return cache[family]
-
-    return get
+    return artifact_cache(tiny_decoder, tmp_path_factory.mktemp("onnx_artifacts"), plans)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -91,33 +63,8 @@ def test_logits_match_torch(family, onnx_artifact):
     """Every graph, through the backend protocol: prefill, incremental steps with past, drafts of both
     plan kinds and early-exit verifies with reuse, all within 1e-4 of the torch backend."""
     decoder, root, plan_map, ort = onnx_artifact(family)
-    ref = TorchBackend(decoder)
-    for b in (ort, ref):
-        b.reserve(64)
-    gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(3, decoder.config.vocab_size, (48,), generator=gen).tolist()
-
-    def same(a, b, what):
-        err = float(np.abs(a - b).max())
-        assert a.shape == b.shape and err < TOL, f"{family} {what}: max |ORT - torch| = {err:.2e}"
-
-    # full model: prefill of 30 (past the mistral window of 24), then steps of 1 and 3 tokens
-    same(ort.forward(tokens[:30], 0), ref.forward(tokens[:30], 0), "prefill")
-    same(ort.forward(tokens[30:31], 30), ref.forward(tokens[30:31], 30), "1-token step")
-    same(ort.forward(tokens[31:34], 31), ref.forward(tokens[31:34], 31), "3-token step")
-    with torch.inference_mode():
-        full = decoder(torch.tensor([tokens[:34]]))[0].numpy()
-    same(ort.forward(tokens[33:34], 33), full[33:34], "step vs one-shot full forward")
-    # drafts then verifies, on the same cache state in both backends
-    for name in ("skip-k3", "exit-k3", "exit-last", "skip-all-attn"):
-        plan = plan_map[name]
-        pos = 34
-        for j in range(3):
-            same(ort.draft(plan, tokens[pos + j], pos + j), ref.draft(plan, tokens[pos + j], pos + j), f"{name} draft {j}")
-        round_tokens = tokens[pos: pos + 4]
-        same(ort.verify(plan, round_tokens, pos, 3), ref.verify(plan, round_tokens, pos, 3), f"{name} verify")
-        same(ort.forward(tokens[pos + 1: pos + 2], pos + 1), ref.forward(tokens[pos + 1: pos + 2], pos + 1),
-             f"{name} rollback step")
+    check_logits(ort, TorchBackend(decoder), decoder, {n: plan_map[n] for n in ("skip-k3", "exit-k3", "exit-last",
+                                                                              "skip-all-attn")}, family)
 
 
 def test_graphs_have_dynamic_axes_and_opset(onnx_artifact):

@@ -15,7 +15,6 @@ Run: OMP_NUM_THREADS=1 python -m pytest -q tests/test_onnx_fused.py
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -26,18 +25,17 @@ pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
 from lossless import assert_same_greedy, assert_speculative_is_plain, run  # noqa: E402
-from speccompile.export_onnx import export_onnx  # noqa: E402
-from speccompile.runtime.manifest import DraftPlan, Manifest, file_record, read_manifest, write_manifest  # noqa: E402
+from speccompile.runtime.manifest import DraftPlan, read_manifest  # noqa: E402
 from speccompile.runtime.onnx_backend import OnnxBackend  # noqa: E402
 from speccompile.runtime.torch_backend import TorchBackend  # noqa: E402
-from speccompile.export_onnx import fused_supports  # noqa: E402
+from speccompile.exporters.onnx_export import fused_supports  # noqa: E402
+from onnx_helpers import artifact_cache, check_logits, make_artifact, ort_backend  # noqa: E402
 from tiny_models import FAMILIES  # noqa: E402
 
-TOL = 1e-4
 # With int8 activations (MatMulNBits accuracy_level 4) any difference between a k-token verify and the
 # 1-token steps it replaces, however small, can move an activation across an int8 rounding boundary and
 # the logits by a quantization step; so the fused graphs give attention the same kernels for one row as
-# for several (export_onnx._FusedGraph.padding) and the test requires the two paths to agree exactly. A
+# for several (exporters/onnx_fused.FusedGraph.padding) and the test requires the two paths to agree exactly. A
 # divergence would then need an exact tie; the fp32 rule (lossless.NEAR_TIE, 1e-4) is kept for it.
 
 
@@ -58,61 +56,11 @@ def plans(num_layers: int) -> dict[str, DraftPlan]:
     return {p.name: p for p in out}
 
 
-def make_artifact(decoder, plan_map: dict[str, DraftPlan], root: Path, tokenizer: Path, **options) -> Path:
-    """An ONNX-only artifact folder: onnx/ + tokenizer/ (the runtime opens it, so the manifest hashes it) + manifest."""
-    (root / "tokenizer").mkdir(parents=True, exist_ok=True)
-    shutil.copyfile(tokenizer, root / "tokenizer" / "tokenizer.json")
-    record = export_onnx(decoder, plan_map, root / "onnx", **options)
-    files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
-    manifest = Manifest(config=decoder.config, plans=plan_map, default_plan=next(iter(plan_map)),
-                        files={f: file_record(root, f) for f in files}, backends={"onnx": record})
-    write_manifest(root, manifest)
-    return root
-
-
-def ort_backend(root: Path, **kwargs) -> OnnxBackend:
-    return OnnxBackend.from_artifact(root, read_manifest(root), threads=1, **kwargs)
-
-
 @pytest.fixture(scope="session")
 def fused_artifact(tiny_decoder, tiny_model_dir, tmp_path_factory):
     """family -> (decoder, artifact root, plans, OnnxBackend) with fused graphs, built once per family."""
-    base = tmp_path_factory.mktemp("fused_artifacts")
-    cache = {}
-
-    def get(family: str):
-        if family not in cache:
-            _, decoder = tiny_decoder(family)
-            plan_map = plans(decoder.config.num_layers)
-            root = make_artifact(decoder, plan_map, base / family, tiny_model_dir(family) / "tokenizer.json",
-                                 variant="fused")
-            cache[family] = (decoder, root, plan_map, ort_backend(root))
-        return cache[family]
-
-    return get
-
-
-def _check_logits(ort: OnnxBackend, ref: TorchBackend, decoder, plan_map, family: str, tol: float = TOL) -> None:
-    for b in (ort, ref):
-        b.reserve(64)
-    gen = torch.Generator().manual_seed(1)
-    tokens = torch.randint(3, decoder.config.vocab_size, (48,), generator=gen).tolist()
-
-    def same(a, b, what):
-        err = float(np.abs(a - b).max())
-        assert a.shape == b.shape and err < tol, f"{family} {what}: max |ORT - torch| = {err:.2e}"
-
-    same(ort.forward(tokens[:30], 0), ref.forward(tokens[:30], 0), "prefill")  # past the mistral window
-    same(ort.forward(tokens[30:31], 30), ref.forward(tokens[30:31], 30), "1-token step")
-    same(ort.forward(tokens[31:34], 31), ref.forward(tokens[31:34], 31), "3-token step")
-    for name, plan in plan_map.items():
-        pos = 34
-        for j in range(3):
-            same(ort.draft(plan, tokens[pos + j], pos + j), ref.draft(plan, tokens[pos + j], pos + j), f"{name} draft {j}")
-        round_tokens = tokens[pos: pos + 4]
-        same(ort.verify(plan, round_tokens, pos, 3), ref.verify(plan, round_tokens, pos, 3), f"{name} verify")
-        same(ort.forward(tokens[pos + 1: pos + 2], pos + 1), ref.forward(tokens[pos + 1: pos + 2], pos + 1),
-             f"{name} rollback step")
+    return artifact_cache(tiny_decoder, tmp_path_factory.mktemp("fused_artifacts"), plans,
+                          tokenizer_of=lambda family: tiny_model_dir(family) / "tokenizer.json", variant="fused")
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -123,7 +71,7 @@ def test_fused_logits_match_torch(family, fused_artifact):
     variant = "fused" if fused_supports(decoder.config) else "standard"
     assert record["variant"] == variant and {g["variant"] for g in record["graphs"].values()} == {variant}
     assert ort.fused == (set(ort.sessions) if variant == "fused" else set())
-    _check_logits(ort, TorchBackend(decoder), decoder, plan_map, family)
+    check_logits(ort, TorchBackend(decoder), decoder, plan_map, family)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -180,7 +128,7 @@ def test_kv_cache_written_in_place_and_replicas_have_their_own(fused_artifact):
     ref.forward(tokens, 0)
     for layer in range(decoder.config.num_layers):  # the graph wrote the KV entries into our buffers
         np.testing.assert_allclose(ort.k[layer][:, :, :20], ref.cache.k[layer][:, :, :20].numpy(), atol=1e-5)
-        assert not ort.k[layer][:, :, 20:].any()  # fp32 graphs run no padding row (export_onnx._FusedGraph.padding)
+        assert not ort.k[layer][:, :, 20:].any()  # fp32 graphs run no padding row (exporters/onnx_fused.FusedGraph.padding)
     copying = ort_backend(root, kv_in_place=False)  # same graphs, past copied in and present copied back
     copying.reserve(32)
     np.testing.assert_allclose(copying.forward(tokens, 0), logits, atol=1e-6)

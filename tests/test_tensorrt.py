@@ -23,8 +23,8 @@ import pytest
 import torch
 from import_blocker import preamble
 
-from speccompile.export_onnx import export_onnx
-from speccompile.export_tensorrt import backend_record, engine_context, profile_shapes, step_tokens
+from speccompile.exporters.onnx_export import export_onnx
+from speccompile.exporters.tensorrt import backend_record, engine_context, profile_shapes, step_tokens
 from speccompile.runtime.errors import ArtifactError, InputError
 from speccompile.runtime.manifest import DraftPlan
 from speccompile.runtime.onnx_backend import OnnxBackend
@@ -293,13 +293,13 @@ def test_tensorrt_artifact_decodes_losslessly(tiny_model_dir, tmp_path):
 
 
 def test_adding_engines_to_an_artifact_needs_onnx_graphs_and_tensorrt(tiny_artifact, tiny_decoder, tmp_path):
-    """``python -m speccompile.export_tensorrt ARTIFACT`` (the torch-free edge route): a torch-only artifact
+    """``python -m speccompile.exporters.tensorrt ARTIFACT`` (the torch-free edge route): a torch-only artifact
     is refused for lacking ONNX graphs, an ONNX artifact without TensorRT names the install; one line each,
     the manifest untouched."""
     import shutil
 
-    from speccompile.export_onnx import export_onnx_weights
-    from speccompile.export_tensorrt import main
+    from speccompile.exporters.onnx_export import export_onnx_weights
+    from speccompile.exporters.tensorrt import main
     from speccompile.runtime.manifest import file_record, read_manifest, write_manifest
 
     assert main([str(tiny_artifact)]) == 1  # torch only: no ONNX graphs to build from
@@ -312,7 +312,7 @@ def test_adding_engines_to_an_artifact_needs_onnx_graphs_and_tensorrt(tiny_artif
         manifest.files[f"onnx/{path.name}"] = file_record(art, f"onnx/{path.name}")
     write_manifest(art, manifest)
     before = (art / "manifest.json").read_bytes()
-    script = BLOCKER.split("sys.argv")[0] + f"from speccompile.export_tensorrt import main\nsys.exit(main([{str(art)!r}]))\n"
+    script = BLOCKER.split("sys.argv")[0] + f"from speccompile.exporters.tensorrt import main\nsys.exit(main([{str(art)!r}]))\n"
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert len(result.stderr.strip().splitlines()) == 1 and "pip install tensorrt" in result.stderr, result.stderr

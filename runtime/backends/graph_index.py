@@ -7,8 +7,9 @@ hidden state to logits (the shared head, or a plan's draft head). A segment is t
 blocks graph followed by a head graph, or, for the full model when no whole-model graph is opened, a
 prefix graph followed by the rest.
 
-Graph records carry their ``segment`` (the exporter writes it with ``segments_from_plan_records``); for
-artifacts written before that, the same function reads it from the export's plan records. Numpy only.
+Graph records carry their ``segment`` (the exporter writes it); for exports written before that,
+``segments_from_plan_records`` reads it from their per-plan records (a reader of that old record format,
+not of plans: the exporter now writes per plan only the graphs its draft kind's segments use). Numpy only.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..manifest import DraftPlan
-from ..segments import FINAL_HEAD, Segment
+from ..segments import FINAL_HEAD, Segment, full_model
 
 HIDDEN_OUTPUTS = ("hidden", "last_hidden")
 
@@ -28,13 +29,15 @@ def _outputs(graph: dict) -> set[str]:
 
 
 def segments_from_plan_records(record: dict[str, Any], plans: dict[str, DraftPlan], num_layers: int) -> dict[str, dict]:
-    """``{graph key: segment record}`` from an export's per-plan records: what each graph computes."""
+    """``{graph key: segment record}`` from an old export's per-plan records: what each graph computes."""
     L, found = num_layers, {}
+    if all("segment" in graph for graph in record.get("graphs", {}).values()):
+        return found
     if "verify" in record.get("graphs", {}):
         found["verify"] = {"start": 0, "stop": L}
     for name, rec in record.get("plans", {}).items():
         plan = plans.get(name)
-        if rec.get("kind") == "early_exit":
+        if rec.get("kind") == "early_exit" and "prefix" in rec:
             e = rec["exit_layer"]
             found[rec["prefix"]] = {"start": 0, "stop": e}
             found[rec["suffix"]] = {"start": e, "stop": L}
@@ -123,4 +126,22 @@ class GraphIndex:
         return None
 
 
-__all__ = ["GraphIndex", "segments_from_plan_records"]
+def full_model_without_verify(record: dict[str, Any], plans: dict[str, DraftPlan],
+                              num_layers: int | None = None) -> list[str] | None:
+    """The graph keys that compute the full model when the whole-model ``verify`` graph is left unopened, or
+    None when it is needed: when the other graphs compose the full model and none of them runs every block
+    from the tokens (an export whose plans all exit at one block: prefix + suffix), a backend that packs
+    each session's weights separately (ONNX Runtime's pre-packing, TensorRT engines) holds one copy.
+    ``num_layers`` None: read from the ``verify`` graph's segment."""
+    graphs = record.get("graphs", {})
+    if num_layers is None:  # the whole-model graph's segment says (every export writes one)
+        num_layers = (graphs.get("verify", {}).get("segment") or {}).get("stop")
+        if num_layers is None:
+            return None
+    without = GraphIndex(record, plans, num_layers, opened=set(graphs) - {"verify"})
+    if any(blocks[0] == 0 and blocks[1] == num_layers for blocks, _ in without.blocks):
+        return None
+    return without.calls(full_model(num_layers))
+
+
+__all__ = ["GraphIndex", "full_model_without_verify", "segments_from_plan_records"]

@@ -33,9 +33,9 @@ import numpy as np
 from ..adapter import DraftHead, expand_logits, load_draft_head
 from ..errors import ArtifactError, BackendUnavailableError
 from ..manifest import ArchConfig, DraftPlan
-from ..segments import FINAL_HEAD, Segment, full_model
+from ..segments import FINAL_HEAD, Segment
 from .base import Backend
-from .graph_index import GraphIndex
+from .graph_index import GraphIndex, full_model_without_verify
 
 _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "uint8": np.uint8}
 
@@ -83,10 +83,8 @@ class OnnxBackend(Backend):
             graphs: dict[str, dict] = record["graphs"]
             tensors: dict[str, dict] = record["tensors"]
             weights_rel: str = record["weights"]
-            plan_records: dict[str, dict] = record.get("plans", {})
         except (KeyError, TypeError) as exc:
             raise ArtifactError(f"manifest backends['onnx'] is malformed ({exc}); rebuild the artifact with --backend onnx") from None
-        self.plan_records = plan_records
         self.prepack = prepack
         self.fused = {key for key, g in graphs.items() if g.get("variant") == "fused"} if kv_in_place else set()
         L = config.num_layers
@@ -94,12 +92,10 @@ class OnnxBackend(Backend):
         # No session for the whole-model graph when the other graphs compose the full model and none of them
         # runs every block from the tokens (an export whose plans all exit at one block): with prepacking each
         # session packs its own copy of the weights it uses, and prefix + suffix already cover them all.
-        without = GraphIndex(record, plans or {}, L, opened=set(graphs) - {"verify"})
-        whole = any(blocks[0] == 0 and blocks[1] == L for blocks, _ in without.blocks)
-        self.full_split = without.calls(full_model(L)) if roles is None and not whole else None
+        self.full_split = full_model_without_verify(record, plans or {}, L) if roles is None else None
         if self.full_split is not None:
             roles = [key for key in graphs if key != "verify"]
-            self.index = without
+            self.index = GraphIndex(record, plans or {}, L, opened=set(roles))
         if providers is None:
             if device == "cpu":
                 providers = ["CPUExecutionProvider"]

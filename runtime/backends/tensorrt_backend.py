@@ -15,7 +15,7 @@ numpy arrays:
 Engines are weight-stripped (``BuilderFlag.STRIP_PLAN`` + ``REFIT_IDENTICAL``) and refitted at load
 from the artifact's one ``onnx/weights.bin`` (``refit_weights``): every weight is stored once. They
 run only on the GPU model and TensorRT version they were built with (``check_target``). Each engine has
-two optimization profiles (``speccompile/export_tensorrt.py``): ``step`` (1..S tokens: decode, draft,
+two optimization profiles (``speccompile/exporters/tensorrt.py``): ``step`` (1..S tokens: decode, draft,
 verify) and ``prefill`` (up to P tokens; longer prompts are run in chunks of P).
 
 ``engines`` and ``memory`` are injectable: ``tests/test_tensorrt.py`` runs this exact bookkeeping on

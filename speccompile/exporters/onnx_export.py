@@ -1,0 +1,282 @@
+"""Export the canonical decoder to ONNX graphs that share one external weights file.
+
+Which graphs: the full model (``verify``), then, for every plan, the graphs its draft kind's segments
+need (``DraftKind.segments()``: the exporter never asks what a plan is). A segment is one graph when the
+variant can end it in the shared head (``LOGITS``), otherwise a blocks graph ending in a hidden state and a
+head graph (the shared ``head``, or the plan's ``draft_head.<name>``). Graph keys name what they compute:
+``prefix.<E>`` (blocks 0..E-1 to a hidden state), ``suffix.<E>`` (blocks E.. from one), ``skip.<plan>`` /
+``skip_hidden.<plan>`` (blocks less a plan's skipped sublayers; plans that skip the same sublayers share
+one graph). Every graph record carries its ``segment``, which the backends look graphs up by
+(``runtime/backends/graph_index.py``).
+
+Names follow optimum: ``input_ids``, ``past_key_values.{i}.key/value``, ``logits``, ``present.{i}.key/value``;
+KV layout ``[batch, kv_heads, len, head_dim]``; dynamic batch / seq / past. Every initializer is stored as
+external data in ``weights.bin`` next to the graphs (64-byte aligned, de-duplicated by dtype + shape +
+bytes). The manifest record lists every tensor's offset, so a runtime can read the file once and hand the
+same buffers to every session (``runtime/backends/onnx_backend.py``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import TensorProto
+
+from speccompile.runtime.draft_kinds import kind_of
+from speccompile.runtime.manifest import ArchConfig, DraftPlan
+from speccompile.runtime.segments import FINAL_HEAD, Segment, full_model
+
+from .onnx_blocks import HIDDEN, LAST_HIDDEN, LOGITS, build_blocks, draft_head_graph, load_draft_head
+from .onnx_fused import FusedGraph
+from .onnx_graph import NP_TO_ONNX, OPSET, GraphBuilder
+from .onnx_quant import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, QUANT_BITS, Quantizer
+
+WEIGHTS_NAME = "weights.bin"
+ALIGN = 64
+FORMAT_VERSION = 1
+VARIANTS = ("standard", "fused")
+
+_DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(np.int64): "int64",
+                np.dtype(np.uint8): "uint8"}
+
+
+def fused_supports(config: ArchConfig) -> bool:
+    """Whether the fused variant covers this model. Every canonical block does since the block schedule is
+    shared (``onnx_blocks``): pre-norms, post-norms, both, q/k norm per head or over the projection."""
+    return config.decoder == "canonical"
+
+
+def safe_name(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]", "_", name)
+
+
+class _Lowering:
+    """Segments -> graphs of one variant, each built once; ``graphs`` in the order they were needed."""
+
+    def __init__(self, config: ArchConfig, dtype: np.dtype, weights: dict[str, np.ndarray], graph_class: type[GraphBuilder],
+                 graph_options: dict[str, Any], draft_heads: dict[str, Path] | None):
+        self.config, self.dtype, self.weights, self.draft_heads = config, dtype, weights, draft_heads
+        self.graph_class, self.graph_options = graph_class, graph_options
+        self.graphs: dict[str, GraphBuilder] = {}
+        self.segments: dict[str, dict[str, Any]] = {}
+        self._by_blocks: dict[tuple, str] = {}  # (blocks, output) -> key: plans that skip the same sublayers share
+
+    def segment(self, segment: Segment, plan: DraftPlan | None) -> list[str]:
+        """The graph keys that compute ``segment`` (``plan`` names the graphs only it needs)."""
+        if segment.head == FINAL_HEAD and not segment.keep_hidden and (segment.from_tokens or self.graph_class.head_after_hidden):
+            return [self._blocks(segment, LOGITS, plan)]
+        body = self._blocks(segment, HIDDEN if segment.from_tokens else LAST_HIDDEN, plan)
+        if segment.head is None:
+            return [body]
+        return [body, self._head(segment.head, plan)]
+
+    def _blocks(self, segment: Segment, output: str, plan: DraftPlan | None) -> str:
+        L, blocks = self.config.num_layers, segment.blocks_key
+        if (blocks, output) in self._by_blocks:
+            return self._by_blocks[(blocks, output)]
+        start, stop, skip_attn, skip_mlp = blocks
+        if skip_attn or skip_mlp:
+            key = f"{'skip' if output == LOGITS else 'skip_hidden'}.{safe_name(plan.name)}"
+        elif start == 0 and stop == L and output == LOGITS:
+            key = "verify"
+        elif start == 0:
+            key = f"prefix.{stop}" if output != LOGITS else f"exit.{stop}"
+        else:
+            key = f"suffix.{start}"
+        self.graphs[key] = build_blocks(self._new(key), start, stop, frozenset(skip_attn), frozenset(skip_mlp), segment.from_tokens, output)
+        record = {"start": start, "stop": stop}
+        if skip_attn or skip_mlp:
+            record.update(skip_attn=list(skip_attn), skip_mlp=list(skip_mlp))
+        self.segments[key] = record
+        self._by_blocks[(blocks, output)] = key
+        return key
+
+    def _new(self, key: str) -> GraphBuilder:
+        return self.graph_class(key, self.config, self.dtype, self.weights, **self.graph_options)
+
+    def _head(self, head: str, plan: DraftPlan | None) -> str:
+        L = self.config.num_layers
+        if head == FINAL_HEAD:
+            key = "head"
+            if key not in self.graphs:
+                self.graphs[key] = build_blocks(self._new(key), L, L, from_tokens=False, output=LOGITS)
+        else:
+            name = safe_name(Path(head).stem)
+            key = f"draft_head.{name}"
+            if key not in self.graphs:  # no KV: always the standard variant (nothing for an in-place cache to do)
+                g = GraphBuilder(key, self.config, self.dtype, self.weights)
+                self.graphs[key] = draft_head_graph(g, load_draft_head(plan, self.config, self.draft_heads),
+                                                    f"draft_heads.{name}")
+        self.segments[key] = {"head_only": True, "head": head}
+        return key
+
+
+def export_onnx(decoder, plans: dict[str, DraftPlan], out_dir: Path, dtype: str = "float32",
+                relative_to: Path | None = None, **options) -> dict[str, Any]:
+    """Write the ONNX graphs of ``decoder`` (a ``runtime.decoder.Decoder``; its ``config`` and
+    ``state_dict()`` are used) and of ``plans``' drafts, plus one shared ``weights.bin``, into
+    ``out_dir``; return the manifest record for ``backends["onnx"]``.
+
+    File paths in the record are relative to ``relative_to`` (default: ``out_dir.parent``, i.e. the
+    artifact root when ``out_dir`` is ``<artifact>/onnx``). ``options``: see ``export_onnx_weights``.
+    """
+    return export_onnx_weights(decoder.config, decoder.state_dict(), plans, out_dir, dtype, relative_to, **options)
+
+
+def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan], out_dir: Path,
+                        dtype: str = "float32", relative_to: Path | None = None, variant: str = "standard",
+                        quantize: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
+                        accuracy_level: int = DEFAULT_ACCURACY_LEVEL, pack: bool = True, pad_rows: bool | None = None,
+                        draft_heads: dict[str, Path] | None = None) -> dict[str, Any]:
+    """``export_onnx`` from an ``ArchConfig`` and canonical weights (name -> torch tensor or numpy array,
+    as in weights/model.safetensors; a tied lm_head may be absent). No torch needed for numpy weights.
+
+    ``variant``: "standard" (ONNX ops only, passes ``onnx.checker``, runs on any execution provider) or
+    "fused" (ONNX Runtime contrib ops, KV cache updated in place; see ``onnx_fused``). ``quantize``
+    ("int8" / "int4", fused only): weight-only ``MatMulNBits`` for every linear layer and the head, in
+    blocks of ``block_size`` along the input dimension; ``accuracy_level`` is MatMulNBits' (0: unset,
+    4: int8 activations, ONNX Runtime's fast CPU path). ``pack`` (fused only): q/k/v and gate/up as one
+    matmul each, on weights concatenated in the graph (``FusedGraph.linear_cat``). ``pad_rows`` (fused
+    only; default: with ``quantize``): attention always runs on one more query row than the call has, so that
+    a k-token verify computes exactly the 1-token steps it replaces (``FusedGraph.padding``). Quantized
+    graphs need it (int8 activations turn MLAS's one-row rounding into whole quantization steps); fp32 graphs
+    agree within the near-tie rule without it, and it costs their plain steps (about 0.88x measured).
+    ``draft_heads`` maps plans' draft head files (exit adapters, reduced vocabularies) to where they are now."""
+    if dtype not in ("float32", "float16"):
+        raise ValueError(f"ONNX export supports float32 and float16, not {dtype!r}")
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown ONNX graph variant {variant!r}; use one of {VARIANTS}")
+    quantizer = None
+    if pad_rows is None:
+        pad_rows = quantize is not None
+    if quantize is not None:
+        if variant != "fused" or dtype != "float32":
+            raise ValueError("quantized ONNX export needs variant='fused' and float32 weights")
+        quantizer = Quantizer(quantize, block_size, accuracy_level)
+    if variant == "fused" and not fused_supports(config):
+        if quantizer is not None:
+            raise ValueError(f"{config.model_type}: the fused graphs (which --quantize needs) do not support this "
+                             "model; export without --quantize")
+        variant = "standard"  # the portable graphs: ONNX Runtime runs them too, with the past KV copied per call
+    np_dtype = np.dtype(dtype)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    root = Path(relative_to) if relative_to is not None else out_dir.parent
+    rel = lambda p: Path(p).resolve().relative_to(root.resolve()).as_posix()  # noqa: E731
+    weights = _numpy_weights(weights, np_dtype)
+    L = config.num_layers
+
+    if variant == "fused":
+        graph_class, graph_options = FusedGraph, {"quantizer": quantizer, "pack": pack, "pad_rows": pad_rows}
+    else:
+        graph_class, graph_options = GraphBuilder, {}
+    lowering = _Lowering(config, np_dtype, weights, graph_class, graph_options, draft_heads)
+    lowering.segment(full_model(L), None)
+    plan_records: dict[str, dict[str, Any]] = {}
+    for plan_name, plan in plans.items():
+        plan.validate(L)
+        kind = kind_of(plan, L)
+        graphs = [key for segment in kind.segments() for key in lowering.segment(segment, plan)]
+        plan_records[plan_name] = {"kind": kind.name, "graphs": list(dict.fromkeys(graphs))}
+
+    tensors, total_bytes, weights_path = _write_weights(lowering.graphs, weights, out_dir)
+    graph_records = {}
+    for key, g in lowering.graphs.items():
+        path = out_dir / f"{safe_name(key)}.onnx"
+        onnx.save_model(_with_external_weights(g, tensors), str(path))
+        if g.variant == "standard":  # the checker does not know ONNX Runtime's contrib ops
+            onnx.checker.check_model(str(path), full_check=True)
+        graph_records[key] = {"file": rel(path), "variant": g.variant, "inputs": g.input_records,
+                              "outputs": g.output_records, "initializers": list(g.used),
+                              "segment": lowering.segments[key]}
+    return {
+        "format_version": FORMAT_VERSION,
+        "opset": OPSET,
+        "dtype": dtype,
+        "exporter": "speccompile.exporters.onnx_export (onnx.helper)",
+        "variant": variant,
+        "quantization": quantizer.record() if quantizer is not None else None,
+        "packed_projections": pack if variant == "fused" else False,
+        "padded_attention_rows": pad_rows if variant == "fused" else False,
+        "weights": rel(weights_path),
+        "weights_bytes": total_bytes,
+        "tensors": tensors,
+        "graphs": graph_records,
+        "plans": plan_records,
+    }
+
+
+def _write_weights(graphs: dict[str, GraphBuilder], weights: dict[str, np.ndarray], out_dir: Path):
+    """One weights file: every tensor any graph uses, de-duplicated by content (a tied lm_head is stored once)."""
+    used = list(dict.fromkeys(name for g in graphs.values() for name in g.used))
+    tensors: dict[str, dict[str, Any]] = {}
+    by_content: dict[tuple, dict[str, Any]] = {}
+    weights_path = out_dir / WEIGHTS_NAME
+    offset = 0
+    with open(weights_path, "wb") as f:
+        for name in used:
+            arr = np.ascontiguousarray(weights[name])
+            data = arr.tobytes()
+            key = (str(arr.dtype), arr.shape, hashlib.sha256(data).hexdigest())
+            if key not in by_content:
+                pad = (-offset) % ALIGN
+                f.write(b"\0" * pad)
+                offset += pad
+                f.write(data)
+                by_content[key] = {"offset": offset, "nbytes": len(data), "dtype": _DTYPE_NAMES[arr.dtype],
+                                   "shape": list(arr.shape)}
+                offset += len(data)
+            tensors[name] = dict(by_content[key])
+    return tensors, offset, weights_path
+
+
+def _with_external_weights(g: GraphBuilder, tensors: dict[str, dict[str, Any]]) -> onnx.ModelProto:
+    model = g.to_model()
+    for name in g.used:
+        t = tensors[name]
+        tp = TensorProto()
+        tp.name = name
+        tp.data_type = NP_TO_ONNX[np.dtype(t["dtype"])]
+        tp.dims.extend(t["shape"])
+        tp.data_location = TensorProto.EXTERNAL
+        for k, v in (("location", WEIGHTS_NAME), ("offset", str(t["offset"])), ("length", str(t["nbytes"]))):
+            entry = tp.external_data.add()
+            entry.key, entry.value = k, v
+        model.graph.initializer.append(tp)
+    return model
+
+
+def export_options(record: dict[str, Any] | None) -> dict[str, Any]:
+    """The ``export_onnx_weights`` options an ONNX record was written with, so that re-exporting an
+    artifact (``tune``) writes the same kind of graphs: variant and quantization scheme."""
+    if not record:
+        return {}
+    options: dict[str, Any] = {"variant": record.get("variant", "standard")}
+    if options["variant"] == "fused":
+        options["pack"] = record.get("packed_projections", True)
+        options["pad_rows"] = record.get("padded_attention_rows", bool(record.get("quantization")))
+    quant = record.get("quantization")
+    if quant:
+        options.update(quantize=quant["scheme"], block_size=quant["block_size"], accuracy_level=quant["accuracy_level"])
+    return options
+
+
+def _numpy_weights(state, dtype: np.dtype) -> dict[str, np.ndarray]:
+    """Canonical weights (torch tensors or numpy arrays) -> numpy in ``dtype``; rope_inv_freq stays float32."""
+    out = {}
+    for name, tensor in state.items():
+        if not isinstance(tensor, np.ndarray):
+            import torch
+
+            tensor = tensor.detach().to("cpu", torch.float32).numpy()
+        target = np.float32 if name == "rope_inv_freq" else dtype
+        out[name] = np.array(tensor, dtype=target, copy=True)
+    return out
+
+
+__all__ = ["OPSET", "QUANT_BITS", "VARIANTS", "export_onnx", "export_onnx_weights", "export_options", "fused_supports"]

@@ -1,0 +1,257 @@
+"""The fused graph variant: ONNX Runtime's CPU contrib ops, the KV cache updated in place.
+
+- attention is one ``GroupQueryAttention`` per layer in its shared past/present buffer mode: the past KV
+  input is the whole preallocated cache ``[batch, kv_heads, max_len, head_dim]``, the new entries are
+  written into it at ``seqlens_k + 1 - seq .. seqlens_k`` and the present output is the same buffer, so a
+  runtime that binds one buffer to both copies nothing (rollback: a smaller ``seqlens_k`` next call).
+  Rotary runs inside the op when its kernel can (``rotary_dim / 2`` a multiple of 8), on a cos/sin table
+  computed in-graph from ``rope_inv_freq``; otherwise with standard ops on q and k before it. Sliding
+  windows are ``local_window_size``;
+- RMS norms are ``SimplifiedLayerNormalization``, and each residual add is fused into the next norm
+  (``SkipSimplifiedLayerNormalization`` / ``SkipLayerNormalization``, whose fourth output is the sum);
+- linear layers are ``FusedMatMul(transB=1)`` on the canonical ``[out, in]`` weight (no transposed copy,
+  no reshapes), or ``MatMulNBits`` on its quantized form (``onnx_quant.Quantizer``);
+- a k-token call computes exactly what k 1-token calls compute (the speculative output then is the plain
+  output, bit for bit, even with int8 activations): attention runs on one padding row more than the call
+  has (``padding``), and a graph that starts from another graph's hidden state (an early exit's suffix, the
+  head) norms it with the same fused kernel the full graph uses there (``residual_start``);
+- a graph that starts from a hidden state ends at its last block's hidden state (``last_hidden``), and
+  the runtime finishes it with the ``head`` graph the drafts use (``head_after_hidden``): ONNX Runtime
+  pre-packs each session's matmul weights separately, so a head inside both graphs would be packed twice
+  (SmolLM2's tied head: +113 MB, 1.105x the plain decoder's resident memory); this way it is packed once.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper
+
+from speccompile.runtime.manifest import ArchConfig
+
+from .onnx_graph import GraphBuilder, elem_name
+from .onnx_quant import CONTRIB, Quantizer
+
+
+def gqa_rotary_ok(config: ArchConfig) -> bool:
+    """Whether GroupQueryAttention's CPU kernel can apply this model's rotary itself."""
+    half = config.rotary_dim // 2
+    return config.positions == "rotary" and half % 8 == 0 and config.rotary_dim <= config.head_dim
+
+
+class FusedGraph(GraphBuilder):
+    """See the module docstring. ``pack``: q/k/v and gate/up as one matmul each (``linear_cat``);
+    ``pad_rows``: attention on one more query row than the call has (``padding``)."""
+
+    variant = "fused"
+    head_after_hidden = False
+
+    def __init__(self, *args, quantizer: Quantizer | None = None, pack: bool = True, pad_rows: bool = True):
+        super().__init__(*args)
+        self.quantizer, self.pack, self.pad_rows = quantizer, pack, pad_rows
+        self.seqlens_k = self.total_len = None  # int32 [batch], int32 scalar
+        self._padding: tuple[str, str, str, str] | None = None  # see padding()
+        self.gqa_rotary = False
+
+    def past_shape(self) -> list:
+        return ["batch", self.c.num_kv_heads, "max_len", self.c.head_dim]
+
+    def declare_positions(self, attn_layers: list[int], learned_from_tokens: bool) -> None:
+        """``seqlens_k`` ([batch] int32: total length - 1) and ``total_sequence_length`` (int32 scalar), as
+        GroupQueryAttention takes them; absolute positions only where the graph needs them itself (learned
+        positions, rotary the kernel cannot apply); each rotary table once."""
+        c = self.c
+        if attn_layers:
+            self.seqlens_k = self.add_input("seqlens_k", TensorProto.INT32, ["batch"])
+            self.total_len = self.add_input("total_sequence_length", TensorProto.INT32, [])
+            self.gqa_rotary = gqa_rotary_ok(c)
+            if c.positions == "learned" or not self.gqa_rotary:
+                seq = self.op("Gather", self.bt_shape, self.const(1, np.int64), axis=0)
+                total = self.op("Cast", self.total_len, to=TensorProto.INT64)
+                self.pos = self.op("Range", self.op("Sub", total, seq), total, self.const(1, np.int64))
+        elif learned_from_tokens:
+            self.pos = self.add_input("position_ids", TensorProto.INT64, ["batch", "seq"])
+        for table in {c.rotary_of(i) for i in attn_layers} - {None}:
+            if self.gqa_rotary:
+                self.ropes[table] = self.gqa_rope_cache(table)
+            else:
+                cos, sin = self.rope(self.pos, table)  # [seq, rot]; broadcast over heads of [batch, seq, heads, head_dim]
+                self.ropes[table] = self.op("Unsqueeze", cos, self.ints(1)), self.op("Unsqueeze", sin, self.ints(1))
+
+    def residual_start(self, h: str) -> str:
+        """The hidden state comes from another graph (an early exit's prefix or suffix), where the full graph
+        has h + delta and a fused residual-add norm. A zero branch gives the same: the skip norm's sum is h
+        itself and its normed output comes from the same kernel, so the split graphs compute the full
+        graph's function to the bit (a plain norm kernel rounds differently, and int8 activations turn that
+        into logits about 1e-2 apart: tests/test_real_shapes.py)."""
+        return self.op("Mul", h, self.const(np.array(0.0, self.dtype)))
+
+    # -- the variant's ops -------------------------------------------------------------------------
+    def matmul(self, x: str, weight: str, in_features: int, out_features: int, bias: str = "", quantized=None) -> str:
+        """``x @ weight^T + bias``: FusedMatMul, or MatMulNBits on ``quantized`` (packed, scales, zero points)."""
+        if quantized is None:
+            y = self.op("FusedMatMul", x, weight, domain=CONTRIB, transB=1)
+            return self.op("Add", y, bias) if bias else y
+        q = self.quantizer
+        packed, scales, zero_points = quantized
+        args = [x, packed, scales, zero_points, "", bias]
+        while args[-1] == "":
+            args.pop()
+        return self.op("MatMulNBits", *args, domain=CONTRIB, K=in_features, N=out_features, bits=q.bits,
+                       block_size=q.block_size, accuracy_level=q.accuracy_level)
+
+    def linear(self, x: str, prefix: str, out_features: int) -> str:
+        return self.linear_cat(x, [prefix], out_features)
+
+    def linear_cat(self, x: str, prefixes: list[str], out_features: int) -> str:
+        """One matmul for one or several linear layers reading the same input (q/k/v, gate/up),
+        ``out_features`` in all. Several layers' canonical weights are concatenated in the graph (a Concat of
+        initializers: ONNX Runtime folds it into one constant when the session loads and pre-packs that), so
+        the weights file keeps only canonical tensors while each step dispatches one kernel instead of three
+        (or two)."""
+        biases = [f"{p}.bias" in self.weights for p in prefixes]
+        if len(prefixes) > 1 and (not self.pack or len(set(biases)) > 1):
+            return self.op("Concat", *[self.linear(x, p, self.weights[f"{p}.weight"].shape[0]) for p in prefixes], axis=-1)
+
+        def cat(names: list[str]) -> str:
+            return self.w(names[0]) if len(names) == 1 else self.op("Concat", *[self.w(n) for n in names], axis=0)
+
+        in_features = self.weights[f"{prefixes[0]}.weight"].shape[1]
+        bias = cat([f"{p}.bias" for p in prefixes]) if biases[0] else ""
+        if self.quantizer is None:
+            return self.matmul(x, cat([f"{p}.weight" for p in prefixes]), in_features, out_features, bias)
+        parts = [self.quantizer.tensors(self.weights, f"{p}.weight") for p in prefixes]
+        zero_points = cat([t[2] for t in parts]) if parts[0][2] else ""
+        quantized = (cat([t[0] for t in parts]), cat([t[1] for t in parts]), zero_points)
+        return self.matmul(x, "", in_features, out_features, bias, quantized)
+
+    def mlp(self, i: int, x: str) -> str:
+        c = self.c
+        if c.mlp != "gated" or not self.pack or c.num_experts:
+            return super().mlp(i, x)
+        both = self.linear_cat(x, [f"layers.{i}.mlp.gate", f"layers.{i}.mlp.up"], 2 * c.intermediate_size)
+        gate, up = self.op("Split", both, axis=-1, num_outputs=2, n_out=2)
+        return self.linear(self.op("Mul", self.act(gate), up), f"layers.{i}.mlp.down", c.hidden_size)
+
+    def norm(self, x: str, prefix: str) -> str:
+        c = self.c
+        if c.norm == "layer":
+            return super().norm(x, prefix)
+        return self.op("SimplifiedLayerNormalization", x, self.w(f"{prefix}.weight"), axis=-1, epsilon=float(c.norm_eps))
+
+    def add_norm(self, h: str, delta: str | None, prefix: str | None) -> tuple[str, str]:
+        """(norm(h + delta), h + delta), the residual add fused into the norm that follows it."""
+        if delta is None or prefix is None:
+            return super().add_norm(h, delta, prefix)
+        c = self.c
+        if c.norm == "layer":
+            outs = self.op("SkipLayerNormalization", delta, h, self.w(f"{prefix}.weight"), self.w(f"{prefix}.bias"),
+                           n_out=4, domain=CONTRIB, epsilon=float(c.norm_eps))
+        else:
+            outs = self.op("SkipSimplifiedLayerNormalization", delta, h, self.w(f"{prefix}.weight"), n_out=4,
+                           domain=CONTRIB, epsilon=float(c.norm_eps))
+        return outs[0], outs[3]
+
+    def add_branches(self, h: str, branches: list[str]) -> tuple[str, str | None]:
+        """The branches summed into one pending branch, for the next fused residual-add norm."""
+        return h, branches[0] if len(branches) == 1 else self.op("Add", *branches)
+
+    def attention(self, i: int, x: str) -> str:
+        """Block ``i``'s attention on its normed input ``x`` [batch, seq, d], up to the o projection."""
+        c = self.c
+        p = f"layers.{i}.attn"
+        hd, nh, nkv = c.head_dim, c.num_heads, c.num_kv_heads
+        rope = self.ropes[c.rotary_of(i)]  # the block's table: none for a NoPE block (SmolLM3), local or global
+        do_rotary = self.gqa_rotary and rope is not None
+        over_proj = c.qk_norm_over == "proj"
+
+        def proj(name: str, n: int) -> str:
+            t = self.linear(x, f"{p}.{name}", n * hd)
+            norm = f"{p}.{name}_norm" if c.qk_norm and name != "v" else None
+            fallback_rope = name != "v" and rope is not None and not self.gqa_rotary
+            if norm is not None and over_proj:  # OLMo 2: one norm over all heads of the projection
+                t, norm = self.norm(t, norm), None
+            if norm is None and not fallback_rope:
+                return t
+            t = self.op("Reshape", t, self.ints(0, 0, n, hd))
+            if norm is not None:
+                t = self.norm(t, norm)
+            if fallback_rope:
+                t = self.rotary(t, rope)
+            return self.op("Reshape", t, self.ints(0, 0, n * hd))
+
+        if self.pack and not c.qk_norm and (rope is None or self.gqa_rotary):
+            # packed QKV: GroupQueryAttention splits it itself
+            q, k, v = self.linear_cat(x, [f"{p}.q", f"{p}.k", f"{p}.v"], (nh + 2 * nkv) * hd), "", ""
+        else:
+            q, k, v = proj("q", nh), proj("k", nkv), proj("v", nkv)
+        past_k = self.add_input(f"past_key_values.{i}.key", self.onnx_dtype, self.past_shape())
+        past_v = self.add_input(f"past_key_values.{i}.value", self.onnx_dtype, self.past_shape())
+        args = [q, k, v, past_k, past_v, self.seqlens_k, self.total_len]
+        if do_rotary:
+            args += list(rope)
+        out_name = f"gqa_{i}"
+        if self.pad_rows:  # one more query row after the real ones (see padding())
+            pads, seqlens_k, total_len, _ = self.padding(past_k)
+            args[:3] = [self.op("Pad", t, pads, mode="edge") if t else "" for t in args[:3]]
+            args[5:7] = [seqlens_k, total_len]
+            out_name = f"gqa_{i}_padded"
+        present = [f"present.{i}.key", f"present.{i}.value"]
+        self._n += 1
+        self.nodes.append(helper.make_node(
+            "GroupQueryAttention", args, [out_name] + present, name=f"n{self._n}", domain=CONTRIB, num_heads=nh,
+            kv_num_heads=nkv, scale=float(c.scale), do_rotary=int(do_rotary),
+            local_window_size=int(c.window_of(i)) if c.window_of(i) is not None else -1))
+        if self.pad_rows:
+            out_name = self.op("Slice", out_name, self.ints(0), self.padding(past_k)[3], self.ints(1))
+        for name in present:
+            self.declare_output(name, self.onnx_dtype, self.past_shape())
+        return self.linear(out_name, f"{p}.o", c.hidden_size)
+
+    def padding(self, past_k: str) -> tuple[str, str, str, str]:
+        """What every GroupQueryAttention of the graph needs to run on one more query row than the call has
+        (built once per graph): (``Pad`` pads for q/k/v [batch, seq, hidden], ``seqlens_k`` and
+        ``total_sequence_length`` counting that row, the call's ``seq`` as a 1-D end for slicing it off).
+
+        Why: GroupQueryAttention's CPU kernel multiplies attention probabilities by V with MLAS's SGEMM,
+        which takes a separate one-row kernel (another summation order) when a call has one query row. So
+        a 1-token step and the same position inside a k-token verify round differently (about 1e-6 in
+        fp32), and with int8 activations (MatMulNBits ``accuracy_level`` 4) such a difference moves an
+        activation across an int8 rounding boundary: SmolLM2's int4/int8 logits then differ by 0.5 to 1
+        between the two paths, and speculative output is not the plain output. Every other kernel here
+        computes a row the same way whatever the row count (``tests/test_real_shapes.py``). The extra row
+        is a copy of the last one, one position later: causal attention keeps it out of every real row's
+        result, its KV entry lands in the slot after the call's last position, which the next call
+        rewrites before anything reads it, and its output row is sliced off. A call that fills the cache
+        to its last slot has no room for it and runs unpadded (only at the context limit: the runtime
+        reserves a slot beyond every round). With the past given as a slice (``kv_in_place=False``,
+        GroupQueryAttention's growing-cache mode) the padding row always fits."""
+        if self._padding is None:
+            total64 = self.op("Cast", self.op("Unsqueeze", self.total_len, self.ints(0)), to=TensorProto.INT64)
+            full = self.op("Equal", self.op("Shape", past_k, start=2, end=3), total64)  # a static cache with no slot left
+            extra = self.op("Cast", self.op("Not", full), to=TensorProto.INT64)  # [1]: 1, or 0 when full
+            pads = self.op("Mul", self.ints(0, 0, 0, 0, 1, 0), extra)  # after the last row of seq
+            extra32 = self.op("Cast", extra, to=TensorProto.INT32)
+            total = self.op("Add", self.total_len, self.op("Squeeze", extra32, self.ints(0)))
+            seq = self.op("Slice", self.bt_shape, self.ints(1), self.ints(2))
+            self._padding = pads, self.op("Add", self.seqlens_k, extra32), total, seq
+        return self._padding
+
+    def gqa_rope_cache(self, table: str = "global") -> tuple[str, str]:
+        """cos/sin tables [total_len, rotary_dim / 2] for positions 0..total_len-1 (GQA indexes them)."""
+        total = self.op("Cast", self.total_len, to=TensorProto.INT64)
+        if self.pad_rows:  # room for the padding row's position (see padding())
+            total = self.op("Add", total, self.const(1, np.int64))
+        pos = self.op("Range", self.const(0, np.int64), total, self.const(1, np.int64))
+        inv_freq = "rope_local_inv_freq" if table == "local" else "rope_inv_freq"
+        angles = self.op("Mul", self.op("Unsqueeze", self.op("Cast", pos, to=TensorProto.FLOAT), self.ints(-1)),
+                         self.w(inv_freq))
+        return self.rope_scaled(angles, table)
+
+    def to_model(self) -> onnx.ModelProto:
+        model = super().to_model()
+        model.opset_import.append(helper.make_opsetid(CONTRIB, 1))
+        return model
+
+
+__all__ = ["FusedGraph", "elem_name", "gqa_rotary_ok"]

@@ -1,0 +1,64 @@
+"""Weight-only block quantization of the fused graphs' linear layers (``MatMulNBits``)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+CONTRIB = "com.microsoft"
+QUANT_BITS = {"int8": 8, "int4": 4}
+DEFAULT_BLOCK_SIZE = 32
+DEFAULT_ACCURACY_LEVEL = 4  # int8 activations: onnxruntime's fast CPU MatMulNBits path (int8 at level 0 has none);
+# lossless only because the fused graphs make a k-row call compute what k one-row calls do (FusedGraph.padding)
+
+
+class Quantizer:
+    """Weight-only block quantization of linear weights for ``MatMulNBits``, with onnxruntime's own
+    kernels (``quantize_matmul_4bits`` / ``quantize_matmul_8bits``: what
+    ``onnxruntime.quantization.matmul_nbits_quantizer`` calls, without its onnx_ir dependency).
+
+    Each quantized weight is added to the shared weights under a derived name
+    (``<canonical>.int4``, ``.int4.scales``, ``.int4.zero_points``), so it is written once to
+    ``weights.bin`` however many graphs use it; the float weight is then used by no graph (except the
+    embedding table, which stays a float ``Gather``)."""
+
+    def __init__(self, scheme: str, block_size: int, accuracy_level: int, symmetric: bool = False):
+        if scheme not in QUANT_BITS:
+            raise ValueError(f"unknown quantization {scheme!r}; use one of {sorted(QUANT_BITS)}")
+        if block_size < 16 or block_size & (block_size - 1):
+            raise ValueError(f"quantization block size must be a power of two >= 16, not {block_size}")
+        self.scheme, self.bits, self.block_size = scheme, QUANT_BITS[scheme], block_size
+        self.accuracy_level, self.symmetric = accuracy_level, symmetric
+
+    def record(self) -> dict[str, Any]:
+        return {"scheme": self.scheme, "bits": self.bits, "block_size": self.block_size, "symmetric": self.symmetric,
+                "accuracy_level": self.accuracy_level, "op": f"{CONTRIB}.MatMulNBits",
+                "quantizer": "onnxruntime quantize_matmul_%dbits" % self.bits}
+
+    def tensors(self, weights: dict[str, np.ndarray], name: str) -> tuple[str, str, str | None]:
+        """Names of (packed, scales, zero_points or None) for canonical weight ``name`` [out, in]."""
+        from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
+
+        base = f"{name}.{self.scheme}"
+        zp_name = None if self.symmetric else f"{base}.zero_points"
+        if base not in weights:
+            w = weights[name]
+            n, k = w.shape
+            bs = self.block_size
+            k_blocks = (k + bs - 1) // bs
+            wt = np.zeros((k_blocks * bs, n), np.float32)  # [K, N] as MatMul sees it, zero-padded to whole blocks
+            wt[:k] = w.T
+            kpack = 8 // self.bits
+            packed = np.zeros((n, k_blocks, bs // kpack), np.uint8)
+            scales = np.zeros((n, k_blocks), np.float32)
+            zero_points = np.zeros((n, (k_blocks + kpack - 1) // kpack), np.uint8)
+            quantize = quantize_matmul_4bits if self.bits == 4 else quantize_matmul_8bits
+            quantize(packed, wt, scales, zero_points, bs, n, k, self.symmetric)
+            weights[base], weights[f"{base}.scales"] = packed, scales.astype(w.dtype)
+            if zp_name is not None:
+                weights[zp_name] = zero_points
+        return base, f"{base}.scales", zp_name
+
+
+__all__ = ["CONTRIB", "DEFAULT_ACCURACY_LEVEL", "DEFAULT_BLOCK_SIZE", "QUANT_BITS", "Quantizer"]

@@ -1,0 +1,83 @@
+"""What the ONNX test files share: a minimal ONNX-only artifact, its backend, a per-family artifact cache, and
+the logits check of every graph against the torch backend."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from speccompile.exporters.onnx_export import export_onnx
+from speccompile.runtime.manifest import DraftPlan, Manifest, file_record, read_manifest, write_manifest
+from speccompile.runtime.onnx_backend import OnnxBackend
+from tiny_models import make_tokenizer
+
+TOL = 1e-4
+
+
+def make_artifact(decoder, plan_map: dict[str, DraftPlan], root: Path, tokenizer: Path | None = None, **options) -> Path:
+    """An ONNX-only artifact folder: onnx/ + tokenizer/ (the runtime opens it, so the manifest hashes it, like
+    every file) + manifest.json, no torch weights. ``tokenizer``: a tokenizer.json to copy (default: a new one)."""
+    root.mkdir(parents=True, exist_ok=True)
+    if tokenizer is None:
+        make_tokenizer(root / "tokenizer")
+    else:
+        (root / "tokenizer").mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(tokenizer, root / "tokenizer" / "tokenizer.json")
+    record = export_onnx(decoder, plan_map, root / "onnx", **options)
+    files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
+    manifest = Manifest(config=decoder.config, plans=plan_map, default_plan=next(iter(plan_map)),
+                        files={f: file_record(root, f) for f in files}, backends={"onnx": record})
+    write_manifest(root, manifest)
+    return root
+
+
+def ort_backend(root: Path, **kwargs) -> OnnxBackend:
+    return OnnxBackend.from_artifact(root, read_manifest(root), threads=1, **kwargs)
+
+
+def artifact_cache(tiny_decoder, base: Path, plans, tokenizer_of=None, **options):
+    """family -> (decoder, artifact root, plans, OnnxBackend), each built once (``plans(num_layers)``)."""
+    cache = {}
+
+    def get(family: str):
+        if family not in cache:
+            _, decoder = tiny_decoder(family)
+            plan_map = plans(decoder.config.num_layers)
+            tokenizer = tokenizer_of(family) if tokenizer_of is not None else None
+            root = make_artifact(decoder, plan_map, base / family, tokenizer, **options)
+            cache[family] = (decoder, root, plan_map, ort_backend(root))
+        return cache[family]
+
+    return get
+
+
+def check_logits(ort, ref, decoder, plan_map: dict[str, DraftPlan], family: str, tol: float = TOL) -> None:
+    """Every graph through the backend protocol: prefill past the mistral window, steps of 1 and 3 tokens, a
+    step against one full forward, then per plan three drafts, a verify (with early-exit reuse) and a
+    rolled-back step, all within ``tol`` of the torch backend on the same cache state."""
+    for b in (ort, ref):
+        b.reserve(64)
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(3, decoder.config.vocab_size, (48,), generator=gen).tolist()
+
+    def same(a, b, what):
+        err = float(np.abs(a - b).max())
+        assert a.shape == b.shape and err < tol, f"{family} {what}: max |ORT - torch| = {err:.2e}"
+
+    same(ort.forward(tokens[:30], 0), ref.forward(tokens[:30], 0), "prefill")
+    same(ort.forward(tokens[30:31], 30), ref.forward(tokens[30:31], 30), "1-token step")
+    same(ort.forward(tokens[31:34], 31), ref.forward(tokens[31:34], 31), "3-token step")
+    with torch.inference_mode():
+        full = decoder(torch.tensor([tokens[:34]]))[0].numpy()
+    same(ort.forward(tokens[33:34], 33), full[33:34], "step vs one-shot full forward")
+    for name, plan in plan_map.items():
+        pos = 34
+        for j in range(3):
+            same(ort.draft(plan, tokens[pos + j], pos + j), ref.draft(plan, tokens[pos + j], pos + j), f"{name} draft {j}")
+        round_tokens = tokens[pos: pos + 4]
+        same(ort.verify(plan, round_tokens, pos, 3), ref.verify(plan, round_tokens, pos, 3), f"{name} verify")
+        same(ort.forward(tokens[pos + 1: pos + 2], pos + 1), ref.forward(tokens[pos + 1: pos + 2], pos + 1),
+             f"{name} rollback step")
