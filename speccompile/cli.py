@@ -451,7 +451,7 @@ def serve(artifact, host, port, backend, device, slots, max_queue, plan, api_key
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
     /health, /metrics) until interrupted."""
     try:
-        from speccompile.serve import create_app, run_server
+        from speccompile.server import create_app, run_server
     except ImportError as exc:
         raise SpeccompileError(f"the server needs FastAPI, uvicorn and prometheus-client ({exc.name} is missing); "
                                "install them with pip install 'speccompile[serve]'") from None

@@ -14,8 +14,8 @@ import httpx
 import openai
 import pytest
 
-import speccompile.serve as serve_module
-from speccompile.serve import create_app, serve_in_thread
+import speccompile.server.app as serve_module
+from speccompile.server import create_app, serve_in_thread
 
 from helpers_reliability import copy_with_chat_template
 
@@ -191,7 +191,7 @@ def test_a_handler_bug_is_a_logged_500_and_other_requests_are_served(server, con
         chunk.choices[0].text for chunk in client.completions.create(
             model="tiny", prompt="for i in range(10):", max_tokens=24, temperature=0, stream=True) if chunk.choices)))
     streaming.start()
-    with caplog.at_level("ERROR", logger="speccompile.serve"):
+    with caplog.at_level("ERROR", logger="speccompile.server"):
         for _ in range(3):
             response, data = post(connection, C, body(prompt="boom", max_tokens=2))
             assert response.status == 500 and not response.will_close

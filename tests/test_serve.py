@@ -21,9 +21,9 @@ from click.testing import CliRunner
 from prometheus_client.parser import text_string_to_metric_families
 
 from speccompile.cli import main
-from speccompile.openai_api import StopCutter
+from speccompile.server.openai_api import StopCutter
 from speccompile.runtime import load
-from speccompile.serve import create_app, serve_in_thread
+from speccompile.server import create_app, serve_in_thread
 
 from helpers_reliability import copy_with_chat_template
 

@@ -10,7 +10,7 @@ Why this shape:
   is free again one round later, not after the whole generation.
 - Every bad request gets a 4xx with the OpenAI error body ``{"error": {"message", "type", "param",
   "code"}}``; the message names the problem and the fix, as the CLI's errors do. The wire format (request
-  checks, chat template, stop strings, response bodies) lives in ``speccompile.openai_api``.
+  checks, chat template, stop strings, response bodies) lives in ``speccompile.server.openai_api``.
 
 The app is a plain FastAPI (ASGI) object from ``create_app``, so any ASGI server or process manager can
 run it; ``run_server`` runs it with uvicorn, ``serve_in_thread`` on a free loopback port (tests, benchmarks).
@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from speccompile.openai_api import (
+from speccompile.server.openai_api import (
     COMPLETIONS_DEFAULT_MAX_TOKENS, APIError, BaseRequest, ChatFormat, ChatRequest, ChatTemplate, CompletionFormat,
     CompletionRequest, Outcome, SamplingOptions, StopCutter, check_sampling, completion_prompt_ids, error_response,
     parse_request, refuse_unsupported, sse_event,
@@ -46,7 +46,7 @@ from speccompile.runtime import InputError, SpeculativeModel, load
 from speccompile.runtime.errors import SpeccompileError, quote
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
-log = logging.getLogger("speccompile.serve")
+log = logging.getLogger("speccompile.server")
 
 
 # -- decoding in a slot ----------------------------------------------------------------------------------
