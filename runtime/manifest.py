@@ -183,7 +183,7 @@ class DraftPlan:
     # The draft head (runtime/adapter.py): a trained exit adapter ("adapter:E") and/or the ids of a reduced
     # draft vocabulary (draft_vocab tokens), in one safetensors file in the artifact.
     draft_head_file: str | None = None
-    measured: dict[str, Any] = field(default_factory=dict)
+    measured: dict[str, Any] = field(default_factory=dict)  # the tuner's figures: schema in runtime/measured.py
     # The draft kind (runtime/draft_kinds/): None for the built-in kinds, which are inferred from the fields
     # above; a kind added later names itself here and keeps its own options in ``params``.
     kind: str | None = None
@@ -262,8 +262,12 @@ class DraftPlan:
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "plan") -> "DraftPlan":
         """Unknown fields are ignored (a plan written by a newer toolkit still loads); known ones are
-        checked against their annotations."""
-        return build_dataclass(cls, data, where)
+        checked against their annotations, and ``measured`` against its schema (``runtime/measured.py``)."""
+        from .measured import check_measured
+
+        plan = build_dataclass(cls, data, where)
+        check_measured(plan.measured, where)
+        return plan
 
 
 @dataclass

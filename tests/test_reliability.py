@@ -257,7 +257,9 @@ def _drop_sha(data):
     (_drop_sha, "sha256"),
     (lambda d: next(iter(d["plans"].values())).update(max_draft="six"), "max_draft"),
     (lambda d: d["config"].update(num_layers=None), "num_layers"),
-], ids=["list", "string", "files-list", "no-backends", "no-sha256", "plan-field-type", "config-field-type"])
+    (lambda d: next(iter(d["plans"].values()))["measured"].update(confirmed_speedup="fast"), "measured.confirmed_speedup"),
+], ids=["list", "string", "files-list", "no-backends", "no-sha256", "plan-field-type", "config-field-type",
+        "measured-field-type"])
 def test_damaged_manifest_is_one_line(artifact_copy, change, needle):
     edit_manifest(artifact_copy, change)
     assert_one_line_error(invoke("inspect", artifact_copy), needle)
