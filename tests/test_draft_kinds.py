@@ -64,6 +64,23 @@ def test_a_kind_added_outside_the_runtime_is_lossless(tiny_decoder, shallow_kind
     assert plan.describe() == "the first 1 blocks, no prefix reuse"
 
 
+@pytest.mark.parametrize("variant", ["standard", "fused"])
+def test_a_kind_added_outside_the_runtime_is_exported_and_runs_on_onnx(tiny_decoder, shallow_kind, tmp_path, variant):
+    """The exporter writes the graphs of the kind's segments (``DraftKind.segments()``) and ONNX Runtime runs
+    them, with no exporter or backend file knowing the kind."""
+    pytest.importorskip("onnxruntime")
+    from onnx_helpers import make_artifact, ort_backend
+
+    _, decoder = tiny_decoder("llama")
+    root = make_artifact(decoder, {"shallow": shallow_kind}, tmp_path / "artifact", variant=variant)
+    backend = ort_backend(root)
+    assert backend.unsupported(draft_kinds.kind_of(shallow_kind, decoder.config.num_layers).draft_segment) is None
+    plain, _ = run(backend, PROMPT, 24)
+    spec, stats = run(backend, PROMPT, 24, shallow_kind)
+    assert stats.rounds > 0 and stats.drafted > stats.rounds
+    assert_same_greedy(decoder, PROMPT, plain, spec)
+
+
 def test_a_kind_added_outside_the_runtime_is_priced_and_estimated(tiny_decoder, shallow_kind):
     _, decoder = tiny_decoder("llama")
     plan = shallow_kind
