@@ -215,6 +215,9 @@ class DraftPlan:
                     f"plan '{self.name}': an early-exit plan cannot also skip sublayers (the verifier "
                     "reuses the draft's prefix, which must be the full model's)"
                 )
+        from .draft_kinds import kind_of
+
+        kind_of(self, num_layers).check()
         if not self.has_model_draft and not self.lookup:
             raise ArtifactError(f"plan '{self.name}' drafts with nothing (no skipped sublayers, no exit layer, no "
                                 "lookup source); rebuild the artifact")

@@ -12,7 +12,10 @@ any segment it has the code or the exported graphs for:
   segment that starts at ``stop`` (early-exit prefix reuse);
 - ``head``: ``None`` (no logits), ``"final"`` (the model's final norm and lm_head, shared by every
   exit) or the artifact-relative path of a draft head file (an exit adapter and/or a reduced draft
-  vocabulary, ``runtime/adapter.py``; logits come back over the whole vocabulary).
+  vocabulary, ``runtime/adapter.py``; logits come back over the whole vocabulary);
+- ``precision``: ``None`` (the model's own weights) or a weight-only quantization scheme of them
+  (``"int4"``, ``"int8"``, optionally ``"int4/b128"`` or ``"int4/b32s"`` with a block size and ``s`` for
+  symmetric): a precision self-draft (``draft_kinds/precision.py``), which writes its KV into the same cache.
 
 Numpy only: the ONNX Runtime and TensorRT backends use it without torch.
 """
@@ -32,6 +35,7 @@ class Segment:
     skip_mlp: frozenset[int] = frozenset()
     head: str | None = FINAL_HEAD
     keep_hidden: bool = False
+    precision: str | None = None
 
     @property
     def from_tokens(self) -> bool:
@@ -41,14 +45,15 @@ class Segment:
     @property
     def blocks_key(self) -> tuple:
         """What identifies the segment's blocks (not its head or whether it keeps its hidden states)."""
-        return (self.start, self.stop, tuple(sorted(self.skip_attn)), tuple(sorted(self.skip_mlp)))
+        return (self.start, self.stop, tuple(sorted(self.skip_attn)), tuple(sorted(self.skip_mlp)), self.precision)
 
     def describe(self) -> str:
         skips = ""
         if self.skip_attn or self.skip_mlp:
             skips = f" less {len(self.skip_attn)} attention + {len(self.skip_mlp)} MLP sublayers"
         head = {None: "", FINAL_HEAD: " + head"}.get(self.head, f" + draft head {self.head}")
-        return f"blocks {self.start}..{self.stop - 1}{skips}{head}"
+        precision = f" with {self.precision} weights" if self.precision else ""
+        return f"blocks {self.start}..{self.stop - 1}{skips}{precision}{head}"
 
 
 def full_model(num_layers: int) -> Segment:

@@ -388,6 +388,9 @@ def inspect(artifact, as_json):
                f"by {manifest.tuning.get('method', '?')}")
     total = sum(f["bytes"] for f in manifest.files.values())
     click.echo(f"  files       {len(manifest.files)} ({total / 1e6:.1f} MB), sha256 verified")
+    extra = manifest.backends.get("onnx", {}).get("precision_draft_bytes")
+    if extra:
+        click.echo(f"  precision   {extra / 1e6:.1f} MB of weights.bin are the precision self-drafts' quantized weights")
     echo_pass_table(manifest.tuning)
     for name, plan in manifest.plans.items():
         m = plan.measured

@@ -21,7 +21,7 @@ from ..segments import FINAL_HEAD, Segment, full_model
 
 HIDDEN_OUTPUTS = ("hidden", "last_hidden")
 
-Blocks = tuple  # Segment.blocks_key: (start, stop, skip_attn, skip_mlp)
+Blocks = tuple  # Segment.blocks_key: (start, stop, skip_attn, skip_mlp, precision)
 
 
 def _outputs(graph: dict) -> set[str]:
@@ -72,7 +72,8 @@ class GraphIndex:
             if seg.get("head_only"):
                 self.heads.setdefault(seg["head"], key)
                 continue
-            blocks = (seg["start"], seg["stop"], tuple(seg.get("skip_attn", ())), tuple(seg.get("skip_mlp", ())))
+            blocks = (seg["start"], seg["stop"], tuple(seg.get("skip_attn", ())), tuple(seg.get("skip_mlp", ())),
+                      seg.get("precision"))
             outputs = _outputs(graph)
             if "logits" in outputs:
                 self.blocks.setdefault((blocks, FINAL_HEAD), key)
@@ -102,11 +103,11 @@ class GraphIndex:
     def _split(self, segment: Segment) -> list[str] | None:
         """A segment from block 0 with no skips as a prefix graph then the rest (the full model of an
         export whose only graphs are one early exit's: no whole-model graph is opened)."""
-        start, stop, skip_attn, skip_mlp = segment.blocks_key
-        if start != 0 or skip_attn or skip_mlp or segment.keep_hidden:
+        start, stop, skip_attn, skip_mlp, precision = segment.blocks_key
+        if start != 0 or skip_attn or skip_mlp or precision or segment.keep_hidden:
             return None
         for (blocks, head), key in sorted(self.blocks.items(), key=lambda item: -item[0][0][1]):
-            if head is None and blocks[0] == 0 and 0 < blocks[1] < stop and not blocks[2] and not blocks[3]:
+            if head is None and blocks[0] == 0 and 0 < blocks[1] < stop and not any(blocks[2:]):
                 rest = self.calls(Segment(blocks[1], stop, head=segment.head))
                 if rest is not None:
                     return [key] + rest

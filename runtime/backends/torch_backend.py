@@ -154,6 +154,8 @@ class TorchBackend(Backend):
         return DeviceRound.for_drafter(self, drafter, seed)
 
     def unsupported(self, segment: Segment) -> str | None:
+        if segment.precision is not None:  # torch's CPU weight-only int8 product: 10-20x slower than fp32 here
+            return f"{segment.precision} precision drafts run on ONNX Runtime only (build with --backend onnx)"
         if getattr(self.decoder, "whole_blocks", False) and segment.skip_attn != segment.skip_mlp:
             return "the generic torch path skips whole blocks only (skip_attn must equal skip_mlp)"
         return None

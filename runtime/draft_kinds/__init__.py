@@ -17,6 +17,7 @@ KINDS: dict[str, tuple[str, str]] = {
     "early_exit": (".early_exit", "EarlyExit"),
     "layer_skip": (".layer_skip", "LayerSkip"),
     "lookup": (".lookup", "LookupOnly"),
+    "precision": (".precision", "PrecisionDraft"),
 }
 """Kind name -> (module: ``.name`` in this package, or an absolute module name; class). Kinds a plan does
 not name are inferred, tried in this order."""

@@ -43,6 +43,9 @@ class DraftKind(ABC):
     def matches(cls, plan: DraftPlan) -> bool:
         """Whether ``plan`` (with no explicit ``kind``) is of this kind."""
 
+    def check(self) -> None:
+        """A one-line ``ArtifactError`` when the plan's options (its ``params``) do not fit the kind."""
+
     # -- what runs ------------------------------------------------------------------------------------
     @property
     @abstractmethod

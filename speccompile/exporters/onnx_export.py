@@ -28,6 +28,7 @@ import onnx
 from onnx import TensorProto
 
 from speccompile.runtime.draft_kinds import kind_of
+from speccompile.runtime.draft_kinds.precision import parse_precision
 from speccompile.runtime.manifest import ArchConfig, DraftPlan
 from speccompile.runtime.segments import FINAL_HEAD, Segment, full_model
 
@@ -67,7 +68,11 @@ class _Lowering:
         self._by_blocks: dict[tuple, str] = {}  # (blocks, output) -> key: plans that skip the same sublayers share
 
     def segment(self, segment: Segment, plan: DraftPlan | None) -> list[str]:
-        """The graph keys that compute ``segment`` (``plan`` names the graphs only it needs)."""
+        """The graph keys that compute ``segment`` (``plan`` names the graphs only it needs); none when this
+        variant cannot (a precision segment needs the fused variant's ``MatMulNBits``): the backend then
+        refuses the plan in one line (and float32 weights, which the quantizer reads)."""
+        if segment.precision is not None and not (issubclass(self.graph_class, FusedGraph) and self.dtype == np.float32):
+            return []
         if segment.head == FINAL_HEAD and not segment.keep_hidden and (segment.from_tokens or self.graph_class.head_after_hidden):
             return [self._blocks(segment, LOGITS, plan)]
         body = self._blocks(segment, HIDDEN if segment.from_tokens else LAST_HIDDEN, plan)
@@ -79,25 +84,36 @@ class _Lowering:
         L, blocks = self.config.num_layers, segment.blocks_key
         if (blocks, output) in self._by_blocks:
             return self._by_blocks[(blocks, output)]
-        start, stop, skip_attn, skip_mlp = blocks
+        start, stop, skip_attn, skip_mlp, precision = blocks
         if skip_attn or skip_mlp:
             key = f"{'skip' if output == LOGITS else 'skip_hidden'}.{safe_name(plan.name)}"
         elif start == 0 and stop == L and output == LOGITS:
-            key = "verify"
+            key = "verify" if precision is None else "draft"
         elif start == 0:
             key = f"prefix.{stop}" if output != LOGITS else f"exit.{stop}"
         else:
             key = f"suffix.{start}"
-        self.graphs[key] = build_blocks(self._new(key), start, stop, frozenset(skip_attn), frozenset(skip_mlp), segment.from_tokens, output)
+        if precision is not None:
+            key = safe_name(f"{key}.{precision}")
+        graph = self._new(key, precision)
+        self.graphs[key] = build_blocks(graph, start, stop, frozenset(skip_attn), frozenset(skip_mlp), segment.from_tokens,
+                                        output)
         record = {"start": start, "stop": stop}
         if skip_attn or skip_mlp:
             record.update(skip_attn=list(skip_attn), skip_mlp=list(skip_mlp))
+        if precision is not None:
+            record["precision"] = precision
         self.segments[key] = record
         self._by_blocks[(blocks, output)] = key
         return key
 
-    def _new(self, key: str) -> GraphBuilder:
-        return self.graph_class(key, self.config, self.dtype, self.weights, **self.graph_options)
+    def _new(self, key: str, precision: str | None = None) -> GraphBuilder:
+        options = self.graph_options
+        if precision is not None:  # a precision self-draft: the fused graph on weight-only quantized products
+            scheme, block_size, symmetric = parse_precision(precision)
+            options = dict(options, quantizer=Quantizer(scheme, block_size, DEFAULT_ACCURACY_LEVEL, symmetric),
+                           pad_rows=False)  # a draft need not round like the verify; padding only costs it
+        return self.graph_class(key, self.config, self.dtype, self.weights, **options)
 
     def _head(self, head: str, plan: DraftPlan | None) -> str:
         L = self.config.num_layers
@@ -194,6 +210,10 @@ def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan]
         graph_records[key] = {"file": rel(path), "variant": g.variant, "inputs": g.input_records,
                               "outputs": g.output_records, "initializers": list(g.used),
                               "segment": lowering.segments[key]}
+    precision_graphs = {key for key, seg in lowering.segments.items() if seg.get("precision")}
+    others = {name for key, g in lowering.graphs.items() if key not in precision_graphs for name in g.used}
+    draft_only = {tensors[name]["offset"]: tensors[name]["nbytes"] for key in precision_graphs
+                  for name in lowering.graphs[key].used if name not in others}
     return {
         "format_version": FORMAT_VERSION,
         "opset": OPSET,
@@ -205,6 +225,7 @@ def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan]
         "padded_attention_rows": pad_rows if variant == "fused" else False,
         "weights": rel(weights_path),
         "weights_bytes": total_bytes,
+        "precision_draft_bytes": sum(draft_only.values()),  # weights.bin bytes only precision self-drafts read
         "tensors": tensors,
         "graphs": graph_records,
         "plans": plan_records,

@@ -40,7 +40,8 @@ class Quantizer:
         """Names of (packed, scales, zero_points or None) for canonical weight ``name`` [out, in]."""
         from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
 
-        base = f"{name}.{self.scheme}"
+        base = f"{name}.{self.scheme}" + ("" if (self.block_size, self.symmetric) == (DEFAULT_BLOCK_SIZE, False)
+                                           else f".b{self.block_size}{'s' if self.symmetric else ''}")
         zp_name = None if self.symmetric else f"{base}.zero_points"
         if base not in weights:
             w = weights[name]

@@ -1,0 +1,109 @@
+"""Precision self-drafts on a real model (issue 22): the model's own fused ONNX graph with int8 / int4
+weight-only products drafts, the fp32 model verifies. Prints, per plan, the speedup over plain decoding
+timed in turns, tokens per round, the draft acceptance and whether every output equals plain decoding.
+
+    speccompile build MODEL -o ART --backend onnx          # any ONNX Runtime artifact with fp32 fused graphs
+    python benchmarks/precision_draft.py ART [--prompts FILE] [--max-new-tokens 96] [--plans int8,int4,int4/b128]
+
+The artifact is copied (``ART-precision``) and re-exported with precision plans added next to its own
+(the quantized weights go into the same weights.bin, once); nothing is tuned: each plan drafts up to
+``--max-draft`` tokens with the adaptive threshold. A plan string is a precision as the draft kind writes it:
+``int4`` (block 32, asymmetric: the grid of SmolLM2's Q4_1 GGUF, so it flatters the method there),
+``int4/b128`` (block 128: a grid that does not match the GGUF's), ``int4/b32s`` (symmetric), ``int8``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def plan_for(precision: str, max_draft: int):
+    from speccompile.runtime.draft_kinds.precision import parse_precision
+    from speccompile.runtime.manifest import DraftPlan
+
+    scheme, block, symmetric = parse_precision(precision)
+    return DraftPlan(name=f"precision-{precision.replace('/', '-')}", kind="precision", max_draft=max_draft,
+                     params={"precision": scheme, "block_size": block, "symmetric": symmetric})
+
+
+def with_precision_plans(source: Path, out: Path, precisions: list[str], max_draft: int) -> Path:
+    """A copy of ``source`` whose ONNX export also holds the precision plans' draft graphs."""
+    from speccompile.artifact import read_canonical_weights
+    from speccompile.exporters.onnx_export import export_onnx_weights, export_options
+    from speccompile.runtime.manifest import file_record, read_manifest, write_manifest
+
+    manifest = read_manifest(source)
+    if out.exists():
+        shutil.rmtree(out)
+    shutil.copytree(source, out, ignore=shutil.ignore_patterns("onnx"))
+    weights = read_canonical_weights(source, manifest)
+    plans = dict(manifest.plans)
+    for precision in precisions:
+        plan = plan_for(precision, max_draft)
+        plans[plan.name] = plan
+    record = manifest.backends["onnx"]
+    started = time.perf_counter()
+    manifest.backends["onnx"] = export_onnx_weights(manifest.config, weights, plans, out / "onnx", relative_to=out,
+                                                    **export_options(record))
+    print(f"exported in {time.perf_counter() - started:.1f}s")
+    manifest.plans = plans
+    manifest.files = {str(p.relative_to(out)): file_record(out, str(p.relative_to(out)))
+                      for p in sorted(out.rglob("*")) if p.is_file() and p.name != "manifest.json"}
+    write_manifest(out, manifest)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("artifact", type=Path)
+    parser.add_argument("--prompts", default=str(HERE / "data" / "smollm2_prompts.jsonl"))
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    parser.add_argument("--max-draft", type=int, default=6)
+    parser.add_argument("--plans", default="int8,int4,int4/b128")
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+
+    from speccompile.bench import load_prompts
+    from speccompile.runtime import load
+
+    precisions = [p for p in args.plans.split(",") if p]
+    root = with_precision_plans(args.artifact, args.artifact.with_name(args.artifact.name + "-precision"), precisions,
+                                args.max_draft)
+    model = load(root)
+    record = model.manifest.backends["onnx"]
+    extra = sum(t["nbytes"] for name, t in record["tensors"].items() if ".int4" in name or ".int8" in name)
+    print(f"weights.bin {record['weights_bytes'] / 1e6:.1f} MB, of which quantized draft weights {extra / 1e6:.1f} MB")
+    texts, source = load_prompts(args.prompts, model.manifest)
+    prompts = [model.encode_prompt(t) for t in texts]
+    names = [None, *(plan_for(p, args.max_draft).name for p in precisions)]
+    if model.manifest.default_plan:
+        names.append(model.manifest.default_plan)
+    for name in names:  # warm-up: every session once
+        model.generate(prompts[0], max_new_tokens=8, plan=name, speculate=name is not None)
+    seconds = dict.fromkeys(names, 0.0)
+    rounds, accepted, drafted, identical = (dict.fromkeys(names[1:], 0) for _ in range(4))
+    for turn, ids in enumerate(prompts):
+        order = names if turn % 2 == 0 else names[::-1]
+        results = {name: model.generate(ids, max_new_tokens=args.max_new_tokens, plan=name, speculate=name is not None)
+                   for name in order}
+        for name, result in results.items():
+            seconds[name] += result.stats.seconds
+            if name is not None:
+                rounds[name] += result.stats.rounds
+                accepted[name] += result.stats.accepted
+                drafted[name] += result.stats.drafted
+                identical[name] += result.token_ids == results[None].token_ids
+    print(f"{len(prompts)} prompts ({source}), {args.max_new_tokens} new tokens, in turns; plain "
+          f"{seconds[None]:.1f}s")
+    for name in names[1:]:
+        print(f"{name:28s} {seconds[None] / seconds[name]:.3f}x plain  {(accepted[name] + rounds[name]) / max(rounds[name], 1):.2f} "
+              f"tokens/round  acceptance {accepted[name] / max(drafted[name], 1):.2f}  identical {identical[name]}/{len(prompts)}")
+
+
+if __name__ == "__main__":
+    main()
