@@ -81,3 +81,26 @@ def check_logits(ort, ref, decoder, plan_map: dict[str, DraftPlan], family: str,
         same(ort.verify(plan, round_tokens, pos, 3), ref.verify(plan, round_tokens, pos, 3), f"{name} verify")
         same(ort.forward(tokens[pos + 1: pos + 2], pos + 1), ref.forward(tokens[pos + 1: pos + 2], pos + 1),
              f"{name} rollback step")
+
+
+def check_greedy_lossless(ort, decoder, plan_map: dict[str, DraftPlan], prompts: int, new_tokens: int, step: int) -> None:
+    """ORT plain greedy == torch plain greedy, and ORT speculative == ORT plain for every plan, on ``prompts``
+    random prompts (lengths 3, 3 + step, ...); divergences only at near-ties of the model (at most one), and
+    some draft accepted."""
+    from lossless import assert_same_greedy, run
+    from speccompile.runtime.torch_backend import TorchBackend
+
+    ref = TorchBackend(decoder)
+    gen = torch.Generator().manual_seed(3)
+    near_ties = accepted = 0
+    for p in range(prompts):
+        prompt = torch.randint(3, decoder.config.vocab_size, (3 + step * p,), generator=gen).tolist()
+        plain, _ = run(ort, prompt, new_tokens)
+        assert len(plain) == new_tokens
+        near_ties += assert_same_greedy(decoder, prompt, run(ref, prompt, new_tokens)[0], plain)  # ORT == torch
+        for plan in plan_map.values():
+            spec, stats = run(ort, prompt, new_tokens, plan)
+            near_ties += assert_same_greedy(decoder, prompt, plain, spec)
+            accepted += stats.accepted
+    assert near_ties <= 1, f"{near_ties} near-tie divergences: too many to be rounding"
+    assert accepted > 0, "no drafted token was ever accepted: the accept path was not exercised"

@@ -33,7 +33,7 @@ from speccompile.runtime.manifest import DraftPlan, read_manifest  # noqa: E402
 from speccompile.runtime.onnx_backend import OnnxBackend  # noqa: E402
 from speccompile.runtime.sampling import SamplingParams  # noqa: E402
 from speccompile.runtime.torch_backend import TorchBackend  # noqa: E402
-from onnx_helpers import artifact_cache, check_logits, make_artifact, ort_backend  # noqa: E402
+from onnx_helpers import artifact_cache, check_greedy_lossless, check_logits, make_artifact, ort_backend  # noqa: E402
 from tiny_models import FAMILIES, make_model  # noqa: E402
 
 TESTS = Path(__file__).parent
@@ -97,23 +97,8 @@ def test_graphs_have_dynamic_axes_and_opset(onnx_artifact):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_speculative_greedy_equals_plain(family, onnx_artifact):
     decoder, _, plan_map, ort = onnx_artifact(family)
-    ref = TorchBackend(decoder)
-    gen = torch.Generator().manual_seed(3)
-    near_ties = accepted = 0
-    kinds = set()
-    for p in range(PROMPTS):
-        prompt = torch.randint(3, decoder.config.vocab_size, (3 + 9 * p,), generator=gen).tolist()
-        plain, _ = run(ort, prompt, NEW_TOKENS)
-        assert len(plain) == NEW_TOKENS
-        near_ties += assert_same_greedy(decoder, prompt, run(ref, prompt, NEW_TOKENS)[0], plain)  # ORT == torch
-        for plan in plan_map.values():
-            spec, stats = run(ort, prompt, NEW_TOKENS, plan)
-            near_ties += assert_same_greedy(decoder, prompt, plain, spec)
-            accepted += stats.accepted
-            kinds.add(plan.is_early_exit)
-    assert kinds == {True, False}
-    assert near_ties <= 1, f"{near_ties} near-tie divergences: too many to be rounding"
-    assert accepted > 0, "no drafted token was ever accepted: the accept path was not exercised"
+    assert {plan.is_early_exit for plan in plan_map.values()} == {True, False}  # both kinds exercised
+    check_greedy_lossless(ort, decoder, plan_map, PROMPTS, NEW_TOKENS, step=9)
 
 
 def test_export_from_canonical_numpy_weights(onnx_artifact, tmp_path):
