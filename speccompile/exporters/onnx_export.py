@@ -111,7 +111,8 @@ class _Lowering:
         options = self.graph_options
         if precision is not None:  # a precision self-draft: the fused graph on weight-only quantized products
             scheme, block_size, symmetric = parse_precision(precision)
-            options = dict(options, quantizer=Quantizer(scheme, block_size, DEFAULT_ACCURACY_LEVEL, symmetric),
+            tag = f"{scheme}.b{block_size}{'s' if symmetric else ''}"
+            options = dict(options, quantizer=Quantizer(scheme, block_size, DEFAULT_ACCURACY_LEVEL, symmetric, tag),
                            pad_rows=False)  # a draft need not round like the verify; padding only costs it
         return self.graph_class(key, self.config, self.dtype, self.weights, **options)
 

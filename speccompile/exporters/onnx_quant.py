@@ -23,13 +23,17 @@ class Quantizer:
     ``weights.bin`` however many graphs use it; the float weight is then used by no graph (except the
     embedding table, which stays a float ``Gather``)."""
 
-    def __init__(self, scheme: str, block_size: int, accuracy_level: int, symmetric: bool = False):
+    def __init__(self, scheme: str, block_size: int, accuracy_level: int, symmetric: bool = False,
+                 tag: str | None = None):
         if scheme not in QUANT_BITS:
             raise ValueError(f"unknown quantization {scheme!r}; use one of {sorted(QUANT_BITS)}")
         if block_size < 16 or block_size & (block_size - 1):
             raise ValueError(f"quantization block size must be a power of two >= 16, not {block_size}")
         self.scheme, self.bits, self.block_size = scheme, QUANT_BITS[scheme], block_size
         self.accuracy_level, self.symmetric = accuracy_level, symmetric
+        # what the derived tensors' names end in: the scheme for a quantized target; a precision self-draft
+        # names its block size and symmetry too, so drafts of other grids in the same file never share tensors
+        self.tag = tag or scheme
 
     def record(self) -> dict[str, Any]:
         return {"scheme": self.scheme, "bits": self.bits, "block_size": self.block_size, "symmetric": self.symmetric,
@@ -40,8 +44,7 @@ class Quantizer:
         """Names of (packed, scales, zero_points or None) for canonical weight ``name`` [out, in]."""
         from onnxruntime.capi._pybind_state import quantize_matmul_4bits, quantize_matmul_8bits
 
-        base = f"{name}.{self.scheme}" + ("" if (self.block_size, self.symmetric) == (DEFAULT_BLOCK_SIZE, False)
-                                           else f".b{self.block_size}{'s' if self.symmetric else ''}")
+        base = f"{name}.{self.tag}"
         zp_name = None if self.symmetric else f"{base}.zero_points"
         if base not in weights:
             w = weights[name]
