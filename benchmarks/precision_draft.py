@@ -33,9 +33,9 @@ def plan_for(precision: str, max_draft: int):
 
 def with_precision_plans(source: Path, out: Path, precisions: list[str], max_draft: int) -> Path:
     """A copy of ``source`` whose ONNX export also holds the precision plans' draft graphs."""
-    from speccompile.artifact import read_canonical_weights
+    from speccompile.artifact import hash_files, read_canonical_weights
     from speccompile.exporters.onnx_export import export_onnx_weights, export_options
-    from speccompile.runtime.manifest import file_record, read_manifest, write_manifest
+    from speccompile.runtime.manifest import read_manifest, write_manifest
 
     manifest = read_manifest(source)
     if out.exists():
@@ -52,8 +52,7 @@ def with_precision_plans(source: Path, out: Path, precisions: list[str], max_dra
                                                     **export_options(record))
     print(f"exported in {time.perf_counter() - started:.1f}s")
     manifest.plans = plans
-    manifest.files = {str(p.relative_to(out)): file_record(out, str(p.relative_to(out)))
-                      for p in sorted(out.rglob("*")) if p.is_file() and p.name != "manifest.json"}
+    manifest.files = hash_files(out)
     write_manifest(out, manifest)
     return out
 

@@ -10,7 +10,8 @@ import numpy as np
 import torch
 
 from speccompile.exporters.onnx_export import export_onnx
-from speccompile.runtime.manifest import DraftPlan, Manifest, file_record, read_manifest, write_manifest
+from speccompile.artifact import hash_files
+from speccompile.runtime.manifest import DraftPlan, Manifest, read_manifest, write_manifest
 from speccompile.runtime.onnx_backend import OnnxBackend
 from tiny_models import make_tokenizer
 
@@ -27,9 +28,8 @@ def make_artifact(decoder, plan_map: dict[str, DraftPlan], root: Path, tokenizer
         (root / "tokenizer").mkdir(parents=True, exist_ok=True)
         shutil.copyfile(tokenizer, root / "tokenizer" / "tokenizer.json")
     record = export_onnx(decoder, plan_map, root / "onnx", **options)
-    files = sorted(str(p.relative_to(root)) for p in root.rglob("*") if p.is_file())
     manifest = Manifest(config=decoder.config, plans=plan_map, default_plan=next(iter(plan_map)),
-                        files={f: file_record(root, f) for f in files}, backends={"onnx": record})
+                        files=hash_files(root), backends={"onnx": record})
     write_manifest(root, manifest)
     return root
 

@@ -87,14 +87,15 @@ class FusedGraph(GraphBuilder):
         return self.op("Mul", h, self.const(np.array(0.0, self.dtype)))
 
     # -- the variant's ops -------------------------------------------------------------------------
-    def matmul(self, x: str, weight: str, in_features: int, out_features: int, bias: str = "", quantized=None) -> str:
-        """``x @ weight^T + bias``: FusedMatMul, or MatMulNBits on ``quantized`` (packed, scales, zero points)."""
-        if quantized is None:
-            y = self.op("FusedMatMul", x, weight, domain=CONTRIB, transB=1)
+    def matmul(self, x: str, weights: str | tuple[str, str, str], in_features: int, out_features: int,
+               bias: str = "") -> str:
+        """``x @ W^T + bias``: FusedMatMul on a float weight, or MatMulNBits on quantized (packed, scales, zero
+        points) weights."""
+        if isinstance(weights, str):
+            y = self.op("FusedMatMul", x, weights, domain=CONTRIB, transB=1)
             return self.op("Add", y, bias) if bias else y
         q = self.quantizer
-        packed, scales, zero_points = quantized
-        args = [x, packed, scales, zero_points, "", bias]
+        args = [x, *weights, "", bias]
         while args[-1] == "":
             args.pop()
         return self.op("MatMulNBits", *args, domain=CONTRIB, K=in_features, N=out_features, bits=q.bits,
@@ -123,7 +124,7 @@ class FusedGraph(GraphBuilder):
         parts = [self.quantizer.tensors(self.weights, f"{p}.weight") for p in prefixes]
         zero_points = cat([t[2] for t in parts]) if parts[0][2] else ""
         quantized = (cat([t[0] for t in parts]), cat([t[1] for t in parts]), zero_points)
-        return self.matmul(x, "", in_features, out_features, bias, quantized)
+        return self.matmul(x, quantized, in_features, out_features, bias)
 
     def mlp(self, i: int, x: str) -> str:
         c = self.c
