@@ -118,13 +118,15 @@ class PassManager:
         best = incumbent(ir)
         if self.budget is None or p.name in self.budget.exempt:
             return None, None, best
+        left = self.budget.tuning_left()
+        # Time first (a bound can cost seconds to compute), but the first plan is made whatever the time:
+        # a slow calibration must not leave the artifact without even its lookup plan.
+        if ir.plans and (p.least_seconds() > left or left <= 0):
+            return f"needs {p.least_seconds():.0f}s, {max(left, 0):.0f}s left", None, best
         bound = p.bound(ir)
         if bound is not None and bound < best * (1 + BOUND_MARGIN):
             margin = f" + {BOUND_MARGIN:.0%}" if bound >= best else ""
             return f"bound {bound:.2f}x < incumbent {best:.2f}x{margin}", bound, best
-        left = self.budget.tuning_left()
-        if p.least_seconds() > left or (left <= 0 and ir.plans):  # the first plan is made whatever the time
-            return f"needs {p.least_seconds():.0f}s, {max(left, 0):.0f}s left", bound, best
         return None, bound, best
 
     def __call__(self, ir: DecoderIR) -> DecoderIR:

@@ -235,3 +235,17 @@ def test_confirmation_races_only_plans_close_to_the_best():
     assert [p.name for p in race_candidates(ranked, 3, None)] == ["best", "close", "far"]
     slow = [DraftPlan(name="a", measured={"expected_speedup": 0.97}), DraftPlan(name="b", measured={"expected_speedup": 0.9})]
     assert [p.name for p in race_candidates(slow, 3, 0.9)] == ["a"]  # the best is always timed: it may still pay
+
+
+def test_the_first_plan_is_made_when_calibration_used_up_the_budget(ir):
+    """A slow calibration (a loaded machine) can leave no tuning time at all: the first pass still makes its
+    plan (refcoder once shipped without one, every pass 'skipped: needs 0s, 0s left'); later ones are
+    skipped for time before their bound is computed."""
+    clock = Clock()
+    budget = Budget(15.0, clock=clock)
+    clock.now = 20.0  # calibration took longer than the whole budget
+    first, second = AddPlan("lookup", None, 1.7, clock), AddPlan("exit", 2.0, 1.9, clock)
+    ir = PassManager([first, second], budget=budget)(ir)
+    assert first.ran and not second.ran and set(ir.plans) == {"lookup"}
+    row = ir.tuning["passes"][1]
+    assert row["skipped"] == "needs 0s, 0s left" and "bound" not in row
