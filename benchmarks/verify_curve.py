@@ -1,7 +1,7 @@
 """What a k-token verify costs against a one-token step, per engine, and where ONNX Runtime spends it (issue 21).
 
     python benchmarks/verify_curve.py ARTIFACT [--threads 2] [--max-k 16] [--context 128] [--rounds 7]
-                                      [--profile] [--out FILE.json]
+                                      [--profile] [--peers openvino,llamacpp] [--products] [--out FILE.json]
 
 ARTIFACT is built with ``--backend torch,onnx`` (``speccompile build MODEL -o ARTIFACT --backend torch,onnx
 --method lookup`` is enough: only the full model runs here). Engines, each a backend of this runtime on the
@@ -11,6 +11,19 @@ does), and the torch backend. For k = 1..max-k every engine runs ``forward`` of 
 ``--context`` cached positions; the calls go round-robin over engines and k for ``--rounds`` rounds and
 the minimum per cell is kept (a shared machine only ever adds time), so the ratios compare calls timed
 in the same minutes.
+
+With openvino installed, ``OpenVINO fused`` is the artifact's own fused verify graph read by
+``openvino.Core().read_model`` and compiled by the CPU plugin (f32; its GroupQueryAttention returns a
+``present`` of the new length, so each call feeds the past as an input). ``--peers`` adds, each from its
+own venv (``benchmarks/peer_compare.py`` sets them up) and timed in its own process after ours: OpenVINO
+GenAI's exported model (``optimum-cli export openvino``, fp32, the stateful IR its pipelines run; KV state
+restored before every call) and llama.cpp on the f32 GGUF of the same checkpoint (one k-token batch decode,
+cache rolled back before every call).
+
+``--products`` times the products alone, the floor under every curve: 30 pairs of SmolLM2-sized MLP
+products (576 -> 3072 -> 576, fp32, 424 MB of weights, more than this machine's caches hold) on k rows,
+in four kernel libraries: ONNX Runtime's MLAS (weights prepacked), torch's MKL (``F.linear``), oneDNN
+with prepacked weights (``torch.ops.mkldnn._linear_pointwise``) and OpenVINO's CPU plugin (f32).
 
 ``--profile`` adds ONNX Runtime's own profiler for the fused graph at k = 1 and k = 8: the time of each
 node, grouped into the head's product (the node that reads ``lm_head`` / the tied embedding), the
@@ -60,7 +73,131 @@ def engines(artifact: Path, threads: int) -> dict:
         torch.set_num_threads(threads)
         found["torch"] = TorchBackend.from_files(artifact / manifest.backends["torch"]["weights"], manifest.config,
                                                  manifest.dtype)
+    if manifest.backends.get("onnx", {}).get("variant") == "fused":
+        try:
+            found["OpenVINO fused"] = OpenVinoGraph(artifact, manifest, threads)
+        except ImportError:
+            print("openvino is not installed: no OpenVINO row (pip install openvino)", file=sys.stderr)
     return found
+
+
+class OpenVinoGraph:
+    """The artifact's fused verify graph on OpenVINO's CPU plugin, with the ``forward`` that ``curve`` times
+    (past KV fed as inputs from a buffer of ``context`` positions; the contents do not change the cost)."""
+
+    def __init__(self, artifact: Path, manifest, threads: int):
+        import openvino as ov
+
+        record = manifest.backends["onnx"]
+        self.config = manifest.config
+        core = ov.Core()
+        compiled = core.compile_model(core.read_model(str(artifact / record["graphs"]["verify"]["file"])), "CPU",
+                                      {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": threads})
+        self.request = compiled.create_infer_request()
+        self.names = [i.get_any_name() for i in compiled.inputs]
+        self.past: dict[str, np.ndarray] = {}
+
+    def reserve(self, max_len: int) -> None:
+        pass
+
+    def forward(self, ids: list[int], pos: int) -> None:
+        c = self.config
+        if not self.past or next(iter(self.past.values())).shape[2] != pos:
+            shape = (1, c.num_kv_heads, pos, c.head_dim)
+            self.past = {n: np.zeros(shape, np.float32) for n in self.names if n.startswith("past_key_values.")}
+        self.request.infer({"input_ids": np.asarray([ids], dtype=np.int64),
+                            "seqlens_k": np.array([pos + len(ids) - 1], dtype=np.int32),
+                            "total_sequence_length": np.array(pos + len(ids), dtype=np.int32), **self.past})
+
+
+def products_floor(threads: int, rounds: int, ks=(1, 2, 4, 8, 16)) -> dict[str, dict[int, float]]:
+    """Seconds of 30 (576 -> 3072 -> 576) product pairs on k rows, per kernel library, k and library in turns."""
+    import onnx
+    import onnxruntime as ort
+    import torch
+    from onnx import TensorProto, helper, numpy_helper
+
+    pairs, d, n = 30, 576, 3072
+    rng = np.random.default_rng(0)
+    up = [rng.standard_normal((d, n), dtype=np.float32) * 0.02 for _ in range(pairs)]
+    down = [rng.standard_normal((n, d), dtype=np.float32) * 0.02 for _ in range(pairs)]
+    nodes, weights, x = [], [], "x"
+    for i in range(pairs):
+        weights += [numpy_helper.from_array(up[i], f"up{i}"), numpy_helper.from_array(down[i], f"down{i}")]
+        nodes += [helper.make_node("MatMul", [x, f"up{i}"], [f"h{i}"]), helper.make_node("MatMul", [f"h{i}", f"down{i}"], [f"y{i}"])]
+        x = f"y{i}"
+    graph = helper.make_graph(nodes, "products", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["k", d])],
+                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, ["k", d])], weights)
+    folder = Path(tempfile.mkdtemp(prefix="verify-curve-products-"))
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(folder / "products.onnx"),
+              save_as_external_data=True, location="products.bin")
+    options = ort.SessionOptions()
+    options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
+    session = ort.InferenceSession(str(folder / "products.onnx"), options, providers=["CPUExecutionProvider"])
+    torch.set_num_threads(threads)
+    t_up = [torch.from_numpy(w.T.copy()) for w in up]  # F.linear takes [out, in]
+    t_down = [torch.from_numpy(w.T.copy()) for w in down]
+    packed = [(torch.ops.mkldnn._reorder_linear_weight(a, 8), torch.ops.mkldnn._reorder_linear_weight(b, 8))
+              for a, b in zip(t_up, t_down)]
+
+    def mkl(a):
+        h = torch.from_numpy(a)
+        for w1, w2 in zip(t_up, t_down):
+            h = torch.nn.functional.linear(torch.nn.functional.linear(h, w1), w2)
+
+    def onednn(a):
+        h = torch.from_numpy(a)
+        for w1, w2 in packed:
+            h = torch.ops.mkldnn._linear_pointwise(torch.ops.mkldnn._linear_pointwise(h, w1, None, "none", [], ""),
+                                                   w2, None, "none", [], "")
+
+    libraries = {"ORT MLAS (prepacked)": lambda a: session.run(None, {"x": a}), "torch MKL": mkl, "oneDNN (prepacked)": onednn}
+    try:
+        import openvino as ov
+
+        core = ov.Core()
+        request = core.compile_model(core.read_model(str(folder / "products.onnx")), "CPU",
+                                     {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": threads}).create_infer_request()
+        libraries["OpenVINO f32"] = lambda a: request.infer({0: a})
+    except ImportError:
+        pass
+    inputs = {k: rng.standard_normal((k, d), dtype=np.float32) for k in ks}
+    best = {name: {k: float("inf") for k in ks} for name in libraries}
+    with torch.inference_mode():
+        for r in range(rounds + 1):
+            for k in ks:
+                for name, run in libraries.items():
+                    start = time.perf_counter()
+                    run(inputs[k])
+                    if r:  # round 0 warms up
+                        best[name][k] = min(best[name][k], time.perf_counter() - start)
+    shutil.rmtree(folder, ignore_errors=True)
+    return best
+
+
+def peer_curves(artifact: Path, peers: list[str], args) -> dict[str, list[float]]:
+    """k-token costs of the peers' own models, each measured by its peer script in its own venv."""
+    import subprocess
+
+    from peer_compare import PEERS, llamacpp_gguf, llamacpp_python, openvino_model, venv
+    from speccompile.runtime.manifest import read_manifest
+
+    source = Path(read_manifest(artifact).source["path"])
+    common = ["--max-k", args.max_k, "--context", args.context, "--rounds", args.rounds, "--threads", args.threads]
+    found = {}
+    if "openvino" in peers:
+        python = venv(args.venvs, "openvino", ["optimum-intel[openvino]", "openvino-genai"])
+        command = [python, PEERS / "openvino_genai_peer.py", openvino_model(args.venvs, source, "fp32"), "--curve",
+                   "--precision", "f32", *common]
+        found["OpenVINO GenAI model (f32)"] = command
+    if "llamacpp" in peers:
+        from smollm2 import gguf_path
+
+        python = llamacpp_python(args.venvs)
+        found["llama.cpp f32"] = [python, PEERS / "llamacpp_peer.py", "curve", llamacpp_gguf(args.venvs, gguf_path(), "f32"),
+                                  *common]
+    return {name: json.loads(subprocess.run(list(map(str, command)), check=True, stdout=subprocess.PIPE,
+                                            text=True).stdout)["seconds"] for name, command in found.items()}
 
 
 def curve(backends: dict, max_k: int, context: int, rounds: int) -> dict[str, list[float]]:
@@ -144,10 +281,15 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--profile", action="store_true")
+    parser.add_argument("--products", action="store_true", help="also time the products alone in four kernel libraries")
+    parser.add_argument("--peers", default="", help="comma-separated: openvino, llamacpp")
+    parser.add_argument("--venvs", type=Path, default=Path("/work/venvs"), help="where the peers' venvs live")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     backends = engines(args.artifact, args.threads)
     seconds = curve(backends, args.max_k, args.context, args.rounds)
+    del backends
+    seconds.update(peer_curves(args.artifact, [p for p in args.peers.split(",") if p], args))
     names = list(seconds)
     print(f"k-token forward after {args.context} positions, relative to k = 1 (minimum of {args.rounds} rounds in turns)")
     print("| k | " + " | ".join(names) + " |")
@@ -166,6 +308,17 @@ def main() -> None:
         for group in parts[1]:
             one, eight = parts[1][group], parts[8][group]
             print(f"| {group} | {one:.2f} | {eight:.2f} | {eight / one if one else float('nan'):.2f}x |")
+    if args.products:
+        floor = products_floor(args.threads, args.rounds)
+        report["products_seconds"] = floor
+        libraries = list(floor)
+        print("\nThe products alone: 30 pairs 576 -> 3072 -> 576 (424 MB fp32) on k rows, relative to k = 1")
+        print("| k | " + " | ".join(libraries) + " |")
+        print("|---|" + "---|" * len(libraries))
+        for k in next(iter(floor.values())):
+            print(f"| {k} | " + " | ".join(f"{floor[n][k] / floor[n][1]:.2f}x" for n in libraries) + " |")
+        print("| 1-row ms | " + " | ".join(f"{floor[n][1] * 1e3:.1f}" for n in libraries) + " |")
+        print("| 8-row ms | " + " | ".join(f"{floor[n][8] * 1e3:.1f}" for n in libraries) + " |")
     if args.out:
         args.out.write_text(json.dumps(report, indent=2))
 

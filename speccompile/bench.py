@@ -87,7 +87,7 @@ def run_bench(artifact: str, prompts_path: str | None = None, max_new_tokens: in
     accepted = sum(r.stats.accepted for r in spec)
     drafted = sum(r.stats.drafted for r in spec)
     spec_same = [a.token_ids == b.token_ids for a, b in zip(plain, spec)]
-    divergences = _divergences(model.backend, prompt_ids, plain, spec)
+    divergences = _divergences(model.backend, prompt_ids, plain, spec, model.manifest.dtype)
     draft_plan = model.draft_plan(plan)
     report = {
         "artifact": str(artifact),
@@ -103,6 +103,7 @@ def run_bench(artifact: str, prompts_path: str | None = None, max_new_tokens: in
                         "acceptance_rate": round(accepted / max(drafted, 1), 3), "rounds": rounds,
                         "sources": _sources(spec), "round_mix": _mix(spec)},
         "backend": model.backend.name,
+        "dtype": model.manifest.dtype,
         "transformers": None,
         "speedup": {"speculative_vs_autoregressive": round(rate(spec) / rate(plain), 3)},
         "identical_detail": {"speculative_vs_autoregressive": f"{sum(spec_same)}/{len(spec_same)}"},
@@ -145,10 +146,30 @@ def run_bench(artifact: str, prompts_path: str | None = None, max_new_tokens: in
 NEAR_TIE = 1e-4  # DESIGN.md section 6: a divergence where the top-2 logits are closer than this is rounding
 
 
-def _divergences(backend, prompt_ids, plain, spec) -> list[dict]:
+HALF_MANTISSA_BITS = {"bfloat16": 7, "float16": 10}
+NEAR_TIE_ULPS = 4  # half-precision artifacts: a top-2 gap of up to this many units in the last place is rounding
+
+
+def near_tie_limit(dtype: str, top: float) -> float:
+    """The top-2 gap under which a divergence is rounding, for an artifact of ``dtype`` whose top logit is ``top``.
+
+    fp32: ``NEAR_TIE`` (DESIGN.md section 6). bf16 and fp16 artifacts compute and round every product in
+    their own precision, so a k-token verify and the one-token steps it replaces (different kernels, different
+    accumulation orders) differ by units in the last place of that precision, compounded over the blocks:
+    on SmolLM2 in bf16, 1-4 ulps of the top logit (0.06-0.25). A gap of up to ``NEAR_TIE_ULPS`` such
+    units counts as a near-tie there; and such divergences are not rare in half precision."""
+    import math
+
+    bits = HALF_MANTISSA_BITS.get(dtype)
+    if bits is None or top == 0:
+        return NEAR_TIE
+    return NEAR_TIE_ULPS * 2.0 ** (math.floor(math.log2(abs(top))) - bits)
+
+
+def _divergences(backend, prompt_ids, plain, spec, dtype: str = "float32") -> list[dict]:
     """Where speculative output leaves plain output: per such prompt, the first differing new token and the
     top-2 logit gap there of the backend's own logits (one call over prompt + plain output so far). A gap
-    under ``NEAR_TIE`` is floating-point rounding between a verify and the steps it replaces (DESIGN.md
+    under ``near_tie_limit`` is floating-point rounding between a verify and the steps it replaces (DESIGN.md
     section 6); a larger one means speculative decoding computed something else: a bug."""
     import numpy as np
 
@@ -162,7 +183,9 @@ def _divergences(backend, prompt_ids, plain, spec) -> list[dict]:
         backend.reserve(len(tokens) + 1)
         top = np.sort(np.asarray(backend.forward(tokens, 0), dtype=np.float64)[-1])[-2:]
         gap = float(top[1] - top[0])
-        out.append({"prompt": p, "token": at, "top2_gap": gap, "near_tie": gap < NEAR_TIE})
+        limit = near_tie_limit(dtype, float(top[1]))
+        within = gap <= limit if dtype in HALF_MANTISSA_BITS else gap < limit  # fp32: the design's strict rule
+        out.append({"prompt": p, "token": at, "top2_gap": gap, "near_tie_limit": limit, "near_tie": within})
     return out
 
 
@@ -233,8 +256,10 @@ def format_report(report: dict) -> str:
     divergences = report.get("divergences") or []
     if divergences:
         real = [d for d in divergences if not d["near_tie"]]
+        limit = (f"{NEAR_TIE_ULPS} units in the last place of {report['dtype']}" if report.get("dtype") in HALF_MANTISSA_BITS
+                 else f"{NEAR_TIE:g}")
         lines.append(f"  speculative vs plain: {len(divergences) - len(real)} near-tie divergence(s) (top-2 gap < "
-                     f"{NEAR_TIE:g}: rounding), {len(real)} real" + (" (A BUG: " if real else ""))
+                     f"{limit}: rounding), {len(real)} real" + (" (A BUG: " if real else ""))
         if real:
             lines[-1] += "; ".join(f"prompt {d['prompt']} token {d['token']}, gap {d['top2_gap']:.2e}" for d in real) + ")"
     for key in LABELS:

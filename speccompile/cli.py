@@ -357,6 +357,18 @@ def echo_pass_table(tuning: dict) -> None:
         click.echo(f"      {row['pass']:<20} {bound:>7} {row.get('incumbent', 0):>8.2f}x {row['seconds']:>8.1f}  {result}")
 
 
+def echo_verify_costs(tuning: dict) -> None:
+    """The verify-cost curve the cost model priced every plan with: what a k-token forward costs against a
+    one-token step on the backend the plans were tuned on (``benchmarks/verify_curve.py`` compares engines)."""
+    costs = tuning.get("step_costs") or {}
+    forward = costs.get("forward") or []
+    if len(forward) < 2 or not forward[0]:
+        return
+    shown = [k for k in (2, 4, 8, 16) if k <= len(forward)]
+    click.echo(f"  verify cost on {costs.get('backend', '?')}: 1 token {forward[0] * 1e3:.1f} ms; "
+               + ", ".join(f"{k} tokens {forward[k - 1] / forward[0]:.2f}x" for k in shown))
+
+
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the whole manifest.")
@@ -392,6 +404,7 @@ def inspect(artifact, as_json):
     if extra:
         click.echo(f"  precision   {extra / 1e6:.1f} MB of weights.bin are the precision self-drafts' quantized weights")
     echo_pass_table(manifest.tuning)
+    echo_verify_costs(manifest.tuning)
     for name, plan in manifest.plans.items():
         m = plan.measured
         default = " (default)" if name == manifest.default_plan else ""

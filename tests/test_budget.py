@@ -174,6 +174,8 @@ def test_auto_build_records_its_budget_and_pass_table(tiny_model_dir, tmp_path):
     assert plan["measured"]["confirmation_turns"] >= 1 and len(plan["measured"]["confirmed_interval"]) == 2
     shown = CliRunner().invoke(main, ["inspect", str(out)]).output
     assert "time budget 40s" in shown
+    forward = manifest["tuning"]["step_costs"]["forward"]  # the verify-cost curve the plans were priced with
+    assert f"1 token {forward[0] * 1e3:.1f} ms; 2 tokens {forward[1] / forward[0]:.2f}x" in shown
     for row in rows:
         assert row["pass"] in shown
         if "skipped" in row:
