@@ -117,7 +117,7 @@ def run_peer(python: Path, script: str, args: list[str]) -> dict:
     plain, spec = modes[0], modes[1]
     same = sum(a == b for a, b in zip(report[plain]["outputs"], report[spec]["outputs"]))
     return {"plain": report[plain], "speculative": report[spec], "identical": f"{same}/{len(report[plain]['outputs'])}",
-            "versions": report.get("versions")}
+            "versions": report.get("versions"), "properties": report.get("properties")}
 
 
 def peer_engines(source: Path, ids_file: Path, eos: str, args) -> dict:
@@ -210,7 +210,7 @@ def print_comparison(result: dict, args) -> None:
         if last[name].get("plan"):
             print(f"{name}: plan {last[name]['plan']}, mean accepted {last[name]['mean_accepted']} tokens/round")
         if last[name].get("versions"):
-            print(f"{name}: {last[name]['versions']}")
+            print(f"{name}: {last[name]['versions']}" + (f", {last[name]['properties']}" if last[name].get("properties") else ""))
 
 
 def add_peer_options(parser: argparse.ArgumentParser) -> None:

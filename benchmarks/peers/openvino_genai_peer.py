@@ -114,6 +114,9 @@ def main() -> None:
             report[mode]["outputs"].append(out)
     report["versions"] = {"openvino": ov.__version__, "openvino_genai": genai.__version__}
     report["properties"] = {k: str(v) for k, v in properties.items()}
+    if args.precision == "default":  # what "default" is on this CPU (bf16 where AMX or AVX-512 BF16 is present)
+        report["properties"]["INFERENCE_PRECISION_HINT (plugin default)"] = str(
+            ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT"))
     json.dump(report, sys.stdout)
 
 
