@@ -15,3 +15,14 @@ def test_half_precision_counts_units_in_the_last_place_of_the_top_logit(dtype, t
     assert near_tie_limit(dtype, top) == NEAR_TIE_ULPS * ulp
     # SmolLM2 in bf16 on an AMX CPU diverged at gaps of 0.0625-0.25 with top logits of 16-32: 1-2 ulps, inside
     assert near_tie_limit("bfloat16", 24.0) >= 0.25
+
+
+def test_a_half_precision_build_says_what_lossless_means_there(tiny_model_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from speccompile.cli import main
+
+    result = CliRunner().invoke(main, ["build", str(tiny_model_dir("llama")), "-o", str(tmp_path / "bf16"), "--dtype",
+                                       "bfloat16", "--method", "lookup", "--calibration-tokens", "12", "--quiet"])
+    assert result.exit_code == 0, result.output
+    assert "note: in bfloat16 speculative output equals plain output up to near-ties" in result.output
