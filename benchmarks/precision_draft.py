@@ -4,12 +4,15 @@ timed in turns, tokens per round, the draft acceptance and whether every output 
 
     speccompile build MODEL -o ART --backend onnx          # any ONNX Runtime artifact with fp32 fused graphs
     python benchmarks/precision_draft.py ART [--prompts FILE] [--max-new-tokens 96] [--plans int8,int4,int4/b128]
+                                         [--hybrid]
 
 The artifact is copied (``ART-precision``) and re-exported with precision plans added next to its own
 (the quantized weights go into the same weights.bin, once); nothing is tuned: each plan drafts up to
 ``--max-draft`` tokens with the adaptive threshold. A plan string is a precision as the draft kind writes it:
 ``int4`` (block 32, asymmetric: the grid of SmolLM2's Q4_1 GGUF, so it flatters the method there),
 ``int4/b128`` (block 128: a grid that does not match the GGUF's), ``int4/b32s`` (symmetric), ``int8``.
+``--hybrid`` adds, per precision, the hybrid of the artifact's default lookup plan and that precision draft
+(a lookup hit when there is one, else the precision draft, extended by lookup: ``runtime/hybrid.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +34,19 @@ def plan_for(precision: str, max_draft: int):
                      params={"precision": scheme, "block_size": block, "symmetric": symmetric})
 
 
-def with_precision_plans(source: Path, out: Path, precisions: list[str], max_draft: int) -> Path:
+LOOKUP_FIELDS = ("lookup", "ngram_min", "ngram_max", "lookup_max_draft", "short_ngram", "datastore", "extend")
+
+
+def hybrid_for(precision: str, max_draft: int, lookup_plan):
+    """The precision draft of ``precision`` behind ``lookup_plan``'s lookups (the same sources and sizes)."""
+    import dataclasses
+
+    plan = plan_for(precision, max_draft)
+    return dataclasses.replace(plan, name=plan.name + "+lookup",
+                               **{field: getattr(lookup_plan, field) for field in LOOKUP_FIELDS})
+
+
+def with_precision_plans(source: Path, out: Path, precisions: list[str], max_draft: int, hybrid: bool = False) -> Path:
     """A copy of ``source`` whose ONNX export also holds the precision plans' draft graphs."""
     from speccompile.artifact import hash_files, read_canonical_weights
     from speccompile.exporters.onnx_export import export_onnx_weights, export_options
@@ -43,9 +58,12 @@ def with_precision_plans(source: Path, out: Path, precisions: list[str], max_dra
     shutil.copytree(source, out, ignore=shutil.ignore_patterns("onnx"))
     weights = read_canonical_weights(source, manifest)
     plans = dict(manifest.plans)
+    lookup_plan = manifest.plans.get(manifest.default_plan) if hybrid else None
+    if hybrid and (lookup_plan is None or not lookup_plan.lookup):
+        raise SystemExit("--hybrid needs an artifact whose default plan is a lookup plan")
     for precision in precisions:
-        plan = plan_for(precision, max_draft)
-        plans[plan.name] = plan
+        for plan in [plan_for(precision, max_draft)] + ([hybrid_for(precision, max_draft, lookup_plan)] if hybrid else []):
+            plans[plan.name] = plan
     record = manifest.backends["onnx"]
     started = time.perf_counter()
     manifest.backends["onnx"] = export_onnx_weights(manifest.config, weights, plans, out / "onnx", relative_to=out,
@@ -65,6 +83,7 @@ def main() -> None:
     parser.add_argument("--max-draft", type=int, default=6)
     parser.add_argument("--plans", default="int8,int4,int4/b128")
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--hybrid", action="store_true")
     args = parser.parse_args()
 
     from speccompile.bench import load_prompts
@@ -72,14 +91,16 @@ def main() -> None:
 
     precisions = [p for p in args.plans.split(",") if p]
     root = with_precision_plans(args.artifact, args.artifact.with_name(args.artifact.name + "-precision"), precisions,
-                                args.max_draft)
-    model = load(root)
+                                args.max_draft, args.hybrid)
+    model = load(root, backend="onnx")
     record = model.manifest.backends["onnx"]
     extra = sum(t["nbytes"] for name, t in record["tensors"].items() if ".int4" in name or ".int8" in name)
     print(f"weights.bin {record['weights_bytes'] / 1e6:.1f} MB, of which quantized draft weights {extra / 1e6:.1f} MB")
     texts, source = load_prompts(args.prompts, model.manifest)
     prompts = [model.encode_prompt(t) for t in texts]
     names = [None, *(plan_for(p, args.max_draft).name for p in precisions)]
+    if args.hybrid:
+        names += [plan_for(p, args.max_draft).name + "+lookup" for p in precisions]
     if model.manifest.default_plan:
         names.append(model.manifest.default_plan)
     for name in names:  # warm-up: every session once
