@@ -184,7 +184,7 @@ def _build_locked(options: BuildOptions, log: Callable[[str], None]) -> Path:
     if options.dtype != "float32":
         # A k-token verify and the one-token steps it replaces round differently in half precision by a few
         # units in the last place: on SmolLM2 in bf16 (CPU) speculative output left plain output on 7 of 12
-        # prompts within 96 tokens, every time at a top-2 gap of 0-2 ulps. Said once, here, not discovered later.
+        # prompts within 96 tokens, every time at a top-2 gap within 4 ulps. Said once, here, not discovered later.
         log(f"note: in {options.dtype} speculative output equals plain output up to near-ties of a few units in the "
             f"last place of {options.dtype}, which are common; build in float32 where token-identical output matters")
     ir.tuning["conversion_max_abs_diff"] = diff
