@@ -215,8 +215,11 @@ def measure_step_costs(backend, sublayers: CostModel, max_tokens: int, context: 
     rng = np.random.default_rng(0)
     prefix = rng.integers(0, config.vocab_size, context).tolist()
     backend.forward(prefix, 0)
-    # A verify's cost grows smoothly with its token count: time a few counts, interpolate the rest.
-    sizes = sorted({t for t in (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32) if t <= max_tokens} | {max_tokens})
+    # A verify's cost grows with its token count, partly in steps: ONNX Runtime's MLAS products take rows in
+    # blocks of 6 on AVX-512, so 7 tokens cost about what 12 do (SmolLM2: 6 tokens 1.22x a step, 7 tokens
+    # 1.35x, 12 tokens 1.41x, 13 tokens 1.56x; benchmarks/verify_curve.py). Time both sides of those edges and
+    # a few counts between, interpolate the rest.
+    sizes = sorted({t for t in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 13, 16, 24, 32) if t <= max_tokens} | {max_tokens})
     inputs = [rng.integers(0, config.vocab_size, t).tolist() for t in sizes]
     for ids in inputs:  # warm-up
         backend.forward(ids, context)
