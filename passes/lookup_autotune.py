@@ -50,6 +50,19 @@ def lookup_grid(retrieval: bool):
                             short_ngram=short, datastore=DATASTORE_FILE if "retrieval" in lookup else None)
 
 
+TREE_BRANCHES = (2, 3, 4)
+
+
+def tree_grid(chain: DraftPlan, most_tokens: int):
+    """Token-tree variants of the best chain plan (``runtime/tree_lookup.py``): its sources and n-gram sizes, up to
+    ``TREE_BRANCHES`` continuations, each up to a draft length of ``LOOKUP_DRAFTS``, in a tree of at most
+    ``most_tokens`` nodes (the verify sizes the backend's costs were timed at)."""
+    for branches, k in itertools.product(TREE_BRANCHES, LOOKUP_DRAFTS):
+        for nodes in sorted({min(n, most_tokens) for n in (k + 2, k + 4, 2 * k, 3 * k)}):
+            if nodes > k:
+                yield replace(chain, lookup_branches=branches, lookup_max_draft=k, tree_nodes=nodes)
+
+
 def _past(p: Pass) -> bool:
     left = p.seconds_left()
     return left is not None and left <= 0
@@ -90,6 +103,21 @@ class LookupAutotune(Pass):
             estimate, rounds = self._score(plan)
             if best is None or estimate.expected_speedup > best[1].expected_speedup:
                 best = (plan, estimate, rounds)
+        self.trees = None
+        if self.context.trees:  # token trees over the best chain's sources and sizes, where the backend verifies them
+            chain, tree = best, None
+            most = min(LOOKUP_MAX_DRAFT + 4, len(self.context.costs.forward) - 1)
+            for plan in tree_grid(chain[0], most):
+                estimate, rounds = self._score(plan)
+                if tree is None or estimate.expected_speedup > tree[1].expected_speedup:
+                    tree = (plan, estimate, rounds)
+            if tree is not None:
+                self.trees = {name: {"plan": p.describe(), "mean_accepted": round(e.tokens_per_round, 4),
+                                     "drafted_per_round": round(e.drafted_per_round, 4),
+                                     "expected_speedup": round(e.expected_speedup, 4)}
+                              for name, (p, e, _) in (("chain", chain), ("tree", tree))}
+                if tree[1].expected_speedup > chain[1].expected_speedup:
+                    best = tree
         return best
 
     # -- the pass ----------------------------------------------------------------------------------
@@ -98,8 +126,10 @@ class LookupAutotune(Pass):
         if self.retrieval:
             self._build_datastores(ir)
         lookup, estimate, rounds = self._best_lookup()
+        extra = {"trees": self.trees} if self.trees else {}
         lookup.measured = self.context.record("lookup", estimate, tuning_seconds=round(time.perf_counter() - start, 2),
-                                              round_mix=round_mix(rounds))
+                                              round_mix=round_mix(rounds),
+                                              drafted_per_round=round(estimate.drafted_per_round, 4), **extra)
         lookup.target_acceptance = tuned_target(lookup.measured)
         ir.add_plan(lookup)
         self.context.signals["lookup_rounds"] = (rounds, lookup)

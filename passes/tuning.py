@@ -66,6 +66,7 @@ class TuningContext:
     eos: frozenset[int] = frozenset()  # calibration continuations and confirmation runs stop here, as generation does
     signals: dict = field(default_factory=dict)  # cheap signals shared by passes' bounds (exit agreements, lookup rounds)
     timings: dict = field(default_factory=dict)  # seconds per calibration phase
+    trees: bool = False  # whether the runner's backend verifies token trees (runtime/tree.py)
 
     @classmethod
     def prepare(cls, ir: DecoderIR, prompts: list[list[int]], new_tokens: int, max_draft: int,
@@ -101,7 +102,8 @@ class TuningContext:
         lap("step_costs")
         return cls(ir=ir, references=references, cosine=cosine, cost=cost, costs=costs, max_draft=max_draft,
                    device=f"{device_name(cost.device)}, {runner.name}", confirm_prompts=prompts[:confirm_prompts],
-                   confirm_tokens=confirm_tokens, runner=runner, workdir=workdir, eos=frozenset(eos), timings=timings)
+                   confirm_tokens=confirm_tokens, runner=runner, workdir=workdir, eos=frozenset(eos), timings=timings,
+                   trees=backend.tree_unsupported() is None)
 
     @property
     def training_references(self) -> list[Reference]:

@@ -228,18 +228,23 @@ def apply_rotary(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
 class Positions:
     """Where a call's T tokens sit, in the two forms ``Decoder.run_blocks`` takes.
 
-    ``ids`` ``[T]``: their absolute positions (rotary, learned positions, where K/V are written).
-    ``keys``: how many cache positions attention reads (the call's own T without a cache). ``exact``:
-    the keys end at the call's last position (an eager call, ``pos`` an int); False when they are the
-    whole static cache (``pos`` a tensor: fixed shapes for CUDA graphs). ``span``: an upper bound of the
-    positions, known without reading the tensor (rotary tables are computed that far). ``query``: the
-    positions the causal mask compares keys with (relative ones without a cache).
+    ``ids`` ``[T]``: their absolute positions (rotary, learned positions). ``slots``: the cache slots their
+    K/V are written to (``ids`` except in a token tree, whose rows share positions). ``keys``: how many
+    cache positions attention reads (the call's own T without a cache). ``exact``: the keys end at the
+    call's last slot (an eager call, ``pos`` an int); False when they are the whole static cache (``pos``
+    a tensor: fixed shapes for CUDA graphs). ``span``: an upper bound of the positions, known without
+    reading the tensor (rotary tables are computed that far). ``query``: the positions the causal mask
+    compares keys with (relative ones without a cache). ``tree_mask``: a token tree's ``[T, keys]``
+    mask (``tree``), which replaces the causal one.
     """
 
-    __slots__ = ("ids", "keys", "exact", "span", "query")
+    __slots__ = ("ids", "keys", "exact", "span", "query", "slots", "tree_mask", "key_ids")
 
-    def __init__(self, ids: Tensor, keys: int, exact: bool, span: int, query: Tensor):
+    def __init__(self, ids: Tensor, keys: int, exact: bool, span: int, query: Tensor, slots: Tensor | None = None,
+                 tree_mask: Tensor | None = None, key_ids: Tensor | None = None):
         self.ids, self.keys, self.exact, self.span, self.query = ids, keys, exact, span, query
+        self.slots = ids if slots is None else slots
+        self.tree_mask, self.key_ids = tree_mask, key_ids
 
     @classmethod
     def of(cls, pos: "int | Tensor", t: int, device, cache: "KVCache | None") -> "Positions":
@@ -251,6 +256,17 @@ class Positions:
         if cache is None:  # a parallel pass over a whole sequence: keys are the call's own tokens
             return cls(ids, t, True, pos + t, ids - pos)
         return cls(ids, pos + t, True, pos + t, ids)
+
+    @classmethod
+    def tree(cls, pos: int, depth: Tensor, rows: Tensor) -> "Positions":
+        """A token tree's call (``runtime/tree.py``): row r at slot ``pos + r`` and position ``pos + depth[r]``,
+        attending to every cached position before ``pos`` and to the rows ``rows[r]`` allows."""
+        t = depth.shape[0]
+        ids = pos + depth
+        past = torch.ones(t, pos, dtype=torch.bool, device=depth.device)
+        key_ids = torch.cat([torch.arange(pos, device=depth.device), ids])
+        return cls(ids, pos + t, True, pos + t, ids, slots=torch.arange(pos, pos + t, device=depth.device),
+                   tree_mask=torch.cat([past, rows], dim=1), key_ids=key_ids)
 
 
 class Decoder(nn.Module):
@@ -333,6 +349,10 @@ class Decoder(nn.Module):
         """Boolean ``[T, keys]`` mask (True = attend): each query sees the keys up to its own position,
         inside ``window`` (a block's ``ArchConfig.window_of``; None: no window). None when a one-token
         eager call sees every key it is given anyway."""
+        if where.tree_mask is not None:
+            if window is None:
+                return where.tree_mask
+            return where.tree_mask & (where.key_ids[None, :] > where.ids[:, None] - window)
         if where.exact and where.ids.shape[0] == 1 and (window is None or where.keys <= window):
             return None
         q_pos = where.query[:, None]
@@ -359,8 +379,8 @@ class Decoder(nn.Module):
         if keys_values is not None:
             k, v, mask = keys_values(i, k, v, mask)
         elif cache is not None:
-            cache.k[i].index_copy_(2, where.ids, k)
-            cache.v[i].index_copy_(2, where.ids, v)
+            cache.k[i].index_copy_(2, where.slots, k)
+            cache.v[i].index_copy_(2, where.slots, v)
             k, v = cache.k[i, :, :, : where.keys], cache.v[i, :, :, : where.keys]
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=self.config.scale, enable_gqa=block.attn.n_kv != block.attn.n_heads
@@ -382,6 +402,7 @@ class Decoder(nn.Module):
         skip_mlp: frozenset[int] | set[int] = frozenset(),
         keys_values=None,
         observe=None,
+        where: "Positions | None" = None,
     ) -> Tensor:
         """Blocks start..stop-1 on hidden ``[B, T, d]``; a skipped sublayer passes the residual stream
         through unchanged and writes no KV.
@@ -391,10 +412,11 @@ class Decoder(nn.Module):
         cache under a mask built from the positions, so nothing depends on a Python-side position and the
         same code is captured into CUDA graphs, ``runtime/torch_graphs.py``). ``keys_values``: see
         ``attention_sublayer``. ``observe(kind, i, h_in, branch)`` sees every sublayer that ran ("attn" /
-        "mlp"), its input stream and its residual branch (the tuner's cosine similarities)."""
+        "mlp"), its input stream and its residual branch (the tuner's cosine similarities). ``where``
+        replaces the positions made from ``pos`` (a token tree's, ``Positions.tree``)."""
         c = self.config
         stop = c.num_layers if stop is None else stop
-        where = Positions.of(pos, h.shape[1], h.device, cache)
+        where = where if where is not None else Positions.of(pos, h.shape[1], h.device, cache)
         ropes = (self.rope_at(where), self.rope_at(where, local=True) if c.local_rope else None)
         masks: dict = {}  # window -> mask, built once per call
 
@@ -440,6 +462,11 @@ class Decoder(nn.Module):
     def forward(self, tokens: Tensor, pos: int = 0, cache: KVCache | None = None) -> Tensor:
         """Full-model logits ``[B, T, vocab]`` for tokens at positions pos..pos+T-1."""
         return self.head(self.run_blocks(self.embed_tokens(tokens, pos), pos, cache))
+
+    def forward_tree(self, tokens: Tensor, pos: int, cache: KVCache, depth: Tensor, rows: Tensor) -> Tensor:
+        """Full-model logits ``[B, T, vocab]`` for a token tree's call (``Positions.tree``)."""
+        where = Positions.tree(pos, depth, rows)
+        return self.head(self.run_blocks(self.embed_tokens(tokens, where.ids), pos, cache, where=where))
 
 
 def build_decoder(config: ArchConfig, weights: dict[str, Tensor], dtype=torch.float32, device="cpu") -> Decoder:

@@ -31,6 +31,10 @@ def make_drafter(plan: DraftPlan, step: DraftStep | None, root: Path | None = No
     """The drafter a plan describes: its model subgraph (through ``step``), its lookups, or both."""
     model = ModelDrafter(plan, step, DraftPolicy.from_plan(plan, max_draft)) if plan.has_model_draft else None
     lookups = [lookup_drafter(source, plan, root) for source in plan.lookup]
+    if plan.lookup_branches > 1 and model is None:  # token trees over the lookup sources (runtime/tree_lookup.py)
+        from .tree_lookup import TreeLookupDrafter
+
+        return TreeLookupDrafter(lookups, plan.lookup_branches, plan.max_tree_nodes)
     if model is not None and not lookups:
         return model
     return HybridDrafter(lookups, model, extend=plan.extend)

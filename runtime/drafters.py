@@ -38,7 +38,8 @@ class Draft:
     source is deterministic (one-hot q: rejection sampling then accepts with probability p(token)).
     ``reuse`` is how many of the round's inputs (``[token] + tokens[:-1]``) already ran through the
     verifier's prefix blocks (early exit), which the verifier therefore skips. ``sources[i]`` names the
-    source of ``tokens[i]``.
+    source of ``tokens[i]``. ``parents``: None for a chain, else a token tree (``runtime/tree.py``):
+    ``parents[i]`` is the index of ``tokens[i]``'s parent, -1 for a child of the round's input token.
     """
 
     tokens: list[int] = field(default_factory=list)
@@ -46,6 +47,13 @@ class Draft:
     sources: list[str] = field(default_factory=list)
     reuse: int = 0
     verify_plan: DraftPlan | None = None
+    parents: list[int] | None = None
+
+    @property
+    def is_tree(self) -> bool:
+        from .tree import is_chain
+
+        return not is_chain(self.parents)
 
     def extend(self, other: "Draft") -> "Draft":
         """This draft followed by ``other`` (which must not need prefix reuse of its own)."""

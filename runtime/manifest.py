@@ -178,6 +178,10 @@ class DraftPlan:
     ngram_max: int = 4
     lookup_max_draft: int = 8
     short_ngram: int = 0  # an n-gram match of at most this many tokens drafts one token, not lookup_max_draft
+    # token trees (runtime/tree_lookup.py): > 1 drafts up to this many continuations per lookup source as one
+    # tree of at most tree_nodes tokens (0: lookup_max_draft), verified in one call (runtime/tree.py).
+    lookup_branches: int = 1
+    tree_nodes: int = 0
     datastore: str | None = None  # artifact-relative path of the retrieval datastore
     extend: bool = True  # a lookup continuation may extend the model's draft
     # The draft head (runtime/adapter.py): a trained exit adapter ("adapter:E") and/or the ids of a reduced
@@ -229,6 +233,12 @@ class DraftPlan:
                                 f"{self.short_ngram}")
         if self.lookup_max_draft < 1:
             raise ArtifactError(f"plan '{self.name}': lookup_max_draft must be >= 1, got {self.lookup_max_draft}")
+        if self.lookup_branches < 1 or self.tree_nodes < 0:
+            raise ArtifactError(f"plan '{self.name}': lookup_branches must be >= 1 and tree_nodes >= 0, got "
+                                f"{self.lookup_branches} and {self.tree_nodes}")
+        if self.lookup_branches > 1 and (not self.lookup or self.has_model_draft):
+            raise ArtifactError(f"plan '{self.name}': token trees (lookup_branches > 1) are drafted by lookup sources "
+                                "alone; give the plan lookup sources and no model part, or set lookup_branches to 1")
         if "retrieval" in self.lookup and not self.datastore:
             raise ArtifactError(f"plan '{self.name}' drafts by retrieval but names no datastore; rebuild the artifact")
         if (self.head.startswith("adapter:") or self.draft_vocab is not None) and not self.draft_head_file:
@@ -245,6 +255,11 @@ class DraftPlan:
             raise ArtifactError(f"plan '{self.name}': threshold must be in [0, 1), got {self.threshold}")
 
     @property
+    def max_tree_nodes(self) -> int:
+        """Most tokens one lookup round drafts: a tree's node budget, else the chain's length."""
+        return max(self.lookup_max_draft, self.tree_nodes) if self.lookup_branches > 1 else self.lookup_max_draft
+
+    @property
     def drafts_after_short_match(self) -> bool:
         """Whether ``short_ngram`` changes anything: matches are at least ``ngram_min`` tokens long."""
         return self.short_ngram >= self.ngram_min
@@ -256,7 +271,11 @@ class DraftPlan:
         parts = []
         short = f", 1 token after a match of <= {self.short_ngram}" if self.drafts_after_short_match else ""
         names = {"ngram": f"n-gram lookup (n {self.ngram_max}..{self.ngram_min}{short})", "retrieval": "retrieval"}
-        parts += [names.get(source, source) for source in self.lookup]
+        lookups = [names.get(source, source) for source in self.lookup]
+        if self.lookup_branches > 1:
+            lookups = [f"token trees of {' and '.join(lookups)} (up to {self.lookup_branches} branches each, "
+                       f"{self.max_tree_nodes} tokens)"]
+        parts += lookups
         kind = kind_of(self)
         if kind.has_model_part:
             parts.append(kind.describe() + describe_head(self))

@@ -35,6 +35,8 @@ MEASURED_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "confirmed_identical": ((bool,), "whether every confirmation output equalled plain decoding"),
     "confirmed_round_mix": ((dict,), "share of confirmation rounds drafted by each source"),
     "prediction_error": (NUMBER, "(expected - confirmed) / confirmed"),
+    "drafted_per_round": (NUMBER, "estimated tokens verified per round beside the input token (a tree's nodes)"),
+    "trees": ((dict,), "the lookup tuner's best chain and best token tree: tokens per round, nodes, expected speedup"),
 }
 
 

@@ -23,13 +23,18 @@ class NgramIndex:
         self.min_n, self.max_n = min_n, max_n
         self.tokens: list[int] = []
         self.latest: dict[int, dict[tuple[int, ...], int]] = {n: {} for n in range(min_n, max_n + 1)}
+        self.earlier: dict[int, dict[tuple[int, ...], list[int]]] = {n: {} for n in range(min_n, max_n + 1)}
 
     def append(self, token: int) -> None:
         i = len(self.tokens)
         self.tokens.append(token)
         for n, table in self.latest.items():
             if i >= n:  # the n-gram ending just before token i is continued by token i
-                table[tuple(self.tokens[i - n : i])] = i
+                gram = tuple(self.tokens[i - n : i])
+                previous = table.get(gram)
+                if previous is not None:  # every earlier occurrence, for trees (``continuations``)
+                    self.earlier[n].setdefault(gram, []).append(previous)
+                table[gram] = i
 
     def sync(self, history: Sequence[int]) -> None:
         """Index the tokens of ``history`` (which only ever grows) not indexed yet."""
@@ -44,6 +49,26 @@ class NgramIndex:
             if start is not None:
                 return self.tokens[start : start + (1 if n <= short else limit)]
         return []
+
+    def continuations(self, tail: Sequence[int], limit: int, short: int = 0, most: int = 4) -> list[list[int]]:
+        """Up to ``most`` different continuations of the end of ``tail``: longest match first, most recent
+        occurrence first within a match length (the first one is ``continuation``'s)."""
+        found: list[list[int]] = []
+        seen: set[tuple[int, ...]] = set()
+        for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
+            gram = tuple(tail[-n:])
+            latest = self.latest[n].get(gram)
+            if latest is None:
+                continue
+            for start in [latest] + self.earlier[n].get(gram, [])[::-1]:
+                cont = self.tokens[start : start + (1 if n <= short else limit)]
+                key = tuple(cont)
+                if cont and key not in seen and not any(f[: len(cont)] == cont for f in found):
+                    seen.add(key)
+                    found.append(cont)
+                    if len(found) >= most:
+                        return found
+        return found
 
 
 class NgramDrafter:
@@ -66,6 +91,11 @@ class NgramDrafter:
         """Continuation of ``tail`` (the committed ``history`` plus uncommitted drafts) from ``history``."""
         self.index.sync(history)
         return self.index.continuation(tail, min(limit, self.max_draft), self.short_n)
+
+    def continuations(self, history: Sequence[int], limit: int, most: int) -> list[list[int]]:
+        """Up to ``most`` different continuations of ``history`` (the first is ``lookup``'s)."""
+        self.index.sync(history)
+        return self.index.continuations(history, min(limit, self.max_draft), self.short_n, most)
 
     def propose(self, ctx: RoundContext) -> Draft:
         tokens = self.lookup(ctx.history, ctx.history, ctx.limit)

@@ -91,6 +91,29 @@ class Datastore:
                 return out
         return []
 
+    def continuations(self, tail: Sequence[int], limit: int, min_n: int = 1, most: int = 4) -> list[list[int]]:
+        """Up to ``most`` continuations of the longest match: the majority path (``continuation``), then each
+        other next token seen after the match, most frequent first, followed by its own majority path."""
+        first = self.continuation(tail, limit, min_n)
+        if not first or most <= 1:
+            return [first] if first else []
+        found = [first]
+        for n in range(min(self.depth, len(tail)), min_n - 1, -1):
+            query = tuple(int(t) for t in tail[-n:])
+            lo, hi = self._range(query)
+            if hi <= lo:
+                continue
+            following = self.tokens[self.order[lo : min(hi, lo + MAX_MATCHES)] + n]
+            values, counts = np.unique(following[following != SEPARATOR], return_counts=True)
+            for token in values[np.argsort(-counts, kind="stable")]:
+                if int(token) == first[0]:
+                    continue
+                found.append([int(token)] + self.continuation(list(query) + [int(token)], limit - 1, min_n)[: limit - 1])
+                if len(found) >= most:
+                    break
+            break
+        return found
+
 
 @lru_cache(maxsize=8)
 def _load_cached(path: str, mtime_ns: int) -> Datastore:
@@ -118,6 +141,9 @@ class RetrievalDrafter:
 
     def lookup(self, history: Sequence[int], tail: Sequence[int], limit: int) -> list[int]:
         return self.datastore.continuation(tail, min(limit, self.max_draft), self.min_n)
+
+    def continuations(self, history: Sequence[int], limit: int, most: int) -> list[list[int]]:
+        return self.datastore.continuations(history, min(limit, self.max_draft), self.min_n, most)
 
     def propose(self, ctx: RoundContext) -> Draft:
         tokens = self.lookup(ctx.history, ctx.history, ctx.limit)

@@ -17,7 +17,7 @@ sampler's distribution.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Iterator
 
@@ -28,6 +28,7 @@ from .drafter_factory import make_drafter
 from .drafters import BackendStep, Draft, RoundContext
 from .manifest import DraftPlan
 from .sampling import SamplingParams, probabilities, sample
+from .tree import greedy_path, path_slots, sample_path
 
 
 @dataclass
@@ -44,16 +45,21 @@ class Stats:
     round_sources: list[str] = field(default_factory=list)  # per round: which sources drafted ("model+ngram")
     per_source: dict[str, list[int]] = field(default_factory=dict)  # source -> [drafted, accepted]
 
-    def record(self, draft: Draft, accepted: int) -> None:
+    tree_rounds: int = 0  # rounds that verified a token tree (``drafted`` then counts its nodes)
+
+    def record(self, draft: Draft, accepted: int, path: list[int] | None = None) -> None:
+        """One round: ``accepted`` drafted tokens were kept (a tree's: the nodes on ``path``)."""
         self.rounds += 1
         self.drafted += len(draft.tokens)
         self.accepted += accepted
+        self.tree_rounds += path is not None
         self.round_log.append((len(draft.tokens), accepted))
         self.round_sources.append(draft.label)
+        kept = set(path) if path is not None else set(range(accepted))
         for i, source in enumerate(draft.sources):
             counts = self.per_source.setdefault(source, [0, 0])
             counts[0] += 1
-            counts[1] += i < accepted
+            counts[1] += i in kept
 
     @property
     def source_mix(self) -> dict[str, int]:
@@ -75,6 +81,13 @@ class Stats:
         return (self.accepted + self.rounds) / self.rounds
 
     @property
+    def drafted_per_round(self) -> float | None:
+        """Tokens verified per round beside the input token (a tree's nodes)."""
+        if not self.speculative or self.rounds == 0:
+            return None
+        return self.drafted / self.rounds
+
+    @property
     def acceptance_rate(self) -> float | None:
         if not self.speculative or self.drafted == 0:
             return None
@@ -88,6 +101,7 @@ class Stats:
         return {
             "new_tokens": self.new_tokens, "rounds": self.rounds if self.speculative else None,
             "drafted": self.drafted, "accepted": self.accepted, "mean_accepted": self.mean_accepted,
+            "drafted_per_round": self.drafted_per_round, "tree_rounds": self.tree_rounds if self.speculative else None,
             "acceptance_rate": self.acceptance_rate, "tokens_per_s": self.tokens_per_s,
             "seconds": self.seconds, "prefill_seconds": self.prefill_seconds, "stop_reason": self.stop_reason,
             "sources": self.source_report() if self.speculative else None,
@@ -137,6 +151,8 @@ def decode(backend: Backend, request: DecodeRequest, drafter, stats: Stats) -> I
     if drafter is not None:
         drafter.start(prompt)
         on_device = getattr(backend, "device_round", None)  # a backend whose rounds can stay on its device
+        if getattr(drafter, "drafts_trees", False):
+            on_device = None  # token trees are verified by the host round
         round_ = on_device(drafter, request.seed) if on_device is not None else None
     new, stop = _emit([token], request, stats)
     stats.new_tokens += 1
@@ -166,7 +182,7 @@ def draft_room(plan: DraftPlan | None, max_draft: int | None = None) -> int:
     if plan is None:
         return 0
     room = (max_draft or plan.max_draft) if plan.has_model_draft else 0
-    return room + (plan.lookup_max_draft if plan.lookup else 0)
+    return room + (plan.max_tree_nodes if plan.lookup else 0)
 
 
 def reserve_cache(backend: Backend, request: DecodeRequest, plan: DraftPlan | None, max_draft: int | None = None) -> None:
@@ -181,6 +197,12 @@ def backend_drafter(backend: Backend, plan: DraftPlan | None, root: Path | None 
     if plan is None:
         return None
     backend.check_plans({plan.name: plan})  # a plan this backend cannot run is refused before any work
+    if plan.lookup_branches > 1 and backend.tree_unsupported() is not None:
+        import warnings
+
+        warnings.warn(f"plan {plan.name!r} drafts token trees, which the {backend.name} backend cannot verify here "
+                      f"({backend.tree_unsupported()}); it drafts chains (its first branch)", stacklevel=2)
+        plan = replace(plan, lookup_branches=1)
     if plan.draft_head_file is not None:  # an exit adapter / reduced vocabulary, from ``root``
         backend.load_draft_head(plan.draft_head_file, root)
     return make_drafter(plan, BackendStep(backend, plan), root, max_draft)
@@ -208,6 +230,8 @@ def _verify(backend: Backend, token: int, draft: Draft, pos: int) -> np.ndarray:
 def _speculative_round(backend: Backend, drafter, ctx: RoundContext, stats: Stats) -> list[int]:
     """One draft-then-verify round starting from the last token of ``ctx.history``; the tokens it commits."""
     draft = drafter.propose(ctx)
+    if draft.is_tree:
+        return _tree_round(backend, drafter, draft, ctx, stats)
     token, params, rng = ctx.history[-1], ctx.params, ctx.rng
     verify_logits = _verify(backend, token, draft, ctx.pos)
     drafted = draft.tokens
@@ -239,3 +263,17 @@ def _speculative_round(backend: Backend, drafter, ctx: RoundContext, stats: Stat
     stats.record(draft, n)
     drafter.feedback(draft, n)
     return committed
+
+
+def _tree_round(backend: Backend, drafter, draft: Draft, ctx: RoundContext, stats: Stats) -> list[int]:
+    """Verify a token tree in one call (``runtime/tree.py``), commit its accepted path and keep only that
+    path's KV, moved to the slots its positions name."""
+    logits = backend.forward_tree([ctx.history[-1]] + draft.tokens, draft.parents, ctx.pos)
+    if ctx.params.greedy:
+        path, final = greedy_path(draft.tokens, draft.parents, logits)
+    else:
+        path, final = sample_path(draft.tokens, draft.parents, logits, ctx.params, ctx.rng)
+    backend.keep_rows(ctx.pos, path_slots(path))
+    stats.record(draft, len(path), path)
+    drafter.feedback(draft, len(path))
+    return [draft.tokens[i] for i in path] + [final]

@@ -101,6 +101,8 @@ def run_bench(artifact: str, prompts_path: str | None = None, max_new_tokens: in
         "speculative": {"tokens_per_s": round(rate(spec), 2), "new_tokens": sum(r.stats.new_tokens for r in spec),
                         "mean_accepted": round((accepted + rounds) / max(rounds, 1), 3),
                         "acceptance_rate": round(accepted / max(drafted, 1), 3), "rounds": rounds,
+                        "drafted_per_round": round(drafted / max(rounds, 1), 3),
+                        "tree_rounds": sum(r.stats.tree_rounds for r in spec),
                         "sources": _sources(spec), "round_mix": _mix(spec)},
         "backend": model.backend.name,
         "dtype": model.manifest.dtype,
@@ -246,6 +248,9 @@ def format_report(report: dict) -> str:
     spec = report["speculative"]
     lines.append(f"  mean accepted tokens per round {spec['mean_accepted']:.2f} "
                  f"(acceptance rate {spec['acceptance_rate']:.2f}, {spec['rounds']} rounds)")
+    if spec.get("tree_rounds"):
+        lines.append(f"  token trees: {spec['tree_rounds']} of {spec['rounds']} rounds verified a tree; "
+                     f"{spec['drafted_per_round']:.2f} drafted tokens (tree nodes) per round")
     if spec.get("sources"):
         lines.append("  per source: " + ", ".join(f"{k} {v['accepted']}/{v['drafted']} accepted"
                                                 for k, v in spec["sources"].items()))

@@ -294,6 +294,8 @@ def generate(artifact, prompt, max_new_tokens, temperature, top_k, top_p, seed, 
     click.echo()
     s = stream.result.stats
     accepted = f", mean accepted {s.mean_accepted:.2f} tokens/round" if s.mean_accepted is not None else ""
+    if s.tree_rounds:
+        accepted += f", {s.tree_rounds} token trees of {s.drafted_per_round:.1f} nodes per round"
     if s.mean_accepted is not None and len(s.per_source) > 1:
         accepted += " (" + ", ".join(f"{k}: {v['accepted']}/{v['drafted']} accepted"
                                      for k, v in s.source_report().items()) + ")"
@@ -439,6 +441,11 @@ def inspect(artifact, as_json):
             click.echo(f"      lookup {'+'.join(plan.lookup)}: n-gram sizes {plan.ngram_max}..{plan.ngram_min}, up to "
                        f"{plan.lookup_max_draft} tokens"
                        + (f" (1 after a match of <= {plan.short_ngram})" if plan.drafts_after_short_match else "") + (f", datastore {plan.datastore}" if plan.datastore else ""))
+        if m.get("trees"):
+            t = m["trees"]
+            click.echo("      token trees priced on this backend: " + "; ".join(
+                f"best {kind} {t[kind]['mean_accepted']:.2f} tokens/round from {t[kind]['drafted_per_round']:.1f} drafted, "
+                f"expected {t[kind]['expected_speedup']:.2f}x" for kind in ("chain", "tree")) + f" ({t['tree']['plan']})")
         for key, what in (("round_mix", "rounds by source (calibration)"), ("confirmed_round_mix", "rounds by source (confirmation)")):
             if m.get(key):
                 click.echo(f"      {what}: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in m[key].items()))

@@ -60,6 +60,22 @@ class Backend(ABC):
         """Make the draft head file ``head_file`` (artifact-relative, under ``root``) ready for segments
         whose ``head`` names it."""
 
+    # -- token trees (``runtime/tree.py``): backends that can verify them override these three ----------
+    def tree_unsupported(self) -> str | None:
+        """None when ``forward_tree`` works here, else why not (a short phrase)."""
+        return "this backend has no tree attention"
+
+    def forward_tree(self, tokens: Sequence[int], parents: Sequence[int], pos: int) -> np.ndarray:
+        """Full-model logits ``[T, vocab]`` for a round's input token (``tokens[0]``, at ``pos``) and a token
+        tree below it (``tokens[1:]``, ``parents`` as in ``runtime/tree.py``): row ``r`` sits at cache slot
+        ``pos + r`` and position ``pos + depth`` and attends to the past and its ancestors only."""
+        raise NotImplementedError(self.tree_unsupported())
+
+    def keep_rows(self, pos: int, rows: Sequence[int]) -> None:
+        """After ``forward_tree``: move the KV of call rows ``rows`` (slots ``pos + r``) to slots ``pos + 1,
+        pos + 2, ..`` in order, in every layer (the accepted path; the rest is overwritten later)."""
+        raise NotImplementedError(self.tree_unsupported())
+
     # -- conveniences on top ------------------------------------------------------------------------
     def forward(self, tokens: Sequence[int], pos: int) -> np.ndarray:
         """Full-model logits ``[T, vocab]`` for ``tokens`` at ``pos..`` (prefill, plain steps, verify)."""

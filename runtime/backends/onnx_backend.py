@@ -33,7 +33,7 @@ import numpy as np
 from ..adapter import DraftHead, expand_logits, load_draft_head
 from ..errors import ArtifactError, BackendUnavailableError
 from ..manifest import ArchConfig, DraftPlan
-from ..segments import FINAL_HEAD, Segment
+from ..segments import FINAL_HEAD, Segment, full_model
 from .base import Backend
 from .graph_index import GraphIndex, full_model_without_verify
 
@@ -154,6 +154,7 @@ class OnnxBackend(Backend):
         self._kv_values: dict[str, Any] = {}  # "past_key_values.{i}.{key|value}" -> OrtValue over self.k / self.v
         self._bindings: dict[str, Any] = {}  # graph key -> IOBinding with the KV buffers bound
         self.draft_heads: dict[str, DraftHead] = {}  # plan.draft_head_file -> its draft head (vocabulary ids)
+        self._tree_feed: dict[str, np.ndarray] | None = None  # a token tree's positions and mask, during its call
 
     def _session(self, ort, key: str, g: dict, threads: int):
         path = self.root / g["file"]
@@ -253,8 +254,8 @@ class OnnxBackend(Backend):
                 feed[name] = np.asarray([list(ids)], dtype=np.int64)
             elif name == "hidden":
                 feed[name] = np.ascontiguousarray(hidden, dtype=self.dtype)
-            elif name == "position_ids":
-                feed[name] = np.arange(pos, pos + t, dtype=np.int64)[None]
+            elif name in ("position_ids", "attention_bias"):
+                feed[name] = self._position_feed(name, pos, t)
             elif name.startswith("past_key_values."):
                 _, layer, kind = name.split(".")
                 buf = self.k[int(layer)] if kind == "key" else self.v[int(layer)]
@@ -297,8 +298,8 @@ class OnnxBackend(Backend):
                 value = np.array([pos + t - 1], dtype=np.int32)
             elif name == "total_sequence_length":
                 value = np.array(pos + t, dtype=np.int32)
-            elif name == "position_ids":
-                value = np.arange(pos, pos + t, dtype=np.int64)[None]
+            elif name in ("position_ids", "attention_bias"):
+                value = self._position_feed(name, pos, t)
             else:
                 continue
             keep.append(value)
@@ -316,6 +317,47 @@ class OnnxBackend(Backend):
             outs[name] = value
         self.sessions[key].run_with_iobinding(io)
         return outs
+
+    def _position_feed(self, name: str, pos: int, t: int) -> np.ndarray:
+        """``position_ids`` / ``attention_bias`` of a call: a token tree's (``forward_tree``) or a chain's
+        (positions ``pos..pos+t-1``, a zero bias: the kernel's causal mask alone)."""
+        if self._tree_feed is not None:
+            return self._tree_feed[name]
+        if name == "position_ids":
+            return np.arange(pos, pos + t, dtype=np.int64)[None]
+        return np.zeros((1, 1, t, pos + t), self.dtype)
+
+    # -- token trees (runtime/tree.py) -------------------------------------------------------------
+    def tree_unsupported(self) -> str | None:
+        calls = self.index.calls(full_model(self.config.num_layers))
+        if not calls or len(calls) != 1 or "attention_bias" not in self.inputs.get(calls[0], []):
+            return "this export's full-model graph takes no tree mask (rebuild the artifact with --backend onnx)"
+        c = self.config
+        if any(c.window_of(i) is not None for i in range(c.num_layers)):
+            # the kernel's window counts cache slots; a tree node's position is smaller than its slot
+            return "GroupQueryAttention's sliding window counts cache slots, not tree positions"
+        return None
+
+    def forward_tree(self, tokens: Sequence[int], parents: Sequence[int], pos: int) -> np.ndarray:
+        from ..tree import attention_rows, depths
+
+        t = len(tokens)
+        bias = np.zeros((1, 1, t, pos + t), self.dtype)
+        bias[0, 0, :, pos:][~attention_rows(parents)] = np.finfo(self.dtype).min
+        positions = pos + np.array([0] + depths(parents), dtype=np.int64)[None]
+        self._tree_feed = {"position_ids": positions, "attention_bias": bias}
+        try:
+            return self.forward(tokens, pos)
+        finally:
+            self._tree_feed = None
+
+    def keep_rows(self, pos: int, rows: Sequence[int]) -> None:
+        moves = [(pos + r, pos + 1 + j) for j, r in enumerate(rows) if r != 1 + j]
+        if not moves:
+            return
+        src, dst = [m[0] for m in moves], [m[1] for m in moves]
+        for buf in self.k + self.v:  # [1, kv_heads, max_len, head_dim], the OrtValues' memory
+            buf[:, :, dst] = buf[:, :, src]
 
     @staticmethod
     def _logits(x: np.ndarray) -> np.ndarray:

@@ -160,6 +160,31 @@ class TorchBackend(Backend):
             return "the generic torch path skips whole blocks only (skip_attn must equal skip_mlp)"
         return None
 
+    # -- token trees (runtime/tree.py) ----------------------------------------------------------------
+    def tree_unsupported(self) -> str | None:
+        if not isinstance(self.decoder, Decoder):
+            return "the generic torch path has no tree attention"
+        return None
+
+    @torch.inference_mode()
+    def forward_tree(self, tokens: Sequence[int], parents: Sequence[int], pos: int) -> np.ndarray:
+        from ..tree import attention_rows, depths
+
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
+        depth = torch.tensor([0] + depths(parents), dtype=torch.long, device=self.device)
+        rows = torch.from_numpy(attention_rows(parents)).to(self.device)
+        return self.decoder.forward_tree(ids, pos, self.cache, depth, rows)[0].float().cpu().numpy()
+
+    @torch.inference_mode()
+    def keep_rows(self, pos: int, rows: Sequence[int]) -> None:
+        moves = [(pos + r, pos + 1 + j) for j, r in enumerate(rows) if r != 1 + j]
+        if not moves:
+            return
+        src = torch.tensor([m[0] for m in moves], device=self.device)
+        dst = torch.tensor([m[1] for m in moves], device=self.device)
+        for buf in (self.cache.k, self.cache.v):  # [layers, batch, kv_heads, max_len, head_dim]
+            buf.index_copy_(3, dst, buf.index_select(3, src))
+
     # -- draft heads: trained exit adapters and reduced vocabularies (runtime/adapter.py) ------------
     def load_draft_head(self, head_file: str, root: Path | None) -> None:
         c = self.config

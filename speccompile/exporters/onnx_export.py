@@ -114,6 +114,8 @@ class _Lowering:
             tag = f"{scheme}.b{block_size}{'s' if symmetric else ''}"
             options = dict(options, quantizer=Quantizer(scheme, block_size, DEFAULT_ACCURACY_LEVEL, symmetric, tag),
                            pad_rows=False)  # a draft need not round like the verify; padding only costs it
+        elif key == "verify" and issubclass(self.graph_class, FusedGraph):
+            options = dict(options, tree=True)  # the full model also verifies token trees (runtime/tree.py)
         return self.graph_class(key, self.config, self.dtype, self.weights, **options)
 
     def _head(self, head: str, plan: DraftPlan | None) -> str:

@@ -46,9 +46,12 @@ class FusedGraph(GraphBuilder):
     variant = "fused"
     head_after_hidden = False
 
-    def __init__(self, *args, quantizer: Quantizer | None = None, pack: bool = True, pad_rows: bool = True):
+    def __init__(self, *args, quantizer: Quantizer | None = None, pack: bool = True, pad_rows: bool = True,
+                 tree: bool = False):
         super().__init__(*args)
-        self.quantizer, self.pack, self.pad_rows = quantizer, pack, pad_rows
+        self.quantizer, self.pack, self.pad_rows, self.tree = quantizer, pack, pad_rows, tree
+        self.position_ids = self.attention_bias = None  # a tree-capable graph's inputs (``declare_positions``)
+        self._tree_args: tuple[str, str] | None = None
         self.seqlens_k = self.total_len = None  # int32 [batch], int32 scalar
         self._padding: tuple[str, str, str, str] | None = None  # see padding()
         self.gqa_rotary = False
@@ -65,7 +68,12 @@ class FusedGraph(GraphBuilder):
             self.seqlens_k = self.add_input("seqlens_k", TensorProto.INT32, ["batch"])
             self.total_len = self.add_input("total_sequence_length", TensorProto.INT32, [])
             self.gqa_rotary = gqa_rotary_ok(c)
-            if c.positions == "learned" or not self.gqa_rotary:
+            if self.tree:  # token trees (runtime/tree.py): positions and a mask over the call's rows come in
+                self.position_ids = self.add_input("position_ids", TensorProto.INT64, ["batch", "seq"])
+                self.attention_bias = self.add_input("attention_bias", self.onnx_dtype, ["batch", 1, "seq", "total"])
+                if c.positions == "learned" or not self.gqa_rotary:
+                    self.pos = self.op("Reshape", self.position_ids, self.ints(-1))
+            elif c.positions == "learned" or not self.gqa_rotary:
                 seq = self.op("Gather", self.bt_shape, self.const(1, np.int64), axis=0)
                 total = self.op("Cast", self.total_len, to=TensorProto.INT64)
                 self.pos = self.op("Range", self.op("Sub", total, seq), total, self.const(1, np.int64))
@@ -191,6 +199,9 @@ class FusedGraph(GraphBuilder):
         args = [q, k, v, past_k, past_v, self.seqlens_k, self.total_len]
         if do_rotary:
             args += list(rope)
+        if self.tree:
+            args += ["", ""] if not do_rotary else []
+            args += list(self.tree_args(past_k))
         out_name = f"gqa_{i}"
         if self.pad_rows:  # one more query row after the real ones (see padding())
             pads, seqlens_k, total_len, _ = self.padding(past_k)
@@ -237,6 +248,21 @@ class FusedGraph(GraphBuilder):
             seq = self.op("Slice", self.bt_shape, self.ints(1), self.ints(2))
             self._padding = pads, self.op("Add", self.seqlens_k, extra32), total, seq
         return self._padding
+
+    def tree_args(self, past_k: str) -> tuple[str, str]:
+        """GroupQueryAttention's ``position_ids`` and ``attention_bias`` for a tree-capable graph, padded like
+        q/k/v when ``pad_rows`` (the padding row repeats the last position and is masked by nothing: its
+        output is sliced off, and no real row sees it)."""
+        if self._tree_args is None:
+            pos, bias = self.position_ids, self.attention_bias
+            if self.pad_rows:
+                extra = self.op("Slice", self.padding(past_k)[0], self.ints(4), self.ints(5))  # [1]: 1, or 0 when full
+                zero = self.ints(0)
+                pos = self.op("Pad", pos, self.op("Concat", zero, zero, zero, extra, axis=0), mode="edge")
+                bias_pads = self.op("Concat", zero, zero, zero, zero, zero, zero, extra, extra, axis=0)
+                bias = self.op("Pad", bias, bias_pads, self.const(np.array(0.0, self.dtype)))
+            self._tree_args = pos, bias
+        return self._tree_args
 
     def gqa_rope_cache(self, table: str = "global") -> tuple[str, str]:
         """cos/sin tables [total_len, rotary_dim / 2] for positions 0..total_len-1 (GQA indexes them)."""

@@ -1,0 +1,264 @@
+"""Token trees (runtime/tree.py): one verify call over several candidate continuations stays lossless.
+
+- every node's logits equal the full model's for its own root path (torch and ONNX Runtime), and a
+  deliberately wrong tree mask is caught by that check;
+- n-gram tree plans give plain greedy output token for token on every canonical family and both backends;
+- sampling over a tree keeps the full model's distribution (chi-square, with a negative control);
+- the tuner's replay of a tree plan is the real loop's rounds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from lossless import assert_same_greedy, exact_marginals, next_token_logits, run
+from speccompile.runtime import tree
+from speccompile.runtime.manifest import DraftPlan
+from speccompile.runtime.ngram import NgramIndex
+from speccompile.runtime.sampling import SamplingParams
+from speccompile.runtime.torch_backend import TorchBackend
+from tiny_models import FAMILIES
+
+NEW_TOKENS = 40
+TREE = DraftPlan(name="tree", lookup=["ngram"], ngram_min=1, ngram_max=3, lookup_max_draft=4, lookup_branches=3,
+                 tree_nodes=8)
+WIDE = DraftPlan(name="wide", lookup=["ngram"], ngram_min=1, ngram_max=2, lookup_max_draft=3, lookup_branches=4,
+                 tree_nodes=10, short_ngram=1)
+#        input
+#        /    \
+#      n0      n3
+#     /  \       \
+#   n1    n2      n4
+PARENTS = [-1, 0, 0, -1, 3]
+
+
+def test_tree_structure_helpers():
+    assert tree.depths(PARENTS) == [1, 2, 2, 1, 2]
+    rows = tree.attention_rows(PARENTS)
+    assert rows.tolist()[3] == [True, True, False, True, False, False]  # n2: input, n0, itself
+    assert rows.tolist()[5] == [True, False, False, False, True, True]  # n4: input, n3, itself
+    assert tree.follow([7, 8, 9, 5, 6], PARENTS, [5, 6, 1]) == [3, 4]
+    assert tree.follow([7, 8, 9, 5, 6], PARENTS, [7, 9]) == [0, 2]
+    assert tree.is_chain([-1, 0, 1]) and not tree.is_chain(PARENTS)
+    with pytest.raises(ValueError):
+        tree.depths([-1, 2, 0])
+    trie = tree.TokenTrie(5)
+    assert trie.add([1, 2, 3], "ngram") == 3
+    assert trie.add([1, 2, 4], "ngram") == 1  # shares 1, 2
+    assert trie.add([5, 6], "ngram") == 1  # budget: 5 nodes
+    assert trie.tokens == [1, 2, 3, 4, 5] and trie.parents == [-1, 0, 1, 1, -1]
+
+
+def test_ngram_index_lists_several_continuations():
+    index = NgramIndex(1, 3)
+    index.sync([1, 2, 3, 9, 1, 2, 4, 8, 5, 2, 7, 1, 2])
+    found = index.continuations([1, 2], limit=2, most=4)
+    assert found[0] == index.continuation([1, 2], 2) == [4, 8]  # the chain's draft comes first
+    assert found[:2] == [[4, 8], [3, 9]]  # "1 2": most recent, then earlier
+    assert [7, 1] in found  # then the 1-gram "2"'s other continuations
+    assert len(found) == len({tuple(f) for f in found}) <= 4
+
+
+def path_logits(decoder, prompt, tokens, parents):
+    """Reference logits of every call row: the full model on the prompt plus each node's root path."""
+    rows = []
+    for r in range(len(tokens)):
+        path, node = [], r - 1
+        while node >= 0:
+            path.insert(0, tokens[node + 1])
+            node = parents[node]
+        with torch.inference_mode():
+            rows.append(decoder(torch.tensor([prompt + [tokens[0]] + path]))[0, -1].float().numpy())
+    return np.stack(rows)
+
+
+def tree_call(backend, prompt, tokens, parents):
+    backend.reserve(len(prompt) + len(tokens) + 4)
+    backend.forward(prompt, 0)
+    return backend.forward_tree(tokens, parents, len(prompt))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tree_rows_are_the_full_models_logits_for_their_paths(family, tiny_decoder):
+    _, decoder = tiny_decoder(family)
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, decoder.config.vocab_size, (30,), generator=gen).tolist()  # crosses mistral's window
+    tokens = torch.randint(3, decoder.config.vocab_size, (len(PARENTS) + 1,), generator=gen).tolist()
+    got = tree_call(TorchBackend(decoder), prompt, tokens, PARENTS)
+    np.testing.assert_allclose(got, path_logits(decoder, prompt, tokens, PARENTS), atol=2e-4, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def onnx_export(tiny_decoder, tmp_path_factory):
+    """(family, variant) -> (decoder, ONNX backend over its exported graphs, whether they are the fused
+    variant); variant "fused", "fused-padded" (a padding query row, as quantized exports have) or "standard"."""
+    from speccompile.exporters.onnx_export import export_onnx
+    from speccompile.runtime.onnx_backend import OnnxBackend
+
+    cache = {}
+
+    def get(family: str, variant: str = "fused"):
+        if (family, variant) not in cache:
+            _, decoder = tiny_decoder(family)
+            root = tmp_path_factory.mktemp("tree") / f"{family}-{variant}"
+            record = export_onnx(decoder, {}, root / "onnx", variant=variant.split("-")[0],
+                                 pad_rows=variant.endswith("padded"))
+            fused = record["graphs"]["verify"].get("variant") == "fused"
+            cache[family, variant] = decoder, OnnxBackend(root, record, decoder.config, threads=1), fused
+        return cache[family, variant]
+
+    return get
+
+
+@pytest.mark.parametrize("family", FAMILIES + ("llama/fused-padded", "gpt2/fused-padded"))
+def test_onnx_tree_rows_are_the_full_models_logits_for_their_paths(family, onnx_export):
+    decoder, backend, fused = onnx_export(*family.split("/"))
+    assert fused
+    if any(decoder.config.window_of(i) is not None for i in range(decoder.config.num_layers)):
+        assert "sliding window" in backend.tree_unsupported()  # such models draft chains on ONNX Runtime
+        return
+    gen = torch.Generator().manual_seed(5)
+    prompt = torch.randint(3, decoder.config.vocab_size, (30,), generator=gen).tolist()
+    tokens = torch.randint(3, decoder.config.vocab_size, (len(PARENTS) + 1,), generator=gen).tolist()
+    got = tree_call(backend, prompt, tokens, PARENTS)
+    np.testing.assert_allclose(got, path_logits(decoder, prompt, tokens, PARENTS), atol=2e-4, rtol=1e-4)
+    # the chain path through the same graph (zero bias) is unchanged: one step after the prompt
+    backend.forward(prompt, 0)
+    np.testing.assert_allclose(backend.forward(tokens[:1], len(prompt))[0],
+                               path_logits(decoder, prompt, tokens[:1], [])[0], atol=2e-4, rtol=1e-4)
+
+
+def test_a_wrong_tree_mask_is_caught(tiny_decoder, monkeypatch):
+    """The check above fails when the tree mask lets a node see its sibling's branch (a causal mask)."""
+    _, decoder = tiny_decoder("llama")
+    prompt, tokens = list(range(3, 20)), [21, 22, 23, 24, 25, 26]
+    reference = path_logits(decoder, prompt, tokens, PARENTS)
+    monkeypatch.setattr(tree, "attention_rows", lambda parents: np.tril(np.ones((len(parents) + 1,) * 2, bool)))
+    wrong = tree_call(TorchBackend(decoder), prompt, tokens, PARENTS)
+    assert not np.allclose(wrong, reference, atol=2e-4, rtol=1e-4)
+    assert np.allclose(wrong[:3], reference[:3], atol=2e-4, rtol=1e-4)  # rows whose ancestors are all before them
+
+
+def repetitive_prompts(decoder, backend, count: int = 4) -> list[list[int]]:
+    """Prompts in which the model's own continuation recurs after several different n-gram contexts, so
+    trees branch and some branches are accepted."""
+    gen = torch.Generator().manual_seed(9)
+    vocab = decoder.config.vocab_size
+    prompts = []
+    for p in range(count):
+        seed = torch.randint(3, vocab, (5 + p,), generator=gen).tolist()
+        own = run(backend, seed, 10)[0]
+        noise = torch.randint(3, vocab, (6,), generator=gen).tolist()
+        prompts.append(seed + own[:4] + noise + seed[-2:] + noise[:3] + seed + own[:2] + noise[2:] + seed)
+    return prompts
+
+
+def check_tree_lossless(decoder, backend, plans) -> dict[str, int]:
+    near_ties, accepted, trees = 0, {}, 0
+    for prompt in repetitive_prompts(decoder, TorchBackend(decoder)):
+        plain, _ = run(backend, prompt, NEW_TOKENS)
+        for plan in plans:
+            spec, stats = run(backend, prompt, NEW_TOKENS, plan)
+            near_ties += assert_same_greedy(decoder, prompt, plain, spec)
+            accepted[plan.name] = accepted.get(plan.name, 0) + stats.accepted
+            trees += stats.tree_rounds
+    assert near_ties <= 1, f"{near_ties} near-tie divergences: too many to be rounding"
+    assert trees > 0, "no round verified a tree"
+    return accepted
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_tree_plans_greedy_lossless_torch(family, tiny_decoder):
+    _, decoder = tiny_decoder(family)
+    accepted = check_tree_lossless(decoder, TorchBackend(decoder), [TREE, WIDE])
+    assert sum(accepted.values()) > 0
+
+
+@pytest.mark.parametrize("family", FAMILIES + ("llama/fused-padded",))
+def test_tree_plans_greedy_lossless_onnx(family, onnx_export):
+    decoder, backend, _ = onnx_export(*family.split("/"))
+    if backend.tree_unsupported() is not None:
+        return  # a windowed model (the test above): chains, as test_graphs_without_tree_inputs_draft_chains checks
+    accepted = check_tree_lossless(decoder, backend, [TREE, WIDE])
+    assert sum(accepted.values()) > 0
+
+
+def test_graphs_without_tree_inputs_draft_chains(onnx_export):
+    """The portable (standard) graphs take no tree mask: a tree plan runs its first branch, losslessly."""
+    decoder, backend, fused = onnx_export("llama", "standard")
+    assert not fused and "tree mask" in backend.tree_unsupported()
+    prompt = repetitive_prompts(decoder, TorchBackend(decoder))[0]
+    plain, _ = run(backend, prompt, NEW_TOKENS)
+    with pytest.warns(UserWarning, match="drafts chains"):
+        spec, stats = run(backend, prompt, NEW_TOKENS, TREE)
+    assert spec == plain and stats.tree_rounds == 0 and stats.rounds > 0
+
+
+VOCAB = 12
+# Every token is followed by three different ones (x + 1, x + 5, x + 7 mod 12): whatever is sampled first, the
+# next round's 1-gram lookup finds three continuations, a tree.
+PROMPT = [x % VOCAB for x in range(VOCAB)] + [5 * x % VOCAB for x in range(VOCAB)] + [7 * x % VOCAB for x in range(VOCAB)]
+SAMPLES = 2000
+ALPHA = 1e-3
+
+
+def sampled(backend, plan, params):
+    second, third, accepted, trees = [], [], 0, 0
+    for seed in range(SAMPLES):
+        tokens, stats = run(backend, PROMPT, 8, plan, params, seed=seed)  # 8: room for a 6-node tree
+        second.append(tokens[1])
+        third.append(tokens[2])
+        accepted += stats.accepted
+        trees += stats.tree_rounds > 0 and stats.round_log[0][0] > 2
+    return second, third, accepted, trees
+
+
+def test_tree_sampling_matches_target_distribution(small_vocab_llama, monkeypatch):
+    from test_drafters import chi_square_pvalue
+
+    decoder = small_vocab_llama
+    backend = TorchBackend(decoder)
+    params = SamplingParams(temperature=1.0)
+    plan = DraftPlan(name="tree", lookup=["ngram"], ngram_min=1, ngram_max=2, lookup_max_draft=2, lookup_branches=3,
+                     tree_nodes=6)
+    target2, target3 = exact_marginals(next_token_logits(decoder), params, PROMPT, VOCAB)
+    second, third, accepted, trees = sampled(backend, plan, params)
+    assert trees > SAMPLES // 2 and 0 < accepted < 6 * SAMPLES
+    assert chi_square_pvalue(second, target2) > ALPHA
+    assert chi_square_pvalue(third, target3) > ALPHA
+    # Negative control: accepting a rejected branch's sibling without renormalising the residual biases
+    # the output, and the same test sees it.
+    def biased(tokens, parents, logits, params, rng):
+        from speccompile.runtime.sampling import probabilities, sample
+
+        p = probabilities(logits[0], params)
+        for c in tree.children_of(parents)[0]:
+            if rng.random() < p[tokens[c]]:
+                return [c], sample(probabilities(logits[c + 1], params), rng)
+        return [], sample(p, rng)
+
+    import speccompile.runtime.speculative as speculative
+
+    monkeypatch.setattr(speculative, "sample_path", biased)
+    second, third, _, _ = sampled(backend, plan, params)
+    assert min(chi_square_pvalue(second, target2), chi_square_pvalue(third, target3)) < ALPHA
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_replay_of_tree_plans_matches_the_real_loop(family, tiny_decoder):
+    from speccompile.passes.acceptance import reference_pass
+    from speccompile.passes.replay import replay
+
+    _, decoder = tiny_decoder(family)
+    backend = TorchBackend(decoder)
+    for plan in (TREE, WIDE):
+        real, refs = [], []
+        for prompt in repetitive_prompts(decoder, backend):
+            plain, _ = run(backend, prompt, NEW_TOKENS)
+            spec, stats = run(backend, prompt, NEW_TOKENS, plan)
+            assert spec == plain
+            real += [(d, a, label) for (d, a), label in zip(stats.round_log, stats.round_sources)]
+            refs.append(reference_pass(decoder, prompt + plain, len(prompt)))
+        assert [(r.drafted, r.accepted, r.label) for r in replay(plan, refs)] == real
