@@ -49,10 +49,12 @@ def _auto(i: PipelineInputs) -> list:
     hybrids of lookup with each model plan."""
     from .adapter import AdapterAutotune, DraftVocabTune
     from .autotune import CosineAutotune, ExitLayerAutotune
+    from .lookahead_tune import LookaheadTune
     from .lookup_autotune import HybridAutotune, LookupAutotune
 
     c, o, progress = i.context, i.options, i.progress
     passes = [LookupAutotune(c, retrieval=o.retrieval, show_progress=progress),
+              LookaheadTune(c, quick=True),
               ExitLayerAutotune(c, show_progress=progress, full=False),
               CosineAutotune(c, show_progress=progress, full=False)]
     if i.generic:  # no draft heads on the generic path
@@ -88,6 +90,12 @@ def _lookup(i: PipelineInputs) -> list:
     return [LookupAutotune(i.context, retrieval=i.options.retrieval, show_progress=i.progress)]
 
 
+def _lookahead(i: PipelineInputs) -> list:
+    from .lookahead_tune import LookaheadTune
+
+    return _lookup(i) + [LookaheadTune(i.context)]
+
+
 def _adapter(i: PipelineInputs) -> list:
     from .adapter import AdapterAutotune
 
@@ -97,7 +105,7 @@ def _adapter(i: PipelineInputs) -> list:
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("auto", "lookup and retrieval first, then, within the time budget, only the passes whose bound can beat "
+    Method("auto", "lookup and retrieval (chains and token trees) and lookahead first, then, within the time budget, only the passes whose bound can beat "
            "the best plan so far (early exit, layer skip, exit adapter, reduced draft vocabularies, hybrids of lookup "
            "with each model draft); keeps the fastest by timed runs on the backend (plain decoding if none pays)",
            _auto, budgeted=True, confirm_top=3, confirm_close=0.9, keep_only_default=True),
@@ -106,6 +114,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("bayes", "Bayesian search over skipped sublayers, seeded with the cosine plans (keeps both)", _bayes),
     Method("lookup", "model-free drafts (n-gram lookup over prompt and output, retrieval from the calibration text)",
            _lookup),
+    Method("lookahead", "the lookup plans, then lookahead decoding (a Jacobi window of guesses refined inside each "
+           "verify call and the n-grams it produced; no draft model) alone and behind the best lookup plan, tuned by "
+           "running it", _lookahead),
     Method("adapter", "early exit through a small trained adapter (the model stays frozen) and a reduced draft "
            "vocabulary", _adapter),
 )}

@@ -45,6 +45,16 @@ class HybridDrafter:
                     return draft.extend(Draft(more, [None] * len(more), [source.name] * len(more)))
         return draft
 
+    @property
+    def observes(self) -> bool:
+        """Whether a source learns from the verifier's outputs (``observe``: lookahead's Jacobi window)."""
+        return any(hasattr(source, "observe") for source in self.lookups)
+
+    def observe(self, draft: Draft, logits, committed) -> None:
+        for source in self.lookups:
+            if hasattr(source, "observe"):
+                source.observe(draft, logits, committed)
+
     def feedback(self, draft: Draft, accepted: int) -> None:
         if self.model is not None and self.model.name in draft.sources:
             self.model.feedback(draft, accepted)

@@ -151,8 +151,8 @@ def decode(backend: Backend, request: DecodeRequest, drafter, stats: Stats) -> I
     if drafter is not None:
         drafter.start(prompt)
         on_device = getattr(backend, "device_round", None)  # a backend whose rounds can stay on its device
-        if getattr(drafter, "drafts_trees", False):
-            on_device = None  # token trees are verified by the host round
+        if getattr(drafter, "drafts_trees", False) or getattr(drafter, "observes", False):
+            on_device = None  # token trees, and drafters that read the verifier's outputs, run the host round
         round_ = on_device(drafter, request.seed) if on_device is not None else None
     new, stop = _emit([token], request, stats)
     stats.new_tokens += 1
@@ -262,6 +262,8 @@ def _speculative_round(backend: Backend, drafter, ctx: RoundContext, stats: Stat
         n = len(committed) - 1
     stats.record(draft, n)
     drafter.feedback(draft, n)
+    if getattr(drafter, "observes", False):
+        drafter.observe(draft, verify_logits, committed)
     return committed
 
 
@@ -276,4 +278,7 @@ def _tree_round(backend: Backend, drafter, draft: Draft, ctx: RoundContext, stat
     backend.keep_rows(ctx.pos, path_slots(path))
     stats.record(draft, len(path), path)
     drafter.feedback(draft, len(path))
-    return [draft.tokens[i] for i in path] + [final]
+    committed = [draft.tokens[i] for i in path] + [final]
+    if getattr(drafter, "observes", False):
+        drafter.observe(draft, logits, committed)
+    return committed

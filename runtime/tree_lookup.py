@@ -40,6 +40,16 @@ class TreeLookupDrafter:
                     trie.add(found[rank], name)
         return Draft(tokens=trie.tokens, q=[None] * len(trie), sources=trie.sources, parents=trie.parents)
 
+    @property
+    def observes(self) -> bool:
+        return any(hasattr(source, "observe") for source in self.lookups)
+
+    def observe(self, draft: Draft, logits, committed) -> None:
+        """Sources that learn from the verifier's outputs see every row (lookahead's window)."""
+        for source in self.lookups:
+            if hasattr(source, "observe"):
+                source.observe(draft, logits, committed)
+
     def feedback(self, draft: Draft, accepted: int) -> None:
         pass
 

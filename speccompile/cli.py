@@ -437,7 +437,10 @@ def inspect(artifact, as_json):
             ratio = f", head {m['head_cost_ratio']:.1f}x cheaper (timed {m.get('head_cost_ratio_timed', 0):.1f}x)" \
                 if "head_cost_ratio" in m else ""
             click.echo(f"      draft vocabulary: the {plan.draft_vocab} most frequent tokens{ratio}")
-        if plan.lookup:
+        if "lookahead" in plan.lookup:
+            click.echo(f"      lookahead: a window of {plan.lookahead_window} Jacobi guesses, pooled "
+                       f"{plan.lookahead_ngram}-grams")
+        if [source for source in plan.lookup if source != "lookahead"]:
             click.echo(f"      lookup {'+'.join(plan.lookup)}: n-gram sizes {plan.ngram_max}..{plan.ngram_min}, up to "
                        f"{plan.lookup_max_draft} tokens"
                        + (f" (1 after a match of <= {plan.short_ngram})" if plan.drafts_after_short_match else "") + (f", datastore {plan.datastore}" if plan.datastore else ""))

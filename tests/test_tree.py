@@ -1,4 +1,4 @@
-"""Token trees (runtime/tree.py): one verify call over several candidate continuations stays lossless.
+"""Token trees (runtime/tree.py) and lookahead decoding (runtime/lookahead.py) stay lossless.
 
 - every node's logits equal the full model's for its own root path (torch and ONNX Runtime), and a
   deliberately wrong tree mask is caught by that check;
@@ -26,6 +26,11 @@ TREE = DraftPlan(name="tree", lookup=["ngram"], ngram_min=1, ngram_max=3, lookup
                  tree_nodes=8)
 WIDE = DraftPlan(name="wide", lookup=["ngram"], ngram_min=1, ngram_max=2, lookup_max_draft=3, lookup_branches=4,
                  tree_nodes=10, short_ngram=1)
+LOOKAHEAD = DraftPlan(name="lookahead", lookup=["lookahead"], lookahead_window=4, lookahead_ngram=2)
+LOOKAHEAD_TREE = DraftPlan(name="lookahead-tree", lookup=["lookahead", "ngram"], ngram_min=1, lookup_max_draft=4,
+                           ngram_max=3, lookup_branches=3, tree_nodes=10, lookahead_window=3, lookahead_ngram=3)
+LOOKAHEAD_BEHIND = DraftPlan(name="lookahead-behind", lookup=["ngram", "lookahead"], ngram_min=2, ngram_max=3,
+                             lookup_max_draft=4, lookahead_window=2)
 #        input
 #        /    \
 #      n0      n3
@@ -172,7 +177,7 @@ def check_tree_lossless(decoder, backend, plans) -> dict[str, int]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tree_plans_greedy_lossless_torch(family, tiny_decoder):
     _, decoder = tiny_decoder(family)
-    accepted = check_tree_lossless(decoder, TorchBackend(decoder), [TREE, WIDE])
+    accepted = check_tree_lossless(decoder, TorchBackend(decoder), [TREE, WIDE, LOOKAHEAD, LOOKAHEAD_TREE, LOOKAHEAD_BEHIND])
     assert sum(accepted.values()) > 0
 
 
@@ -181,7 +186,7 @@ def test_tree_plans_greedy_lossless_onnx(family, onnx_export):
     decoder, backend, _ = onnx_export(*family.split("/"))
     if backend.tree_unsupported() is not None:
         return  # a windowed model (the test above): chains, as test_graphs_without_tree_inputs_draft_chains checks
-    accepted = check_tree_lossless(decoder, backend, [TREE, WIDE])
+    accepted = check_tree_lossless(decoder, backend, [TREE, WIDE, LOOKAHEAD, LOOKAHEAD_TREE, LOOKAHEAD_BEHIND])
     assert sum(accepted.values()) > 0
 
 
@@ -246,6 +251,47 @@ def test_tree_sampling_matches_target_distribution(small_vocab_llama, monkeypatc
     assert min(chi_square_pvalue(second, target2), chi_square_pvalue(third, target3)) < ALPHA
 
 
+def test_lookahead_window_is_a_jacobi_step_and_fills_the_pool(tiny_decoder):
+    """After a round, the window holds the verifier's outputs past the committed tokens (one Jacobi step) and
+    the pool the n-grams the rows produced; the window's guesses are accepted where they are right."""
+    from speccompile.runtime.drafters import RoundContext
+    from speccompile.runtime.lookahead import LookaheadDrafter
+
+    _, decoder = tiny_decoder("llama")
+    backend = TorchBackend(decoder)
+    prompt = list(range(3, 15))
+    plain, _ = run(backend, prompt, 12)
+    drafter = LookaheadDrafter(window=4, ngram=2)
+    drafter.start(prompt)
+    drafter.window = plain[1:3] + [5, 6]  # two right guesses, then two wrong ones
+    history = prompt + plain[:1]
+    backend.reserve(64)
+    backend.forward(prompt, 0)
+    draft = drafter.propose(RoundContext(history, len(prompt), 8, SamplingParams(), None))
+    assert draft.tokens == plain[1:3] + [5, 6]
+    logits = backend.forward(history[-1:] + draft.tokens, len(prompt))
+    targets = logits.argmax(-1).tolist()
+    assert targets[:3] == plain[1:4]  # rows 0..2 are the true next tokens
+    committed = plain[1:4]  # the two right guesses and the verifier's token
+    drafter.observe(draft, logits, committed)
+    assert drafter.window[:2] == targets[3:5]  # the outputs after the committed ones: the next guesses
+    assert drafter.pool[6][0] == (6, targets[4])  # the n-gram the last row made: its guess, then its output
+
+
+def test_lookahead_sampling_matches_target_distribution(small_vocab_llama):
+    from test_drafters import chi_square_pvalue
+
+    backend = TorchBackend(small_vocab_llama)
+    params = SamplingParams(temperature=1.0)
+    target2, target3 = exact_marginals(next_token_logits(small_vocab_llama), params, PROMPT, VOCAB)
+    plan = DraftPlan(name="la", lookup=["lookahead", "ngram"], ngram_min=1, ngram_max=2, lookup_max_draft=2,
+                     lookup_branches=3, tree_nodes=6)
+    second, third, accepted, trees = sampled(backend, plan, params)
+    assert trees > 0 and accepted > 0
+    assert chi_square_pvalue(second, target2) > ALPHA
+    assert chi_square_pvalue(third, target3) > ALPHA
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_replay_of_tree_plans_matches_the_real_loop(family, tiny_decoder):
     from speccompile.passes.acceptance import reference_pass
@@ -262,3 +308,25 @@ def test_replay_of_tree_plans_matches_the_real_loop(family, tiny_decoder):
             real += [(d, a, label) for (d, a), label in zip(stats.round_log, stats.round_sources)]
             refs.append(reference_pass(decoder, prompt + plain, len(prompt)))
         assert [(r.drafted, r.accepted, r.label) for r in replay(plan, refs)] == real
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnx"])
+def test_lookahead_build_tunes_by_running_and_stays_lossless(backend, tiny_model_dir, tmp_path):
+    """``--method lookahead``: the plan is tuned by running it on the backend (its figures are in the manifest,
+    next to the lookup tuner's chain-versus-tree pricing on backends that verify trees), and the artifact's
+    lookahead plan decodes exactly what plain decoding does."""
+    from speccompile.build import BuildOptions, build
+    from speccompile.runtime.model import load
+
+    out = build(BuildOptions(model=str(tiny_model_dir("llama")), out=tmp_path / "la", method="lookahead",
+                             backends=(backend,), max_draft=4, calibration_tokens=16, confirm_prompts=2,
+                             confirm_tokens=16, show_progress=False), log=lambda message: None)
+    model = load(out)
+    plan = model.manifest.plans["lookahead"]
+    assert "lookahead" in plan.lookup and plan.measured["method"] == "lookahead"
+    assert plan.measured["expected_speedup"] > 0 and plan.measured["drafted_per_round"] > 0
+    if backend == "onnx":
+        assert set(model.manifest.plans["lookup"].measured["trees"]) == {"chain", "tree"}
+    prompt = model.tokenizer.encode("def read_lines(path):")
+    plain = model.generate(prompt, max_new_tokens=24, speculate=False).token_ids
+    assert model.generate(prompt, max_new_tokens=24, plan="lookahead").token_ids == plain

@@ -1,0 +1,93 @@
+"""Tune lookahead decoding (``runtime/lookahead.py``) by running it: its drafts come from the verifier's own
+outputs, so no replay over the calibration continuations can stand in for the model (the lookup tuner's
+``passes/replay.py`` can). Each candidate (window ``W``, pooled n-gram length ``N``, and, where the backend
+verifies token trees, pooled n-grams as more branches next to the window) decodes the first calibration
+prompts with the runner's backend; its rounds, as the runtime ran them, are priced with the backend's
+measured step costs, like every other plan (``replay.estimate_rounds``). The best becomes plan
+``lookahead``; confirmation then times it against plain decoding like any plan.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import replace
+
+from speccompile.runtime.manifest import DraftPlan
+from speccompile.runtime.speculative import DecodeRequest, decode_all
+
+from .base import Pass, PassResult
+from .ir import DecoderIR
+from .plans import tuned_target
+from .replay import ReplayedRound, estimate_rounds, round_mix
+from .tuning import TuningContext
+
+WINDOWS = (2, 3, 4, 6)
+NGRAMS = (2, 3)
+TREE_BRANCHES = 3  # pooled n-grams verified next to the window in a tree plan
+
+
+def lookahead_grid(trees: bool, behind: DraftPlan | None = None, windows=WINDOWS, ngrams=NGRAMS):
+    """Lookahead alone (chains, and trees of pooled n-grams next to the window where ``trees``), and behind the
+    lookup plan ``behind`` when given (its sources draft when they hit, lookahead otherwise)."""
+    for window, ngram in itertools.product(windows, ngrams):
+        chain = DraftPlan(name="lookahead", lookup=["lookahead"], lookahead_window=window, lookahead_ngram=ngram)
+        yield chain
+        if trees:
+            yield replace(chain, lookup_branches=TREE_BRANCHES + 1, tree_nodes=window + TREE_BRANCHES * (ngram - 1))
+        if behind is not None and behind.lookup and not behind.has_model_draft and "lookahead" not in behind.lookup:
+            yield replace(behind, name="lookahead", lookup=behind.lookup + ["lookahead"], lookahead_window=window,
+                          lookahead_ngram=ngram, measured={})
+
+
+class LookaheadTune(Pass):
+    name = "lookahead_tune"
+    adds = ("lookahead",)
+
+    def __init__(self, context: TuningContext, prompts: int = 3, new_tokens: int = 32, quick: bool = False):
+        """``quick`` (the ``auto`` method): windows 2 and 4 with 2-grams only."""
+        self.context, self.prompts, self.new_tokens, self.quick = context, prompts, new_tokens, quick
+
+    def least_seconds(self) -> float:
+        return 4 * self.prompts * self.new_tokens * self.context.costs.plain_step()
+
+    def _rounds(self, backend, plan: DraftPlan) -> list[ReplayedRound]:
+        if plan.datastore and self.context.confirm_datastore:  # not the datastore holding these prompts' answers
+            plan = replace(plan, datastore=self.context.confirm_datastore)
+        rounds = []
+        for ref in self.context.references[: self.prompts]:
+            prompt = ref.tokens[0, : ref.prompt_len].tolist()
+            request = DecodeRequest(prompt, self.new_tokens, eos_ids=self.context.eos)
+            _, stats = decode_all(backend, request, plan, self.context.workdir)
+            rounds += [ReplayedRound(d, a, 0, 1, 0, label) for (d, a), label in zip(stats.round_log, stats.round_sources)]
+        return rounds
+
+    def call(self, ir: DecoderIR) -> PassResult:
+        start, before = time.perf_counter(), dict(ir.plans)
+        backend = self.context.runner.backend({})
+        best = None
+        grid = dict(windows=(2, 4), ngrams=(2,)) if self.quick else {}
+        behind = ir.plans.get("lookup")
+        scale = 1.0  # a plan behind the lookup plan: its gain over that plan on these prompts, times its estimate
+        if behind is not None and behind.measured.get("expected_speedup"):
+            alone = estimate_rounds(self._rounds(backend, behind), behind, self.context.costs).expected_speedup
+            scale = behind.measured["expected_speedup"] / alone
+        for plan in lookahead_grid(self.context.trees, behind, **grid):
+            if best is not None and (left := self.seconds_left()) is not None and left <= 0:
+                break
+            rounds = self._rounds(backend, plan)
+            estimate = estimate_rounds(rounds, plan, self.context.costs)
+            if plan.lookup != ["lookahead"]:
+                estimate = replace(estimate, expected_speedup=estimate.expected_speedup * scale)
+            if best is None or estimate.expected_speedup > best[1].expected_speedup:
+                best = (plan, estimate, rounds)
+        plan, estimate, rounds = best
+        plan.measured = self.context.record("lookahead", estimate, tuning_seconds=round(time.perf_counter() - start, 2),
+                                            round_mix=round_mix(rounds),
+                                            drafted_per_round=round(estimate.drafted_per_round, 4))
+        plan.target_acceptance = tuned_target(plan.measured)
+        ir.add_plan(plan)
+        return PassResult.after(ir, before)
+
+
+__all__ = ["LookaheadTune", "lookahead_grid"]

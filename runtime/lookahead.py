@@ -1,0 +1,139 @@
+"""Lookahead decoding (Fu et al., 2024) as a draft source: a Jacobi window refined inside the verify call.
+
+No draft model and no text to look things up in: the verifier's own call carries a window of ``W``
+guesses for the positions after the round's input token. The verifier's output at every window row is
+one Jacobi step (the model's token for the next position, given the guesses before it), so the window
+converges over rounds the way Jacobi iteration does, and every round the guesses it verified are
+accepted as far as they are right, exactly (``runtime/tree.py``: the window is one branch of the round's
+tree, and every row's logits are the full model's for its own root path). What Jacobi alone rarely gets
+right in place it often gets right somewhere else: each row adds the n-gram it produced (the guesses
+before it, then its output) to a pool keyed by first token, and later rounds whose input token starts a
+pooled n-gram verify it as another branch: lookahead decoding's lookahead and verification branches, in
+one call.
+
+Plan fields: ``lookahead_window`` is the window ``W``; ``lookahead_ngram`` the pooled n-gram length ``N``
+(2..4); ``lookup_branches`` how many continuations a round verifies per source (a tree, on a backend that
+verifies trees: the pooled n-grams and the window). As a chain source, or behind n-gram lookup and
+retrieval in a plan's ``lookup`` list, it drafts its most recent pooled n-gram, else the window: what a
+round drafts when the text offers nothing to look up.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from .drafters import Draft, RoundContext
+from .manifest import DraftPlan
+
+POOL_PER_KEY = 8  # pooled n-grams kept per first token, most recent first
+
+
+class LookaheadDrafter:
+    name = "lookahead"
+    observes = True  # it learns from the verifier's outputs: rounds stay on the host (``speculative.decode``)
+
+    def __init__(self, window: int = 4, ngram: int = 3, branches: int = 1):
+        self.window_size, self.ngram, self.branches = window, max(2, ngram), branches
+        self.window: list[int] = []
+        self.prompt: list[int] = []
+        self._fill = 0
+        self.pool: dict[int, list[tuple[int, ...]]] = {}
+        self._proposed: tuple[int, list[int], list[int]] | None = None  # (input token, pooled first, window)
+
+    @classmethod
+    def from_plan(cls, plan: DraftPlan, root: Path | None = None) -> "LookaheadDrafter":
+        return cls(plan.lookahead_window, plan.lookahead_ngram, plan.lookup_branches)
+
+    def start(self, prompt: Sequence[int]) -> None:
+        # The first window: the prompt's last tokens (a guess like any other; Jacobi corrects it).
+        self.prompt = [int(t) for t in prompt]
+        self.window = self.prompt[-self.window_size:]
+        self._fill = 0
+        self.pool = {}
+        self._proposed = None
+
+    # -- what a round drafts ---------------------------------------------------------------------
+    def pooled(self, token: int, most: int) -> list[list[int]]:
+        """Up to ``most`` pooled continuations of ``token`` (the n-gram less its first token)."""
+        return [list(gram[1:]) for gram in self.pool.get(int(token), [])[:most]]
+
+    def continuations(self, history: Sequence[int], limit: int, most: int) -> list[list[int]]:
+        """The pooled n-grams that start with the round's input token, then the Jacobi window."""
+        found = [g[:limit] for g in self.pooled(history[-1], max(most - 1, 0))]
+        window = self.window[:limit]
+        if window and window not in found:
+            found.append(window)
+        self._proposed = (int(history[-1]), window)
+        return found
+
+    def lookup(self, history: Sequence[int], tail: Sequence[int], limit: int) -> list[int]:
+        found = self.pooled(tail[-1], 1)
+        return found[0][:limit] if found else []
+
+    def propose(self, ctx: RoundContext) -> Draft:
+        """A chain: the most recent pooled n-gram of the input token, else the window."""
+        found = self.continuations(ctx.history, ctx.limit, 2)
+        tokens = found[0] if found else []
+        return Draft(tokens=list(tokens), q=[None] * len(tokens), sources=[self.name] * len(tokens))
+
+    # -- what a round teaches it -------------------------------------------------------------------
+    def observe(self, draft: Draft, logits: np.ndarray, committed: Sequence[int]) -> None:
+        """After the verify: the window's rows' outputs become the next window (one Jacobi step) and pooled
+        n-grams; ``committed`` are the tokens the round kept (its accepted path, then the verifier's)."""
+        if self._proposed is None:
+            return
+        token, window = self._proposed
+        self._proposed = None
+        rows = _rows_of(draft, window)
+        outputs = [int(np.argmax(logits[r])) for r in rows]  # outputs[j]: the model's token after window[j]
+        guesses = [token] + window[: len(rows)]
+        for j, out in enumerate(outputs):  # the n-gram ending in each output: the guesses before it, then it
+            gram = tuple(guesses[max(0, j + 2 - self.ngram + 1): j + 2]) + (out,)
+            if len(gram) >= 2:
+                self._add(gram[-self.ngram:])
+        # Jacobi: outputs[j] guesses the position after window[j]; the round moved len(committed) positions on,
+        # so outputs[step - 1:] guess the positions after the new input token.
+        step = len(committed)
+        nxt = outputs[step - 1:] if step - 1 < len(outputs) else self.window[step:]
+        last = nxt[-1] if nxt else int(committed[-1])
+        while len(nxt) < self.window_size:  # refill: pooled n-grams, else the prompt's tokens (fresh guesses)
+            more = self.pooled(last, 1)
+            if not more:
+                fill = self.window_size - len(nxt)
+                nxt = nxt + [self.prompt[(self._fill + i) % len(self.prompt)] for i in range(fill)] if self.prompt else nxt
+                self._fill += fill
+                break
+            nxt = nxt + more[0]
+            last = nxt[-1]
+        self.window = nxt[: self.window_size]
+
+    def _add(self, gram: tuple[int, ...]) -> None:
+        grams = self.pool.setdefault(gram[0], [])
+        if gram in grams:
+            grams.remove(gram)
+        grams.insert(0, gram)
+        del grams[POOL_PER_KEY:]
+
+    def feedback(self, draft: Draft, accepted: int) -> None:
+        pass
+
+
+def _rows_of(draft: Draft, window: list[int]) -> list[int]:
+    """The verify rows of the window's tokens in ``draft`` (a chain or a tree), as far as it holds them."""
+    if not window:
+        return []
+    parents = draft.parents if draft.parents is not None else list(range(-1, len(draft.tokens) - 1))
+    rows, parent = [], -1
+    for token in window:
+        node = next((i for i, (t, p) in enumerate(zip(draft.tokens, parents)) if p == parent and t == token), None)
+        if node is None:
+            break
+        rows.append(node + 1)
+        parent = node
+    return rows
+
+
+__all__ = ["LookaheadDrafter"]
