@@ -3,11 +3,12 @@
     python benchmarks/trees.py artifacts/smollm2-onnx                      # the benchmark prompts, 96 new tokens
     python benchmarks/trees.py artifacts/refcoder-onnx --prompts PATH      # (default: the artifact's bench prompts)
 
-Decodes every prompt with: plain decoding; the artifact's default plan (a chain, or a tree where the build
-chose one); the tree variant of that plan that the build priced best (``measured.trees``, or 3 branches of
-12 tokens when the build recorded none); lookahead decoding alone (a Jacobi window of W guesses verified in
-the same call, its n-gram pool; ``runtime/lookahead.py``) as a chain and, where the backend verifies trees,
-with pooled n-grams as more branches. Each prompt runs every engine once per round, in an order that rotates,
+Decodes every prompt with: plain decoding; every plan of the artifact (build it with ``--method lookahead``
+for the lookup plan, its token-tree pricing, the lookahead and LogitSpec plans); the lookup plan as a token
+tree (3 branches per source, up to 12 tokens); the widest tree (the lookup sources, 8 LogitSpec guesses and
+a lookahead window, up to 24 tokens: the most tokens per round, whatever its rows cost); lookahead decoding alone (a Jacobi window of W guesses verified in
+the same call, and its n-gram pool; ``runtime/lookahead.py``) as a chain and, where the backend verifies
+trees, with pooled n-grams as more branches. Each prompt runs every engine once per round, in an order that rotates,
 so drift on the machine falls on all of them alike. Prints tokens/s, the ratio to plain decoding, tokens per
 round (the verifier's own included), drafted tokens (tree nodes) per round, and whether every output equals
 plain decoding token for token. Also prints the backend's verify-cost curve, which decides whether a tree's
@@ -28,26 +29,30 @@ sys.path.insert(0, str(HERE.parent))
 
 
 def engines(model, args) -> dict:
+    """Plain decoding, every plan of the artifact, the tree variant of its lookup plan, lookahead alone."""
     from speccompile.runtime.manifest import DraftPlan
 
-    default = model.manifest.plans.get(model.manifest.default_plan) if model.manifest.default_plan else None
     out = {"plain": None}
-    if default is not None:
-        out[f"default plan ({default.describe()})"] = default
+    for name, plan in model.manifest.plans.items():
+        out[f"{name}: {plan.describe()}"] = plan
     trees_ok = model.backend.tree_unsupported() is None
-    if default is not None and default.lookup and not default.has_model_draft and trees_ok:
-        if default.lookup_branches > 1:
-            chain = replace(default, lookup_branches=1, tree_nodes=0)
-            out[f"its chain ({chain.describe()})"] = chain
+    lookup = model.manifest.plans.get("lookup")
+    if lookup is not None and trees_ok:
+        chain = replace(lookup, lookup_branches=1, tree_nodes=0)
+        if lookup.lookup_branches > 1:  # the build chose a tree: time its chain next to it
+            out[f"lookup as a chain: {chain.describe()}"] = chain
         else:
-            tree = replace(default, lookup_branches=args.branches, lookup_max_draft=max(default.lookup_max_draft, 4),
+            tree = replace(chain, lookup_branches=args.branches, lookup_max_draft=max(chain.lookup_max_draft, 4),
                            tree_nodes=args.tree_nodes)
-            out[f"tree ({tree.describe()})"] = tree
+            out[f"lookup as a tree: {tree.describe()}"] = tree
+        wide = replace(chain, lookup=chain.lookup + ["logitspec", "lookahead"], logitspec_top_k=8, lookup_branches=8,
+                       lookup_max_draft=max(chain.lookup_max_draft, 4), tree_nodes=args.wide_nodes)
+        out[f"the widest tree: {wide.describe()}"] = wide
     for window in args.windows:
-        la = DraftPlan(name="lookahead", lookup=["lookahead"], lookup_max_draft=window, ngram_max=args.ngram)
-        out[f"lookahead W={window} N={args.ngram}, chain"] = la
+        la = DraftPlan(name="lookahead", lookup=["lookahead"], lookahead_window=window, lookahead_ngram=args.ngram)
+        out[f"lookahead alone, W={window}, chain"] = la
         if trees_ok:
-            out[f"lookahead W={window} N={args.ngram}, tree of {args.branches} pooled + window"] = replace(
+            out[f"lookahead alone, W={window}, tree of the window and {args.branches} pooled n-grams"] = replace(
                 la, lookup_branches=args.branches + 1, tree_nodes=window + args.branches * (args.ngram - 1))
     return out
 
@@ -59,10 +64,12 @@ def main() -> None:
     parser.add_argument("--prompts", default=None, help="prompts file (default: the artifact's bench prompts)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=2)
-    parser.add_argument("--windows", type=lambda s: [int(x) for x in s.split(",")], default=[3, 6])
-    parser.add_argument("--ngram", type=int, default=3)
+    parser.add_argument("--windows", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
+    parser.add_argument("--ngram", type=int, default=2)
     parser.add_argument("--branches", type=int, default=3)
     parser.add_argument("--tree-nodes", type=int, default=12)
+    parser.add_argument("--wide-nodes", type=int, default=24, help="node budget of the widest tree (lookup, LogitSpec "
+                        "and lookahead branches together)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
 

@@ -1,10 +1,12 @@
-"""Tune lookahead decoding (``runtime/lookahead.py``) by running it: its drafts come from the verifier's own
-outputs, so no replay over the calibration continuations can stand in for the model (the lookup tuner's
-``passes/replay.py`` can). Each candidate (window ``W``, pooled n-gram length ``N``, and, where the backend
+"""Tune lookahead decoding (``runtime/lookahead.py``) and LogitSpec (``runtime/logitspec.py``) by running them:
+their drafts come from the verifier's own outputs, so no replay over the calibration continuations can
+stand in for the model (the lookup tuner's ``passes/replay.py`` can). Each candidate (window ``W``, pooled n-gram length ``N``, and, where the backend
 verifies token trees, pooled n-grams as more branches next to the window) decodes the first calibration
 prompts with the runner's backend; its rounds, as the runtime ran them, are priced with the backend's
 measured step costs, like every other plan (``replay.estimate_rounds``). The best becomes plan
-``lookahead``; confirmation then times it against plain decoding like any plan.
+``lookahead``. LogitSpec is tried behind the lookup plan (a chain: its best guess when the lookup finds
+nothing) and, where the backend verifies trees, in the lookup plan's tree; the best becomes plan
+``logitspec``. Confirmation then times them against plain decoding like any plan.
 """
 
 from __future__ import annotations
@@ -22,9 +24,24 @@ from .plans import tuned_target
 from .replay import ReplayedRound, estimate_rounds, round_mix
 from .tuning import TuningContext
 
-WINDOWS = (2, 3, 4, 6)
-NGRAMS = (2, 3)
+WINDOWS = (2, 4, 6)
+NGRAMS = (2,)  # pooled 3-grams were accepted less than 2-grams on SmolLM2 and refcoder
 TREE_BRANCHES = 3  # pooled n-grams verified next to the window in a tree plan
+
+
+LOGITSPEC_TOP_K = (2, 4, 8)
+
+
+def logitspec_grid(trees: bool, behind: DraftPlan | None):
+    """LogitSpec behind the lookup plan ``behind`` (a chain), and in its token tree where ``trees``."""
+    if behind is None or not behind.lookup or behind.has_model_draft or "logitspec" in behind.lookup:
+        return
+    for k in LOGITSPEC_TOP_K:
+        chain = replace(behind, name="logitspec", lookup=behind.lookup + ["logitspec"], logitspec_top_k=k, measured={})
+        yield chain
+        if trees:
+            yield replace(chain, lookup_branches=max(k, 2), lookup_max_draft=max(chain.lookup_max_draft, 4),
+                          tree_nodes=16)
 
 
 def lookahead_grid(trees: bool, behind: DraftPlan | None = None, windows=WINDOWS, ngrams=NGRAMS):
@@ -42,10 +59,10 @@ def lookahead_grid(trees: bool, behind: DraftPlan | None = None, windows=WINDOWS
 
 class LookaheadTune(Pass):
     name = "lookahead_tune"
-    adds = ("lookahead",)
+    adds = ("lookahead", "logitspec")
 
     def __init__(self, context: TuningContext, prompts: int = 3, new_tokens: int = 32, quick: bool = False):
-        """``quick`` (the ``auto`` method): windows 2 and 4 with 2-grams only."""
+        """``quick`` (the ``auto`` method): window 2 only, on fewer tokens."""
         self.context, self.prompts, self.new_tokens, self.quick = context, prompts, new_tokens, quick
 
     def least_seconds(self) -> float:
@@ -62,11 +79,19 @@ class LookaheadTune(Pass):
             rounds += [ReplayedRound(d, a, 0, 1, 0, label) for (d, a), label in zip(stats.round_log, stats.round_sources)]
         return rounds
 
+    def _add(self, ir: DecoderIR, best, start: float) -> None:
+        plan, estimate, rounds = best
+        plan.measured = self.context.record(plan.name, estimate, tuning_seconds=round(time.perf_counter() - start, 2),
+                                            round_mix=round_mix(rounds),
+                                            drafted_per_round=round(estimate.drafted_per_round, 4))
+        plan.target_acceptance = tuned_target(plan.measured)
+        ir.add_plan(plan)
+
     def call(self, ir: DecoderIR) -> PassResult:
         start, before = time.perf_counter(), dict(ir.plans)
         backend = self.context.runner.backend({})
         best = None
-        grid = dict(windows=(2, 4), ngrams=(2,)) if self.quick else {}
+        grid = dict(windows=(2,), ngrams=(2,)) if self.quick else {}
         behind = ir.plans.get("lookup")
         scale = 1.0  # a plan behind the lookup plan: its gain over that plan on these prompts, times its estimate
         if behind is not None and behind.measured.get("expected_speedup"):
@@ -81,12 +106,19 @@ class LookaheadTune(Pass):
                 estimate = replace(estimate, expected_speedup=estimate.expected_speedup * scale)
             if best is None or estimate.expected_speedup > best[1].expected_speedup:
                 best = (plan, estimate, rounds)
-        plan, estimate, rounds = best
-        plan.measured = self.context.record("lookahead", estimate, tuning_seconds=round(time.perf_counter() - start, 2),
-                                            round_mix=round_mix(rounds),
-                                            drafted_per_round=round(estimate.drafted_per_round, 4))
-        plan.target_acceptance = tuned_target(plan.measured)
-        ir.add_plan(plan)
+        self._add(ir, best, start)
+        if not self.quick:
+            best = None
+            for plan in logitspec_grid(self.context.trees, behind):
+                if (left := self.seconds_left()) is not None and left <= 0:
+                    break
+                rounds = self._rounds(backend, plan)
+                estimate = estimate_rounds(rounds, plan, self.context.costs)
+                estimate = replace(estimate, expected_speedup=estimate.expected_speedup * scale)
+                if best is None or estimate.expected_speedup > best[1].expected_speedup:
+                    best = (plan, estimate, rounds)
+            if best is not None:
+                self._add(ir, best, start)
         return PassResult.after(ir, before)
 
 

@@ -54,7 +54,7 @@ def _auto(i: PipelineInputs) -> list:
 
     c, o, progress = i.context, i.options, i.progress
     passes = [LookupAutotune(c, retrieval=o.retrieval, show_progress=progress),
-              LookaheadTune(c, quick=True),
+              LookaheadTune(c, prompts=2, new_tokens=24, quick=True),
               ExitLayerAutotune(c, show_progress=progress, full=False),
               CosineAutotune(c, show_progress=progress, full=False)]
     if i.generic:  # no draft heads on the generic path

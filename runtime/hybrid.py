@@ -50,10 +50,10 @@ class HybridDrafter:
         """Whether a source learns from the verifier's outputs (``observe``: lookahead's Jacobi window)."""
         return any(hasattr(source, "observe") for source in self.lookups)
 
-    def observe(self, draft: Draft, logits, committed) -> None:
+    def observe(self, draft: Draft, logits, committed, ctx=None) -> None:
         for source in self.lookups:
             if hasattr(source, "observe"):
-                source.observe(draft, logits, committed)
+                source.observe(draft, logits, committed, ctx)
 
     def feedback(self, draft: Draft, accepted: int) -> None:
         if self.model is not None and self.model.name in draft.sources:

@@ -41,7 +41,7 @@ class LookaheadDrafter:
         self.prompt: list[int] = []
         self._fill = 0
         self.pool: dict[int, list[tuple[int, ...]]] = {}
-        self._proposed: tuple[int, list[int], list[int]] | None = None  # (input token, pooled first, window)
+        self._proposed: tuple[int, list[int]] | None = None  # (input token, window) drafted this round
 
     @classmethod
     def from_plan(cls, plan: DraftPlan, root: Path | None = None) -> "LookaheadDrafter":
@@ -80,20 +80,16 @@ class LookaheadDrafter:
         return Draft(tokens=list(tokens), q=[None] * len(tokens), sources=[self.name] * len(tokens))
 
     # -- what a round teaches it -------------------------------------------------------------------
-    def observe(self, draft: Draft, logits: np.ndarray, committed: Sequence[int]) -> None:
+    def observe(self, draft: Draft, logits: np.ndarray, committed: Sequence[int], ctx: RoundContext | None = None) -> None:
         """After the verify: the window's rows' outputs become the next window (one Jacobi step) and pooled
         n-grams; ``committed`` are the tokens the round kept (its accepted path, then the verifier's)."""
-        if self._proposed is None:
-            return
-        token, window = self._proposed
+        token, window = self._proposed if self._proposed is not None else (None, [])  # not asked: nothing verified
         self._proposed = None
-        rows = _rows_of(draft, window)
+        rows = rows_of(draft, window)
         outputs = [int(np.argmax(logits[r])) for r in rows]  # outputs[j]: the model's token after window[j]
         guesses = [token] + window[: len(rows)]
-        for j, out in enumerate(outputs):  # the n-gram ending in each output: the guesses before it, then it
-            gram = tuple(guesses[max(0, j + 2 - self.ngram + 1): j + 2]) + (out,)
-            if len(gram) >= 2:
-                self._add(gram[-self.ngram:])
+        for j, out in enumerate(outputs):  # the n-gram ending in each output: the N - 1 guesses before it, then it
+            self._add(tuple(guesses[max(0, j + 3 - self.ngram): j + 2]) + (out,))
         # Jacobi: outputs[j] guesses the position after window[j]; the round moved len(committed) positions on,
         # so outputs[step - 1:] guess the positions after the new input token.
         step = len(committed)
@@ -121,7 +117,7 @@ class LookaheadDrafter:
         pass
 
 
-def _rows_of(draft: Draft, window: list[int]) -> list[int]:
+def rows_of(draft: Draft, window: list[int]) -> list[int]:
     """The verify rows of the window's tokens in ``draft`` (a chain or a tree), as far as it holds them."""
     if not window:
         return []
@@ -136,4 +132,4 @@ def _rows_of(draft: Draft, window: list[int]) -> list[int]:
     return rows
 
 
-__all__ = ["LookaheadDrafter"]
+__all__ = ["LookaheadDrafter", "rows_of"]

@@ -186,6 +186,8 @@ class DraftPlan:
     # length of the n-grams it pools
     lookahead_window: int = 4
     lookahead_ngram: int = 2
+    # LogitSpec (runtime/logitspec.py), a lookup source named "logitspec": guesses for the next-next token
+    logitspec_top_k: int = 4
     datastore: str | None = None  # artifact-relative path of the retrieval datastore
     extend: bool = True  # a lookup continuation may extend the model's draft
     # The draft head (runtime/adapter.py): a trained exit adapter ("adapter:E") and/or the ids of a reduced
@@ -240,6 +242,8 @@ class DraftPlan:
         if "lookahead" in self.lookup and not (1 <= self.lookahead_window <= 32 and 2 <= self.lookahead_ngram <= 4):
             raise ArtifactError(f"plan '{self.name}': lookahead_window must be in 1..32 and lookahead_ngram in 2..4, got "
                                 f"{self.lookahead_window} and {self.lookahead_ngram}")
+        if "logitspec" in self.lookup and not 1 <= self.logitspec_top_k <= 64:
+            raise ArtifactError(f"plan '{self.name}': logitspec_top_k must be in 1..64, got {self.logitspec_top_k}")
         if self.lookup_branches < 1 or self.tree_nodes < 0:
             raise ArtifactError(f"plan '{self.name}': lookup_branches must be >= 1 and tree_nodes >= 0, got "
                                 f"{self.lookup_branches} and {self.tree_nodes}")
@@ -278,7 +282,8 @@ class DraftPlan:
         parts = []
         short = f", 1 token after a match of <= {self.short_ngram}" if self.drafts_after_short_match else ""
         names = {"ngram": f"n-gram lookup (n {self.ngram_max}..{self.ngram_min}{short})", "retrieval": "retrieval",
-                 "lookahead": f"lookahead decoding (window {self.lookahead_window}, pooled {self.lookahead_ngram}-grams)"}
+                 "lookahead": f"lookahead decoding (window {self.lookahead_window}, pooled {self.lookahead_ngram}-grams)",
+                 "logitspec": f"LogitSpec (top {self.logitspec_top_k} next-next guesses, extended by lookup)"}
         lookups = [names.get(source, source) for source in self.lookup]
         if self.lookup_branches > 1:
             lookups = [f"token trees of {' and '.join(lookups)} (up to {self.lookup_branches} branches each, "

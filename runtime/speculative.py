@@ -263,7 +263,7 @@ def _speculative_round(backend: Backend, drafter, ctx: RoundContext, stats: Stat
     stats.record(draft, n)
     drafter.feedback(draft, n)
     if getattr(drafter, "observes", False):
-        drafter.observe(draft, verify_logits, committed)
+        drafter.observe(draft, verify_logits, committed, ctx)
     return committed
 
 
@@ -280,5 +280,5 @@ def _tree_round(backend: Backend, drafter, draft: Draft, ctx: RoundContext, stat
     drafter.feedback(draft, len(path))
     committed = [draft.tokens[i] for i in path] + [final]
     if getattr(drafter, "observes", False):
-        drafter.observe(draft, logits, committed)
+        drafter.observe(draft, logits, committed, ctx)
     return committed

@@ -44,11 +44,11 @@ class TreeLookupDrafter:
     def observes(self) -> bool:
         return any(hasattr(source, "observe") for source in self.lookups)
 
-    def observe(self, draft: Draft, logits, committed) -> None:
+    def observe(self, draft: Draft, logits, committed, ctx=None) -> None:
         """Sources that learn from the verifier's outputs see every row (lookahead's window)."""
         for source in self.lookups:
             if hasattr(source, "observe"):
-                source.observe(draft, logits, committed)
+                source.observe(draft, logits, committed, ctx)
 
     def feedback(self, draft: Draft, accepted: int) -> None:
         pass

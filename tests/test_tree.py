@@ -31,6 +31,9 @@ LOOKAHEAD_TREE = DraftPlan(name="lookahead-tree", lookup=["lookahead", "ngram"],
                            ngram_max=3, lookup_branches=3, tree_nodes=10, lookahead_window=3, lookahead_ngram=3)
 LOOKAHEAD_BEHIND = DraftPlan(name="lookahead-behind", lookup=["ngram", "lookahead"], ngram_min=2, ngram_max=3,
                              lookup_max_draft=4, lookahead_window=2)
+LOGITSPEC = DraftPlan(name="logitspec", lookup=["ngram", "logitspec"], ngram_min=2, ngram_max=3, lookup_max_draft=4)
+LOGITSPEC_TREE = DraftPlan(name="logitspec-tree", lookup=["ngram", "logitspec"], ngram_min=1, ngram_max=3,
+                           lookup_max_draft=4, lookup_branches=3, tree_nodes=10, logitspec_top_k=3)
 #        input
 #        /    \
 #      n0      n3
@@ -177,7 +180,8 @@ def check_tree_lossless(decoder, backend, plans) -> dict[str, int]:
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tree_plans_greedy_lossless_torch(family, tiny_decoder):
     _, decoder = tiny_decoder(family)
-    accepted = check_tree_lossless(decoder, TorchBackend(decoder), [TREE, WIDE, LOOKAHEAD, LOOKAHEAD_TREE, LOOKAHEAD_BEHIND])
+    accepted = check_tree_lossless(decoder, TorchBackend(decoder), [TREE, WIDE, LOOKAHEAD, LOOKAHEAD_TREE, LOOKAHEAD_BEHIND, LOGITSPEC,
+                                                              LOGITSPEC_TREE])
     assert sum(accepted.values()) > 0
 
 
@@ -186,7 +190,8 @@ def test_tree_plans_greedy_lossless_onnx(family, onnx_export):
     decoder, backend, _ = onnx_export(*family.split("/"))
     if backend.tree_unsupported() is not None:
         return  # a windowed model (the test above): chains, as test_graphs_without_tree_inputs_draft_chains checks
-    accepted = check_tree_lossless(decoder, backend, [TREE, WIDE, LOOKAHEAD, LOOKAHEAD_TREE, LOOKAHEAD_BEHIND])
+    accepted = check_tree_lossless(decoder, backend, [TREE, WIDE, LOOKAHEAD, LOOKAHEAD_TREE, LOOKAHEAD_BEHIND, LOGITSPEC,
+                                                              LOGITSPEC_TREE])
     assert sum(accepted.values()) > 0
 
 
@@ -278,14 +283,20 @@ def test_lookahead_window_is_a_jacobi_step_and_fills_the_pool(tiny_decoder):
     assert drafter.pool[6][0] == (6, targets[4])  # the n-gram the last row made: its guess, then its output
 
 
-def test_lookahead_sampling_matches_target_distribution(small_vocab_llama):
+@pytest.mark.parametrize("plan", [
+    DraftPlan(name="la", lookup=["lookahead", "ngram"], ngram_min=1, ngram_max=2, lookup_max_draft=2,
+              lookup_branches=3, tree_nodes=6, lookahead_window=2),
+    DraftPlan(name="ls", lookup=["logitspec", "ngram"], ngram_min=1, ngram_max=2, lookup_max_draft=2,
+              lookup_branches=3, tree_nodes=6, logitspec_top_k=3),
+], ids=["lookahead", "logitspec"])
+def test_output_reading_sources_sample_the_target_distribution(small_vocab_llama, plan):
+    """Lookahead's window and LogitSpec's guesses come from earlier verifier outputs, never from this round's
+    random draws, so the tree rejection keeps the full model's distribution."""
     from test_drafters import chi_square_pvalue
 
     backend = TorchBackend(small_vocab_llama)
     params = SamplingParams(temperature=1.0)
     target2, target3 = exact_marginals(next_token_logits(small_vocab_llama), params, PROMPT, VOCAB)
-    plan = DraftPlan(name="la", lookup=["lookahead", "ngram"], ngram_min=1, ngram_max=2, lookup_max_draft=2,
-                     lookup_branches=3, tree_nodes=6)
     second, third, accepted, trees = sampled(backend, plan, params)
     assert trees > 0 and accepted > 0
     assert chi_square_pvalue(second, target2) > ALPHA
