@@ -95,6 +95,23 @@ class Drafter(Protocol):
         """The verifier accepted the first ``accepted`` tokens of ``draft``."""
 
 
+class ObservesSources:
+    """For drafters made of lookup sources (``self.lookups``): the sources that learn from the verifier's
+    outputs (``observe``: lookahead's Jacobi window, LogitSpec's next-next guesses) see every round's rows.
+    ``observes`` tells the decode loop to keep such rounds on the host."""
+
+    lookups: list
+
+    @property
+    def observes(self) -> bool:
+        return any(hasattr(source, "observe") for source in self.lookups)
+
+    def observe(self, draft: "Draft", logits, committed, ctx=None) -> None:
+        for source in self.lookups:
+            if hasattr(source, "observe"):
+                source.observe(draft, logits, committed, ctx)
+
+
 class DraftStep(Protocol):
     def __call__(self, token: int, pos: int, ctx: RoundContext) -> tuple[int, float, np.ndarray | None]:
         """Draft the token after ``token`` (at ``pos``): (drafted token, confidence, q or None when greedy)."""
@@ -176,4 +193,5 @@ class ModelDrafter:
         self.policy.update(drafted, min(accepted, drafted))
 
 
-__all__ = ["BackendStep", "Draft", "DraftPolicy", "DraftStep", "Drafter", "ModelDrafter", "RoundContext"]
+__all__ = ["BackendStep", "Draft", "DraftPolicy", "DraftStep", "Drafter", "ModelDrafter", "ObservesSources",
+           "RoundContext"]

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .drafters import Draft, ModelDrafter, RoundContext
+from .drafters import Draft, ModelDrafter, ObservesSources, RoundContext
 
 
-class HybridDrafter:
+class HybridDrafter(ObservesSources):
     name = "hybrid"
 
     def __init__(self, lookups: list, model: ModelDrafter | None = None, extend: bool = True):
@@ -44,16 +44,6 @@ class HybridDrafter:
                 if more:
                     return draft.extend(Draft(more, [None] * len(more), [source.name] * len(more)))
         return draft
-
-    @property
-    def observes(self) -> bool:
-        """Whether a source learns from the verifier's outputs (``observe``: lookahead's Jacobi window)."""
-        return any(hasattr(source, "observe") for source in self.lookups)
-
-    def observe(self, draft: Draft, logits, committed, ctx=None) -> None:
-        for source in self.lookups:
-            if hasattr(source, "observe"):
-                source.observe(draft, logits, committed, ctx)
 
     def feedback(self, draft: Draft, accepted: int) -> None:
         if self.model is not None and self.model.name in draft.sources:

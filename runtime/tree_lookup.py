@@ -15,11 +15,11 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .drafters import Draft, RoundContext
+from .drafters import Draft, ObservesSources, RoundContext
 from .tree import TokenTrie
 
 
-class TreeLookupDrafter:
+class TreeLookupDrafter(ObservesSources):
     name = "tree"
     drafts_trees = True
 
@@ -39,16 +39,6 @@ class TreeLookupDrafter:
                 if rank < len(found) and not trie.full:
                     trie.add(found[rank], name)
         return Draft(tokens=trie.tokens, q=[None] * len(trie), sources=trie.sources, parents=trie.parents)
-
-    @property
-    def observes(self) -> bool:
-        return any(hasattr(source, "observe") for source in self.lookups)
-
-    def observe(self, draft: Draft, logits, committed, ctx=None) -> None:
-        """Sources that learn from the verifier's outputs see every row (lookahead's window)."""
-        for source in self.lookups:
-            if hasattr(source, "observe"):
-                source.observe(draft, logits, committed, ctx)
 
     def feedback(self, draft: Draft, accepted: int) -> None:
         pass
