@@ -46,7 +46,7 @@ class PipelineInputs:
 def _auto(i: PipelineInputs) -> list:
     """Cheap first (lookup and retrieval, the early-exit agreement over the calibration continuations), then
     passes whose bound can still beat the incumbent: layer skip, the exit adapter, reduced draft vocabularies,
-    hybrids of lookup with each model plan."""
+    hybrids of lookup with each model plan; lookahead (alone and behind lookup) with the time left."""
     from .adapter import AdapterAutotune, DraftVocabTune
     from .autotune import CosineAutotune, ExitLayerAutotune
     from .lookahead_tune import LookaheadTune
@@ -54,14 +54,15 @@ def _auto(i: PipelineInputs) -> list:
 
     c, o, progress = i.context, i.options, i.progress
     passes = [LookupAutotune(c, retrieval=o.retrieval, show_progress=progress),
-              LookaheadTune(c, prompts=2, new_tokens=24, quick=True),
               ExitLayerAutotune(c, show_progress=progress, full=False),
               CosineAutotune(c, show_progress=progress, full=False)]
+    # Lookahead last: it runs the model to tune (seconds), and adds little behind lookup on the models measured
+    lookahead = LookaheadTune(c, prompts=2, new_tokens=24, quick=True)
     if i.generic:  # no draft heads on the generic path
-        return passes + [HybridAutotune(c, ("layer-skip", "early-exit"), show_progress=progress)]
+        return passes + [HybridAutotune(c, ("layer-skip", "early-exit"), show_progress=progress), lookahead]
     return passes + [AdapterAutotune(c, i.encode, tokens=o.adapter_tokens, show_progress=progress),
                      DraftVocabTune(c, ("layer-skip", "early-exit")),
-                     HybridAutotune(c, ("layer-skip", "early-exit", "adapter"), show_progress=progress)]
+                     HybridAutotune(c, ("layer-skip", "early-exit", "adapter"), show_progress=progress), lookahead]
 
 
 def _cosine(i: PipelineInputs) -> list:
@@ -105,9 +106,9 @@ def _adapter(i: PipelineInputs) -> list:
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("auto", "lookup and retrieval (chains and token trees) and lookahead first, then, within the time budget, only the passes whose bound can beat "
+    Method("auto", "lookup and retrieval (chains and token trees) first, then, within the time budget, only the passes whose bound can beat "
            "the best plan so far (early exit, layer skip, exit adapter, reduced draft vocabularies, hybrids of lookup "
-           "with each model draft); keeps the fastest by timed runs on the backend (plain decoding if none pays)",
+           "with each model draft, lookahead); keeps the fastest by timed runs on the backend (plain decoding if none pays)",
            _auto, budgeted=True, confirm_top=3, confirm_close=0.9, keep_only_default=True),
     Method("cosine", "skip the sublayers whose input and output are most alike", _cosine),
     Method("early-exit", "draft with the first E blocks and verify only the rest", _early_exit),

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import pytest
 import torch
@@ -163,17 +165,20 @@ def repetitive_prompts(decoder, backend, count: int = 4) -> list[list[int]]:
     return prompts
 
 
-def check_tree_lossless(decoder, backend, plans) -> dict[str, int]:
+def check_tree_lossless(decoder, backend, plans, trees_expected: bool = True) -> dict[str, int]:
     near_ties, accepted, trees = 0, {}, 0
     for prompt in repetitive_prompts(decoder, TorchBackend(decoder)):
         plain, _ = run(backend, prompt, NEW_TOKENS)
         for plan in plans:
-            spec, stats = run(backend, prompt, NEW_TOKENS, plan)
+            with warnings.catch_warnings():
+                if not trees_expected:
+                    warnings.simplefilter("ignore")  # "drafts chains": said once per decode
+                spec, stats = run(backend, prompt, NEW_TOKENS, plan)
             near_ties += assert_same_greedy(decoder, prompt, plain, spec)
             accepted[plan.name] = accepted.get(plan.name, 0) + stats.accepted
             trees += stats.tree_rounds
     assert near_ties <= 1, f"{near_ties} near-tie divergences: too many to be rounding"
-    assert trees > 0, "no round verified a tree"
+    assert (trees > 0) == trees_expected, "no round verified a tree" if trees_expected else "a tree where none can run"
     return accepted
 
 
@@ -188,10 +193,9 @@ def test_tree_plans_greedy_lossless_torch(family, tiny_decoder):
 @pytest.mark.parametrize("family", FAMILIES + ("llama/fused-padded",))
 def test_tree_plans_greedy_lossless_onnx(family, onnx_export):
     decoder, backend, _ = onnx_export(*family.split("/"))
-    if backend.tree_unsupported() is not None:
-        return  # a windowed model (the test above): chains, as test_graphs_without_tree_inputs_draft_chains checks
+    # a windowed model (the test above) drafts chains of the same plans here, and stays lossless
     accepted = check_tree_lossless(decoder, backend, [TREE, WIDE, LOOKAHEAD, LOOKAHEAD_TREE, LOOKAHEAD_BEHIND, LOGITSPEC,
-                                                              LOGITSPEC_TREE])
+                                                      LOGITSPEC_TREE], trees_expected=backend.tree_unsupported() is None)
     assert sum(accepted.values()) > 0
 
 
