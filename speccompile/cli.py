@@ -295,7 +295,7 @@ def generate(artifact, prompt, max_new_tokens, temperature, top_k, top_p, seed, 
     s = stream.result.stats
     accepted = f", mean accepted {s.mean_accepted:.2f} tokens/round" if s.mean_accepted is not None else ""
     if s.tree_rounds:
-        accepted += f", {s.tree_rounds} token trees of {s.drafted_per_round:.1f} nodes per round"
+        accepted += f", {s.tree_rounds} token-tree rounds, {s.drafted_per_round:.1f} drafted tokens per round"
     if s.mean_accepted is not None and len(s.per_source) > 1:
         accepted += " (" + ", ".join(f"{k}: {v['accepted']}/{v['drafted']} accepted"
                                      for k, v in s.source_report().items()) + ")"
