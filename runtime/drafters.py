@@ -55,6 +55,15 @@ class Draft:
 
         return not is_chain(self.parents)
 
+    def first_branch(self) -> "Draft":
+        """A tree's first branch (node 0, then each node's first child) as a chain."""
+        if self.parents is None:
+            return self
+        n = 0
+        while n < len(self.parents) and self.parents[n] == n - 1:
+            n += 1
+        return Draft(self.tokens[:n], self.q[:n], self.sources[:n], self.reuse, self.verify_plan)
+
     def extend(self, other: "Draft") -> "Draft":
         """This draft followed by ``other`` (which must not need prefix reuse of its own)."""
         return Draft(self.tokens + other.tokens, self.q + other.q, self.sources + other.sources, self.reuse,

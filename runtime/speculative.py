@@ -231,7 +231,9 @@ def _speculative_round(backend: Backend, drafter, ctx: RoundContext, stats: Stat
     """One draft-then-verify round starting from the last token of ``ctx.history``; the tokens it commits."""
     draft = drafter.propose(ctx)
     if draft.is_tree:
-        return _tree_round(backend, drafter, draft, ctx, stats)
+        if backend.tree_fits(ctx.pos, len(draft.tokens) + 1):
+            return _tree_round(backend, drafter, draft, ctx, stats)
+        draft = draft.first_branch()  # a call this backend cannot make exactly: the tree's first branch, a chain
     token, params, rng = ctx.history[-1], ctx.params, ctx.rng
     verify_logits = _verify(backend, token, draft, ctx.pos)
     drafted = draft.tokens

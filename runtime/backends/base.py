@@ -65,6 +65,11 @@ class Backend(ABC):
         """None when ``forward_tree`` works here, else why not (a short phrase)."""
         return "this backend has no tree attention"
 
+    def tree_fits(self, pos: int, t: int) -> bool:
+        """Whether a tree call of ``t`` rows at ``pos`` computes exactly here (a kernel may only see trees within
+        some positions); when not, the round verifies the tree's first branch as a chain."""
+        return True
+
     def forward_tree(self, tokens: Sequence[int], parents: Sequence[int], pos: int) -> np.ndarray:
         """Full-model logits ``[T, vocab]`` for a round's input token (``tokens[0]``, at ``pos``) and a token
         tree below it (``tokens[1:]``, ``parents`` as in ``runtime/tree.py``): row ``r`` sits at cache slot

@@ -332,11 +332,14 @@ class OnnxBackend(Backend):
         calls = self.index.calls(full_model(self.config.num_layers))
         if not calls or len(calls) != 1 or "attention_bias" not in self.inputs.get(calls[0], []):
             return "this export's full-model graph takes no tree mask (rebuild the artifact with --backend onnx)"
-        c = self.config
-        if any(c.window_of(i) is not None for i in range(c.num_layers)):
-            # the kernel's window counts cache slots; a tree node's position is smaller than its slot
-            return "GroupQueryAttention's sliding window counts cache slots, not tree positions"
         return None
+
+    def tree_fits(self, pos: int, t: int) -> bool:
+        """GroupQueryAttention counts a sliding window in cache slots, and a tree node's position is smaller than
+        its slot: the two windows agree while the call's last slot is inside the window."""
+        c = self.config
+        windows = [w for w in (c.window_of(i) for i in range(c.num_layers)) if w is not None]
+        return not windows or pos + t <= min(windows)
 
     def forward_tree(self, tokens: Sequence[int], parents: Sequence[int], pos: int) -> np.ndarray:
         from ..tree import attention_rows, depths
