@@ -12,7 +12,8 @@ trees, with pooled n-grams as more branches. Each prompt runs every engine once 
 so drift on the machine falls on all of them alike. Prints tokens/s, the ratio to plain decoding, tokens per
 round (the verifier's own included), drafted tokens (tree nodes) per round, and whether every output equals
 plain decoding token for token. Also prints the backend's verify-cost curve, which decides whether a tree's
-extra rows pay.
+extra rows pay; ``--tree-cost`` times tree verifies against chain verifies of as many rows, ``--premise``
+how often the token two ahead is among a position's other top-k tokens (LogitSpec's premise).
 """
 
 from __future__ import annotations
@@ -57,13 +58,60 @@ def engines(model, args) -> dict:
     return out
 
 
+def tree_cost(backend, context: int = 128, repeats: int = 15) -> None:
+    """A tree verify against a chain verify of as many rows (after ``context`` cached positions, best of
+    ``repeats``): whether the step-cost curve the build measured on chains prices trees too."""
+    import numpy as np
+
+    backend.reserve(context + 32)
+    rng = np.random.default_rng(0)
+    backend.forward(rng.integers(0, 1000, context).tolist(), 0)
+
+    def best(call) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            call()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    step = best(lambda: backend.forward([5], context))
+    print("\n| rows | chain verify / step | tree verify / step | tree / chain |\n|---|---|---|---|")
+    for t in (4, 8, 12, 17, 25):
+        tokens = rng.integers(0, 1000, t).tolist()
+        parents = [-1] + [int(rng.integers(-1, i)) for i in range(1, t - 1)]  # a random tree of t - 1 nodes
+        chain = best(lambda: backend.forward(tokens, context))
+        tree = best(lambda: backend.forward_tree(tokens, parents, context))
+        print(f"| {t} | {chain / step:.2f}x | {tree / step:.2f}x | {tree / chain:.3f} |")
+
+
+def logitspec_premise(backend, sequences: list[tuple[list[int], int]]) -> None:
+    """How often the token two ahead is among the other top-k tokens of a position's logits (LogitSpec's
+    premise), over the plain outputs."""
+    import numpy as np
+
+    ks, hits, total = (1, 2, 4, 8, 16), {k: 0 for k in (1, 2, 4, 8, 16)}, 0
+    for tokens, prompt_len in sequences:
+        backend.reserve(len(tokens) + 1)
+        logits = backend.forward(tokens, 0)
+        for i in range(prompt_len - 1, len(tokens) - 2):
+            top = np.argsort(-logits[i])[:17].tolist()
+            others = [t for t in top if t != tokens[i + 1]]
+            total += 1
+            for k in ks:
+                hits[k] += tokens[i + 2] in others[:k]
+    print(f"\nLogitSpec's premise, over {total} positions of the plain outputs: the token two ahead is among the "
+          "other top-k of a position's logits " + ", ".join(f"top {k} {hits[k] / total:.1%}" for k in ks))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifact", type=Path)
     parser.add_argument("--backend", default=None)
     parser.add_argument("--prompts", default=None, help="prompts file (default: the artifact's bench prompts)")
     parser.add_argument("--max-new-tokens", type=int, default=96)
-    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--rounds", type=int, default=2, help="rounds in turns (0: only plain outputs, for --premise "
+                        "and --tree-cost)")
     parser.add_argument("--windows", type=lambda s: [int(x) for x in s.split(",")], default=[2, 4])
     parser.add_argument("--ngram", type=int, default=2)
     parser.add_argument("--branches", type=int, default=3)
@@ -71,6 +119,8 @@ def main() -> None:
     parser.add_argument("--wide-nodes", type=int, default=24, help="node budget of the widest tree (lookup, LogitSpec "
                         "and lookahead branches together)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--tree-cost", action="store_true", help="also time tree against chain verifies of as many rows")
+    parser.add_argument("--premise", action="store_true", help="also print LogitSpec's premise on the plain outputs")
     args = parser.parse_args()
 
     from speccompile.bench import load_prompts
@@ -80,7 +130,7 @@ def main() -> None:
     model = load(args.artifact, backend=args.backend) if args.backend else load(args.artifact)
     texts, source = load_prompts(args.prompts, model.manifest)
     prompts = [model.tokenizer.encode(t) for t in texts]
-    plans = engines(model, args)
+    plans = engines(model, args) if args.rounds > 0 else {"plain": None}  # --rounds 0: the extra checks only
     names = list(plans)
     seconds = {n: 0.0 for n in names}
     tokens = {n: 0 for n in names}
@@ -89,7 +139,7 @@ def main() -> None:
     for warm in prompts[:1]:
         for plan in plans.values():
             decode_all(model.backend, DecodeRequest(warm, 8, eos_ids=model.eos_ids), plan, args.artifact)
-    for r in range(args.rounds):
+    for r in range(max(args.rounds, 1)):
         for i, prompt in enumerate(prompts):
             shift = (r * len(prompts) + i) % len(names)
             for name in names[shift:] + names[:shift]:
@@ -108,8 +158,11 @@ def main() -> None:
     if costs:
         print("verify cost / one step: " + ", ".join(f"{k}: {costs[k - 1] / costs[0]:.2f}" for k in (2, 4, 6, 8, 12, 16)
                                                        if k <= len(costs)))
-    print("\n| engine | tokens/s | vs plain | tokens / round | drafted / round | identical to plain |")
-    print("|---|---|---|---|---|---|")
+    if args.rounds == 0:
+        names = []
+    else:
+        print("\n| engine | tokens/s | vs plain | tokens / round | drafted / round | identical to plain |")
+        print("|---|---|---|---|---|---|")
     rate = {n: tokens[n] / seconds[n] for n in names}
     report = {}
     for name in names:
@@ -122,6 +175,10 @@ def main() -> None:
         report[name] = {"tokens_per_s": rate[name], "vs_plain": rate[name] / rate["plain"],
                         "tokens_per_round": (accepted + n_rounds) / n_rounds if n_rounds else None,
                         "drafted_per_round": drafted / n_rounds if n_rounds else None, "identical": same}
+    if args.premise:
+        logitspec_premise(model.backend, [(p + out, len(p)) for p, out in zip(prompts, outputs["plain"])])
+    if args.tree_cost and model.backend.tree_unsupported() is None:
+        tree_cost(model.backend)
     if args.json:
         args.json.write_text(json.dumps(report, indent=1))
 
