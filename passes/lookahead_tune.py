@@ -87,18 +87,12 @@ class LookaheadTune(Pass):
         plan.target_acceptance = tuned_target(plan.measured)
         ir.add_plan(plan)
 
-    def call(self, ir: DecoderIR) -> PassResult:
-        start, before = time.perf_counter(), dict(ir.plans)
-        backend = self.context.runner.backend({})
+    def _best(self, backend, plans, scale: float, required: bool):
+        """The plan of ``plans`` with the best expected speedup (a plan behind the lookup plan scaled by
+        ``scale``), within the pass's deadline; ``required``: score at least one whatever the time."""
         best = None
-        grid = dict(windows=(2,), ngrams=(2,)) if self.quick else {}
-        behind = ir.plans.get("lookup")
-        scale = 1.0  # a plan behind the lookup plan: its gain over that plan on these prompts, times its estimate
-        if behind is not None and behind.measured.get("expected_speedup"):
-            alone = estimate_rounds(self._rounds(backend, behind), behind, self.context.costs).expected_speedup
-            scale = behind.measured["expected_speedup"] / alone
-        for plan in lookahead_grid(self.context.trees, behind, **grid):
-            if best is not None and (left := self.seconds_left()) is not None and left <= 0:
+        for plan in plans:
+            if (best is not None or not required) and (left := self.seconds_left()) is not None and left <= 0:
                 break
             rounds = self._rounds(backend, plan)
             estimate = estimate_rounds(rounds, plan, self.context.costs)
@@ -106,17 +100,20 @@ class LookaheadTune(Pass):
                 estimate = replace(estimate, expected_speedup=estimate.expected_speedup * scale)
             if best is None or estimate.expected_speedup > best[1].expected_speedup:
                 best = (plan, estimate, rounds)
-        self._add(ir, best, start)
+        return best
+
+    def call(self, ir: DecoderIR) -> PassResult:
+        start, before = time.perf_counter(), dict(ir.plans)
+        backend = self.context.runner.backend({})
+        grid = dict(windows=(2,), ngrams=(2,)) if self.quick else {}
+        behind = ir.plans.get("lookup")
+        scale = 1.0  # a plan behind the lookup plan: its gain over that plan on these prompts, times its estimate
+        if behind is not None and behind.measured.get("expected_speedup"):
+            alone = estimate_rounds(self._rounds(backend, behind), behind, self.context.costs).expected_speedup
+            scale = behind.measured["expected_speedup"] / alone
+        self._add(ir, self._best(backend, lookahead_grid(self.context.trees, behind, **grid), scale, required=True), start)
         if not self.quick:
-            best = None
-            for plan in logitspec_grid(self.context.trees, behind):
-                if (left := self.seconds_left()) is not None and left <= 0:
-                    break
-                rounds = self._rounds(backend, plan)
-                estimate = estimate_rounds(rounds, plan, self.context.costs)
-                estimate = replace(estimate, expected_speedup=estimate.expected_speedup * scale)
-                if best is None or estimate.expected_speedup > best[1].expected_speedup:
-                    best = (plan, estimate, rounds)
+            best = self._best(backend, logitspec_grid(self.context.trees, behind), scale, required=False)
             if best is not None:
                 self._add(ir, best, start)
         return PassResult.after(ir, before)

@@ -21,7 +21,6 @@ from speccompile.runtime.drafter_factory import make_drafter
 from speccompile.runtime.drafters import RoundContext
 from speccompile.runtime.manifest import DraftPlan
 from speccompile.runtime.sampling import SamplingParams
-from speccompile.runtime.tree import follow
 
 from .acceptance import Profile, Reference, RoundEstimate
 
@@ -70,12 +69,7 @@ def replay(plan: DraftPlan, references: list[Reference], profile: Profile | None
             ctx = RoundContext(history=tokens[: ref.prompt_len + produced], pos=ref.prompt_len + produced - 1,
                                limit=n - produced - 1, params=GREEDY, rng=None)
             draft = drafter.propose(ctx)
-            if draft.is_tree:  # a token tree: the path that matches the continuation (``tree.follow``)
-                accepted = len(follow(draft.tokens, draft.parents, target[produced:]))
-            else:
-                accepted = 0
-                while accepted < len(draft.tokens) and draft.tokens[accepted] == target[produced + accepted]:
-                    accepted += 1
+            accepted = len(draft.nodes_of(target[produced:]))  # a chain's or a tree's path along the continuation
             drafter.feedback(draft, accepted)
             model = draft.sources.count("model")
             rounds.append(ReplayedRound(len(draft.tokens), accepted, model, len(plan.lookup) if plan.lookup else 0,

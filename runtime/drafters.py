@@ -55,6 +55,19 @@ class Draft:
 
         return not is_chain(self.parents)
 
+    @property
+    def tree_parents(self) -> list[int]:
+        """``parents`` as a tree's, for a chain too (each token the child of the one before)."""
+        from .tree import chain_parents
+
+        return self.parents if self.parents is not None else chain_parents(len(self.tokens))
+
+    def nodes_of(self, tokens: Sequence[int]) -> list[int]:
+        """The nodes holding ``tokens`` from the root down, as far as this draft holds them (``tree.follow``)."""
+        from .tree import follow
+
+        return follow(self.tokens, self.tree_parents, tokens)
+
     def first_branch(self) -> "Draft":
         """A tree's first branch (node 0, then each node's first child) as a chain."""
         if self.parents is None:

@@ -61,10 +61,8 @@ class LogitSpecDrafter:
 
     def observe(self, draft: Draft, logits: np.ndarray, committed: Sequence[int], ctx: RoundContext) -> None:
         """The round kept ``committed``; its last token came from the verify row after the accepted path."""
-        from .lookahead import rows_of
-
-        rows = rows_of(draft, list(committed[:-1]))
-        row = logits[rows[-1] if rows else 0]
+        path = draft.nodes_of(committed[:-1])
+        row = logits[path[-1] + 1 if path else 0]
         final = int(committed[-1])
         top = np.argpartition(row, -(self.top_k + 1))[-(self.top_k + 1):]
         top = top[np.argsort(-row[top], kind="stable")]

@@ -85,7 +85,7 @@ class LookaheadDrafter:
         n-grams; ``committed`` are the tokens the round kept (its accepted path, then the verifier's)."""
         token, window = self._proposed if self._proposed is not None else (None, [])  # not asked: nothing verified
         self._proposed = None
-        rows = rows_of(draft, window)
+        rows = [node + 1 for node in draft.nodes_of(window)]  # the window's verify rows, as far as drafted
         outputs = [int(np.argmax(logits[r])) for r in rows]  # outputs[j]: the model's token after window[j]
         guesses = [token] + window[: len(rows)]
         for j, out in enumerate(outputs):  # the n-gram ending in each output: the N - 1 guesses before it, then it
@@ -117,19 +117,4 @@ class LookaheadDrafter:
         pass
 
 
-def rows_of(draft: Draft, window: list[int]) -> list[int]:
-    """The verify rows of the window's tokens in ``draft`` (a chain or a tree), as far as it holds them."""
-    if not window:
-        return []
-    parents = draft.parents if draft.parents is not None else list(range(-1, len(draft.tokens) - 1))
-    rows, parent = [], -1
-    for token in window:
-        node = next((i for i, (t, p) in enumerate(zip(draft.tokens, parents)) if p == parent and t == token), None)
-        if node is None:
-            break
-        rows.append(node + 1)
-        parent = node
-    return rows
-
-
-__all__ = ["LookaheadDrafter", "rows_of"]
+__all__ = ["LookaheadDrafter"]

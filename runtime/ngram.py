@@ -9,6 +9,7 @@ looked-up token with probability p(token)).
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 from typing import Sequence
 
@@ -44,27 +45,21 @@ class NgramIndex:
     def continuation(self, tail: Sequence[int], limit: int, short: int = 0) -> list[int]:
         """Up to ``limit`` tokens that followed the longest indexed match of the end of ``tail``; one token
         when that match is at most ``short`` tokens long."""
-        for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
-            start = self.latest[n].get(tuple(tail[-n:]))
-            if start is not None:
-                return self.tokens[start : start + (1 if n <= short else limit)]
-        return []
+        found = self.continuations(tail, limit, short, most=1)
+        return found[0] if found else []
 
     def continuations(self, tail: Sequence[int], limit: int, short: int = 0, most: int = 4) -> list[list[int]]:
         """Up to ``most`` different continuations of the end of ``tail``: longest match first, most recent
         occurrence first within a match length (the first one is ``continuation``'s)."""
         found: list[list[int]] = []
-        seen: set[tuple[int, ...]] = set()
         for n in range(min(self.max_n, len(tail)), self.min_n - 1, -1):
             gram = tuple(tail[-n:])
             latest = self.latest[n].get(gram)
             if latest is None:
                 continue
-            for start in [latest] + self.earlier[n].get(gram, [])[::-1]:
+            for start in itertools.chain([latest], reversed(self.earlier[n].get(gram, ()))):
                 cont = self.tokens[start : start + (1 if n <= short else limit)]
-                key = tuple(cont)
-                if cont and key not in seen and not any(f[: len(cont)] == cont for f in found):
-                    seen.add(key)
+                if cont and not any(f[: len(cont)] == cont for f in found):  # not a prefix of one already found
                     found.append(cont)
                     if len(found) >= most:
                         return found

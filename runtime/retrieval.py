@@ -73,45 +73,51 @@ class Datastore:
 
         return bisect.bisect_left(self.order, query, key=key), bisect.bisect_right(self.order, query, key=key)
 
-    def continuation(self, tail: Sequence[int], limit: int, min_n: int = 1) -> list[int]:
+    def _match(self, tail: Sequence[int], min_n: int) -> tuple[tuple[int, ...], np.ndarray] | None:
+        """The longest end of ``tail`` (at least ``min_n`` tokens) found in the store, and where each of its
+        first ``MAX_MATCHES`` occurrences is followed; None when none is."""
         for n in range(min(self.depth, len(tail)), min_n - 1, -1):
-            lo, hi = self._range(tuple(int(t) for t in tail[-n:]))
+            query = tuple(int(t) for t in tail[-n:])
+            lo, hi = self._range(query)
             if hi > lo:
-                positions = self.order[lo : min(hi, lo + MAX_MATCHES)] + n
-                out: list[int] = []
-                for _ in range(limit):
-                    following = self.tokens[positions]
-                    following = following[following != SEPARATOR]
-                    if not len(following):
-                        break
-                    values, counts = np.unique(following, return_counts=True)
-                    token = int(values[np.argmax(counts)])
-                    out.append(token)
-                    positions = positions[self.tokens[positions] == token] + 1
-                return out
-        return []
+                return query, self.order[lo : min(hi, lo + MAX_MATCHES)] + n
+        return None
+
+    def _majority_path(self, positions: np.ndarray, limit: int) -> list[int]:
+        """Up to ``limit`` tokens, each the most frequent next token of the occurrences still followed."""
+        out: list[int] = []
+        for _ in range(limit):
+            following = self.tokens[positions]
+            following = following[following != SEPARATOR]
+            if not len(following):
+                break
+            values, counts = np.unique(following, return_counts=True)
+            token = int(values[np.argmax(counts)])
+            out.append(token)
+            positions = positions[self.tokens[positions] == token] + 1
+        return out
+
+    def continuation(self, tail: Sequence[int], limit: int, min_n: int = 1) -> list[int]:
+        match = self._match(tail, min_n)
+        return [] if match is None else self._majority_path(match[1], limit)
 
     def continuations(self, tail: Sequence[int], limit: int, min_n: int = 1, most: int = 4) -> list[list[int]]:
         """Up to ``most`` continuations of the longest match: the majority path (``continuation``), then each
         other next token seen after the match, most frequent first, followed by its own majority path."""
-        first = self.continuation(tail, limit, min_n)
+        match = self._match(tail, min_n)
+        first = [] if match is None else self._majority_path(match[1], limit)
         if not first or most <= 1:
             return [first] if first else []
+        query, positions = match
         found = [first]
-        for n in range(min(self.depth, len(tail)), min_n - 1, -1):
-            query = tuple(int(t) for t in tail[-n:])
-            lo, hi = self._range(query)
-            if hi <= lo:
+        following = self.tokens[positions]
+        values, counts = np.unique(following[following != SEPARATOR], return_counts=True)
+        for token in values[np.argsort(-counts, kind="stable")]:
+            if int(token) == first[0]:
                 continue
-            following = self.tokens[self.order[lo : min(hi, lo + MAX_MATCHES)] + n]
-            values, counts = np.unique(following[following != SEPARATOR], return_counts=True)
-            for token in values[np.argsort(-counts, kind="stable")]:
-                if int(token) == first[0]:
-                    continue
-                found.append([int(token)] + self.continuation(list(query) + [int(token)], limit - 1, min_n)[: limit - 1])
-                if len(found) >= most:
-                    break
-            break
+            found.append([int(token)] + self.continuation(list(query) + [int(token)], limit - 1, min_n)[: limit - 1])
+            if len(found) >= most:
+                break
         return found
 
 

@@ -28,7 +28,7 @@ from .drafter_factory import make_drafter
 from .drafters import BackendStep, Draft, RoundContext
 from .manifest import DraftPlan
 from .sampling import SamplingParams, probabilities, sample
-from .tree import greedy_path, path_slots, sample_path
+from .tree import greedy_path, kv_moves, sample_path
 
 
 @dataclass
@@ -197,11 +197,12 @@ def backend_drafter(backend: Backend, plan: DraftPlan | None, root: Path | None 
     if plan is None:
         return None
     backend.check_plans({plan.name: plan})  # a plan this backend cannot run is refused before any work
-    if plan.lookup_branches > 1 and backend.tree_unsupported() is not None:
+    no_trees = backend.tree_unsupported() if plan.lookup_branches > 1 else None
+    if no_trees is not None:
         import warnings
 
         warnings.warn(f"plan {plan.name!r} drafts token trees, which the {backend.name} backend cannot verify here "
-                      f"({backend.tree_unsupported()}); it drafts chains (its first branch)", stacklevel=2)
+                      f"({no_trees}); it drafts chains (its first branch)", stacklevel=2)
         plan = replace(plan, lookup_branches=1)
     if plan.draft_head_file is not None:  # an exit adapter / reduced vocabulary, from ``root``
         backend.load_draft_head(plan.draft_head_file, root)
@@ -261,12 +262,7 @@ def _speculative_round(backend: Backend, drafter, ctx: RoundContext, stats: Stat
             break
         else:
             committed.append(sample(probabilities(verify_logits[len(drafted)], params), rng))
-        n = len(committed) - 1
-    stats.record(draft, n)
-    drafter.feedback(draft, n)
-    if getattr(drafter, "observes", False):
-        drafter.observe(draft, verify_logits, committed, ctx)
-    return committed
+    return _finish_round(drafter, draft, verify_logits, committed, ctx, stats)
 
 
 def _tree_round(backend: Backend, drafter, draft: Draft, ctx: RoundContext, stats: Stats) -> list[int]:
@@ -277,10 +273,17 @@ def _tree_round(backend: Backend, drafter, draft: Draft, ctx: RoundContext, stat
         path, final = greedy_path(draft.tokens, draft.parents, logits)
     else:
         path, final = sample_path(draft.tokens, draft.parents, logits, ctx.params, ctx.rng)
-    backend.keep_rows(ctx.pos, path_slots(path))
-    stats.record(draft, len(path), path)
-    drafter.feedback(draft, len(path))
-    committed = [draft.tokens[i] for i in path] + [final]
+    backend.keep_rows(ctx.pos, kv_moves(path))
+    return _finish_round(drafter, draft, logits, [draft.tokens[i] for i in path] + [final], ctx, stats, path)
+
+
+def _finish_round(drafter, draft: Draft, logits: np.ndarray, committed: list[int], ctx: RoundContext, stats: Stats,
+                  path: list[int] | None = None) -> list[int]:
+    """What every round ends with: its stats, the drafter's feedback, and the verifier's rows for drafters
+    that learn from them (``observes``); ``committed`` ends with the verifier's own token."""
+    accepted = len(committed) - 1
+    stats.record(draft, accepted, path)
+    drafter.feedback(draft, accepted)
     if getattr(drafter, "observes", False):
         drafter.observe(draft, logits, committed, ctx)
     return committed

@@ -6,7 +6,7 @@ child of the round's input token, and every parent comes before its children. Th
 input token and every node in one call: node ``i`` sits at cache slot ``pos + 1 + i`` but at position
 ``pos + depth(i)`` (rotary / learned positions) and attends to the committed past, the input token,
 its ancestors and itself (``attention_rows``). Afterwards the accepted path's KV entries move to the
-slots their positions name (``path_slots``): the rest of the decode loop never sees the tree.
+slots their positions name (``kv_moves``): the rest of the decode loop never sees the tree.
 
 Acceptance, written once here for every backend:
 - greedy (``greedy_path``): from the root, follow the child whose token is the verifier's argmax; exact,
@@ -66,6 +66,16 @@ def children_of(parents: Sequence[int]) -> list[list[int]]:
     return children
 
 
+def chain_parents(length: int) -> list[int]:
+    """The ``parents`` of a chain of ``length`` tokens (each node the child of the one before)."""
+    return list(range(-1, length - 1))
+
+
+def _child(children: list[list[int]], tokens: Sequence[int], row: int, token: int) -> int | None:
+    """The node below call row ``row`` that holds ``token`` (None: no such branch)."""
+    return next((c for c in children[row] if tokens[c] == token), None)
+
+
 def greedy_path(tokens: Sequence[int], parents: Sequence[int], logits: np.ndarray) -> tuple[list[int], int]:
     """(accepted nodes from the root down, the verifier's next token after them)."""
     children = children_of(parents)
@@ -73,7 +83,7 @@ def greedy_path(tokens: Sequence[int], parents: Sequence[int], logits: np.ndarra
     row = 0
     while True:
         target = int(np.argmax(logits[row]))
-        nxt = next((c for c in children[row] if tokens[c] == target), None)
+        nxt = _child(children, tokens, row, target)
         if nxt is None:
             return path, target
         path.append(nxt)
@@ -107,13 +117,14 @@ def sample_path(tokens: Sequence[int], parents: Sequence[int], logits: np.ndarra
 
 
 def follow(tokens: Sequence[int], parents: Sequence[int], continuation: Sequence[int]) -> list[int]:
-    """The accepted path when the verifier's tokens are known to be ``continuation`` (the tuner's replay of
-    a greedy run: the same walk as ``greedy_path``)."""
+    """The nodes along ``continuation`` from the root, as far as the tree holds it: the accepted path when the
+    verifier's tokens are known (the tuner's replay of a greedy run; the same walk as ``greedy_path``), or
+    where a source's own branch landed in a merged tree."""
     children = children_of(parents)
     path: list[int] = []
     row = 0
     for target in continuation:
-        nxt = next((c for c in children[row] if tokens[c] == target), None)
+        nxt = _child(children, tokens, row, target)
         if nxt is None:
             break
         path.append(nxt)
@@ -121,10 +132,11 @@ def follow(tokens: Sequence[int], parents: Sequence[int], continuation: Sequence
     return path
 
 
-def path_slots(path: Sequence[int]) -> list[int]:
-    """Call rows whose KV must move to rows ``1, 2, ..`` (the accepted nodes, in order); only those that
-    are not already there."""
-    return [node + 1 for node in path]
+def kv_moves(path: Sequence[int]) -> list[tuple[int, int]]:
+    """(from row, to row) of the call rows whose KV must move so that the accepted nodes sit at rows
+    ``1, 2, ..`` in order; rows already in place are left out. Every target row is below its source and the
+    sources rise, so the moves can run in order, in place."""
+    return [(node + 1, j + 1) for j, node in enumerate(path) if node != j]
 
 
 class TokenTrie:
@@ -145,9 +157,9 @@ class TokenTrie:
     def full(self) -> bool:
         return len(self.tokens) >= self.max_nodes
 
-    def add(self, continuation: Sequence[int], source: str, under: int = -1) -> int:
-        """Insert ``continuation`` below node ``under`` (-1: the root); returns the nodes it added."""
-        added, parent = 0, under
+    def add(self, continuation: Sequence[int], source: str) -> int:
+        """Insert ``continuation`` below the root; returns the nodes it added."""
+        added, parent = 0, -1
         for token in continuation:
             node = self._index.get((parent, int(token)))
             if node is None:
@@ -163,5 +175,5 @@ class TokenTrie:
         return added
 
 
-__all__ = ["TokenTrie", "attention_rows", "children_of", "depths", "follow", "greedy_path", "is_chain", "path_slots",
-           "sample_path"]
+__all__ = ["TokenTrie", "attention_rows", "chain_parents", "children_of", "depths", "follow", "greedy_path", "is_chain",
+           "kv_moves", "sample_path"]

@@ -76,9 +76,9 @@ class Backend(ABC):
         ``pos + r`` and position ``pos + depth`` and attends to the past and its ancestors only."""
         raise NotImplementedError(self.tree_unsupported())
 
-    def keep_rows(self, pos: int, rows: Sequence[int]) -> None:
-        """After ``forward_tree``: move the KV of call rows ``rows`` (slots ``pos + r``) to slots ``pos + 1,
-        pos + 2, ..`` in order, in every layer (the accepted path; the rest is overwritten later)."""
+    def keep_rows(self, pos: int, moves: Sequence[tuple[int, int]]) -> None:
+        """After ``forward_tree``: move the KV of call row ``a`` (slot ``pos + a``) to row ``b`` for each ``(a, b)``
+        of ``moves`` (``tree.kv_moves``: the accepted path; the rest is overwritten later), in every layer."""
         raise NotImplementedError(self.tree_unsupported())
 
     # -- conveniences on top ------------------------------------------------------------------------

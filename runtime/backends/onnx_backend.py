@@ -354,11 +354,10 @@ class OnnxBackend(Backend):
         finally:
             self._tree_feed = None
 
-    def keep_rows(self, pos: int, rows: Sequence[int]) -> None:
-        moves = [(pos + r, pos + 1 + j) for j, r in enumerate(rows) if r != 1 + j]
+    def keep_rows(self, pos: int, moves: Sequence[tuple[int, int]]) -> None:
         if not moves:
             return
-        src, dst = [m[0] for m in moves], [m[1] for m in moves]
+        src, dst = [pos + a for a, _ in moves], [pos + b for _, b in moves]
         for buf in self.k + self.v:  # [1, kv_heads, max_len, head_dim], the OrtValues' memory
             buf[:, :, dst] = buf[:, :, src]
 

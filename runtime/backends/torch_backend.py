@@ -176,12 +176,11 @@ class TorchBackend(Backend):
         return self.decoder.forward_tree(ids, pos, self.cache, depth, rows)[0].float().cpu().numpy()
 
     @torch.inference_mode()
-    def keep_rows(self, pos: int, rows: Sequence[int]) -> None:
-        moves = [(pos + r, pos + 1 + j) for j, r in enumerate(rows) if r != 1 + j]
+    def keep_rows(self, pos: int, moves: Sequence[tuple[int, int]]) -> None:
         if not moves:
             return
-        src = torch.tensor([m[0] for m in moves], device=self.device)
-        dst = torch.tensor([m[1] for m in moves], device=self.device)
+        src = torch.tensor([pos + a for a, _ in moves], device=self.device)
+        dst = torch.tensor([pos + b for _, b in moves], device=self.device)
         for buf in (self.cache.k, self.cache.v):  # [layers, batch, kv_heads, max_len, head_dim]
             buf.index_copy_(3, dst, buf.index_select(3, src))
 
