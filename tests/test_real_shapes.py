@@ -24,7 +24,7 @@ import torch
 
 pytest.importorskip("onnxruntime")
 
-from lossless import NEAR_TIE, assert_speculative_is_plain  # noqa: E402
+from lossless import NEAR_TIE, assert_speculative_is_plain, run  # noqa: E402
 from test_onnx_fused import make_artifact  # noqa: E402
 from speccompile.runtime.cpu_linear import MAX_ROWS  # noqa: E402
 from speccompile.runtime.manifest import DraftPlan, read_manifest  # noqa: E402
@@ -139,3 +139,33 @@ def test_torch_cpu_product_forms(real_shaped, monkeypatch):
         assert rounding < ROUNDING, f"torch {form}: a k-token call and k steps give logits {rounding:.2e} apart"
     assert_speculative_is_plain(backend, TorchBackend(decoder), prompts(decoder.config.vocab_size), {"exit": plans()["exit"]},
                                 NEW_TOKENS)
+
+
+TREE_PLANS = {p.name: p for p in (
+    DraftPlan(name="tree", lookup=["ngram"], ngram_min=1, ngram_max=3, lookup_max_draft=4, lookup_branches=3,
+              tree_nodes=10),
+    DraftPlan(name="lookahead-tree", lookup=["lookahead", "ngram"], ngram_min=1, ngram_max=3, lookup_max_draft=4,
+              lookup_branches=3, tree_nodes=10),
+    DraftPlan(name="logitspec-tree", lookup=["ngram", "logitspec"], ngram_min=1, ngram_max=3, lookup_max_draft=4,
+              lookup_branches=3, tree_nodes=10))}
+
+
+@pytest.mark.parametrize("name", ["int8", "fused", "torch"])
+def test_token_trees_at_real_shapes(name, onnx_artifacts, real_shaped):
+    """Token trees (a tree mask and tree positions in the verify, the accepted path's KV moved in place) keep
+    greedy speculative == plain at SmolLM2's shapes: ONNX Runtime's fused graphs (fp32, and int8 with their
+    padding row) and torch's CPU products."""
+    if name == "torch":
+        root, backend = None, TorchBackend(real_shaped[1]())
+    else:
+        root, backend = onnx_artifacts(name)
+    assert backend.tree_unsupported() is None
+    # the model's own continuation of a seed, then other text after the seed's last tokens, then the seed again:
+    # the lookup finds several continuations (a tree) and one of them is what the model says
+    seed, noise = prompts(backend.config.vocab_size)
+    own = run(backend, seed, 8)[0]
+    test_prompts = [seed + own + noise[:6] + seed[-2:] + noise[6:] + seed, seed + noise + seed]
+    assert_speculative_is_plain(backend, backend.replica(), test_prompts, TREE_PLANS, NEW_TOKENS, root)
+    trees = sum(run(backend, prompt, NEW_TOKENS, plan, root=root)[1].tree_rounds
+                for prompt in test_prompts for plan in TREE_PLANS.values())
+    assert trees > 0, "no round verified a tree"
