@@ -1,13 +1,15 @@
-"""Precision self-drafts on a real model (issue 22): the model's own fused ONNX graph with int8 / int4
-weight-only products drafts, the fp32 model verifies. Prints, per plan, the speedup over plain decoding
-timed in turns, tokens per round, the draft acceptance and whether every output equals plain decoding.
+"""Precision self-drafts on a real model (issue 22): the model's own graph with int8 / int4 products drafts,
+the fp32 model verifies (ONNX Runtime: the fused graph with ``MatMulNBits``; torch: the decoder's dynamic-int8
+twin, int8 only). Prints, per plan, the speedup over plain decoding timed in turns, tokens per round, the
+draft acceptance and whether every output equals plain decoding.
 
     speccompile build MODEL -o ART --backend onnx          # any ONNX Runtime artifact with fp32 fused graphs
     python benchmarks/precision_draft.py ART [--prompts FILE] [--max-new-tokens 96] [--plans int8,int4,int4/b128]
-                                         [--hybrid]
+                                         [--hybrid] [--backend torch]
 
-The artifact is copied (``ART-precision``) and re-exported with precision plans added next to its own
-(the quantized weights go into the same weights.bin, once); nothing is tuned: each plan drafts up to
+For ONNX Runtime the artifact is copied (``ART-precision``) and re-exported with precision plans added next
+to its own (the quantized weights go into the same weights.bin, once); on torch the plans are added to the
+loaded manifest (the int8 twin is made at load, nothing is stored). Nothing is tuned: each plan drafts up to
 ``--max-draft`` tokens with the adaptive threshold. A plan string is a precision as the draft kind writes it:
 ``int4`` (block 32, asymmetric: the grid of SmolLM2's Q4_1 GGUF, so it flatters the method there),
 ``int4/b128`` (block 128: a grid that does not match the GGUF's), ``int4/b32s`` (symmetric), ``int8``.
@@ -84,18 +86,29 @@ def main() -> None:
     parser.add_argument("--plans", default="int8,int4,int4/b128")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--hybrid", action="store_true")
+    parser.add_argument("--backend", choices=("onnx", "torch"), default="onnx")
     args = parser.parse_args()
 
     from speccompile.bench import load_prompts
     from speccompile.runtime import load
 
     precisions = [p for p in args.plans.split(",") if p]
-    root = with_precision_plans(args.artifact, args.artifact.with_name(args.artifact.name + "-precision"), precisions,
-                                args.max_draft, args.hybrid)
-    model = load(root, backend="onnx")
-    record = model.manifest.backends["onnx"]
-    extra = sum(t["nbytes"] for name, t in record["tensors"].items() if ".int4" in name or ".int8" in name)
-    print(f"weights.bin {record['weights_bytes'] / 1e6:.1f} MB, of which quantized draft weights {extra / 1e6:.1f} MB")
+    if args.backend == "onnx":
+        root = with_precision_plans(args.artifact, args.artifact.with_name(args.artifact.name + "-precision"),
+                                    precisions, args.max_draft, args.hybrid)
+        model = load(root, backend="onnx")
+        record = model.manifest.backends["onnx"]
+        extra = sum(t["nbytes"] for name, t in record["tensors"].items() if ".int4" in name or ".int8" in name)
+        print(f"weights.bin {record['weights_bytes'] / 1e6:.1f} MB, of which quantized draft weights {extra / 1e6:.1f} MB")
+    else:
+        model = load(args.artifact, backend="torch")
+        lookup_plan = model.manifest.plans.get(model.manifest.default_plan)
+        for precision in precisions:
+            model.manifest.plans[plan_for(precision, args.max_draft).name] = plan_for(precision, args.max_draft)
+            if args.hybrid:
+                hybrid = hybrid_for(precision, args.max_draft, lookup_plan)
+                model.manifest.plans[hybrid.name] = hybrid
+        model.backend.check_plans(model.manifest.plans)
     texts, source = load_prompts(args.prompts, model.manifest)
     prompts = [model.encode_prompt(t) for t in texts]
     names = [None, *(plan_for(p, args.max_draft).name for p in precisions)]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import platform
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 import numpy as np
 import torch
@@ -168,6 +168,11 @@ class StepCosts:
     draft_overhead: float
     lookup: float
     backend: str
+    # Timed in rounds (``measure_draft_rounds``), by the draft segment's key (``segment_key``): one draft step's
+    # seconds, and what a verify right after the draft's steps costs relative to ``full`` (back-to-back).
+    # A draft whose weights are not the verifier's (a precision draft) is priced by these, not by its share.
+    draft_steps: dict = field(default_factory=dict)
+    verify_after_draft: dict = field(default_factory=dict)
 
     def full(self, t: int) -> float:
         if t <= len(self.forward):
@@ -184,6 +189,9 @@ class StepCosts:
 
     def draft_step(self, plan: DraftPlan) -> float:
         kind = kind_of(plan, self.sublayers.num_layers)
+        timed = [self.draft_steps.get(segment_key(segment)) for segment, _ in kind.draft_calls()]
+        if timed and all(t is not None for t in timed):
+            return sum(timed) + self.draft_overhead
         share = sum(self._share(segment) for segment, _ in kind.draft_calls())
         share += kind.head_extra(self.sublayers) / self.sublayers.plain_step()
         return self.forward[0] * share + self.draft_overhead
@@ -193,12 +201,50 @@ class StepCosts:
         call of the plan's verify costs its share of a full-model call of as many tokens."""
         if plan is None:
             return self.full(t)
-        calls = kind_of(plan, self.sublayers.num_layers).verify_calls(t, t - 1 if reuse is None else reuse)
-        return sum(self.full(n) * self._share(segment) for segment, n in calls if n > 0)
+        kind = kind_of(plan, self.sublayers.num_layers)
+        calls = kind.verify_calls(t, t - 1 if reuse is None else reuse)
+        after = self.verify_after_draft.get(segment_key(kind.draft_segment)) if kind.has_model_part else None
+        return sum(self.full(n) * self._share(segment) for segment, n in calls if n > 0) * (after or 1.0)
 
     def as_dict(self) -> dict:
         return {"backend": self.backend, "forward": self.forward, "draft_overhead": self.draft_overhead,
-                "lookup": self.lookup, "sublayers": self.sublayers.as_dict()}
+                "lookup": self.lookup, "sublayers": self.sublayers.as_dict(),
+                **({"draft_steps": self.draft_steps, "verify_after_draft": self.verify_after_draft}
+                   if self.draft_steps else {})}
+
+
+def segment_key(segment: Segment) -> str:
+    """A segment's key in ``StepCosts.draft_steps`` / ``verify_after_draft`` (JSON-safe)."""
+    return repr(segment.blocks_key + (segment.head,))
+
+
+def measure_draft_rounds(backend, costs: StepCosts, plan: DraftPlan, draft_tokens: int, context: int = 128,
+                         rounds: int = 6) -> tuple[float, float]:
+    """Time ``plan``'s draft steps and the verify after them, alternating as a round runs them (``draft_tokens``
+    steps, then a verify of one more token), after ``context`` cached positions; record them in ``costs``.
+    Returns (seconds of one draft step, the verify's cost relative to ``costs.full`` back-to-back), medians
+    over ``rounds`` rounds after a warm-up round."""
+    config = backend.config
+    context = max(1, min(context, config.max_position_embeddings - draft_tokens - 2))
+    backend.reserve(context + draft_tokens + 2)
+    rng = np.random.default_rng(1)
+    backend.forward(rng.integers(0, config.vocab_size, context).tolist(), 0)
+    ids = rng.integers(0, config.vocab_size, draft_tokens + 1).tolist()
+    drafts, verifies = [], []
+    for r in range(rounds + 1):
+        for j in range(draft_tokens):
+            seconds = _best_seconds(lambda: backend.draft(plan, ids[j], context + j), None)
+            if r:
+                drafts.append(seconds)
+        seconds = _best_seconds(lambda: backend.verify(plan, ids, context), None)
+        if r:
+            verifies.append(seconds)
+    draft, verify = float(np.median(drafts)), float(np.median(verifies))
+    kind = kind_of(plan, config.num_layers)
+    key = segment_key(kind.draft_segment)
+    costs.draft_steps[key] = draft
+    costs.verify_after_draft[key] = max(verify / costs.full(draft_tokens + 1), 1.0)
+    return draft, costs.verify_after_draft[key]
 
 
 def measure_step_costs(backend, sublayers: CostModel, max_tokens: int, context: int = 128, rounds: int = 7) -> StepCosts:

@@ -45,17 +45,22 @@ class PipelineInputs:
 
 def _auto(i: PipelineInputs) -> list:
     """Cheap first (lookup and retrieval, the early-exit agreement over the calibration continuations), then
-    passes whose bound can still beat the incumbent: layer skip, the exit adapter, reduced draft vocabularies,
+    passes whose bound can still beat the incumbent: layer skip, precision self-drafts (alone and behind
+    lookup), the exit adapter, reduced draft vocabularies,
     hybrids of lookup with each model plan; lookahead (alone and behind lookup) with the time left."""
     from .adapter import AdapterAutotune, DraftVocabTune
     from .autotune import CosineAutotune, ExitLayerAutotune
     from .lookahead_tune import LookaheadTune
     from .lookup_autotune import HybridAutotune, LookupAutotune
 
+    from .precision_tune import PrecisionTune
+
     c, o, progress = i.context, i.options, i.progress
     passes = [LookupAutotune(c, retrieval=o.retrieval, show_progress=progress),
               ExitLayerAutotune(c, show_progress=progress, full=False),
               CosineAutotune(c, show_progress=progress, full=False)]
+    if not i.generic:  # the generic path has no precision draft (its model is transformers' own)
+        passes.append(PrecisionTune(c, show_progress=progress))
     # Lookahead last: it runs the model to tune (seconds), and adds little behind lookup on the models measured
     lookahead = LookaheadTune(c, prompts=2, new_tokens=24, quick=True)
     if i.generic:  # no draft heads on the generic path
@@ -97,6 +102,12 @@ def _lookahead(i: PipelineInputs) -> list:
     return _lookup(i) + [LookaheadTune(i.context)]
 
 
+def _precision(i: PipelineInputs) -> list:
+    from .precision_tune import PrecisionTune
+
+    return _lookup(i) + [PrecisionTune(i.context, show_progress=i.progress)]
+
+
 def _adapter(i: PipelineInputs) -> list:
     from .adapter import AdapterAutotune
 
@@ -107,8 +118,8 @@ def _adapter(i: PipelineInputs) -> list:
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("auto", "lookup and retrieval (chains and token trees) first, then, within the time budget, only the passes whose bound can beat "
-           "the best plan so far (early exit, layer skip, exit adapter, reduced draft vocabularies, hybrids of lookup "
-           "with each model draft, lookahead); keeps the fastest by timed runs on the backend (plain decoding if none pays)",
+           "the best plan so far (early exit, layer skip, precision self-drafts, exit adapter, reduced draft vocabularies, "
+           "hybrids of lookup with each model draft, lookahead); keeps the fastest by timed runs on the backend (plain decoding if none pays)",
            _auto, budgeted=True, confirm_top=3, confirm_close=0.9, keep_only_default=True),
     Method("cosine", "skip the sublayers whose input and output are most alike", _cosine),
     Method("early-exit", "draft with the first E blocks and verify only the rest", _early_exit),
@@ -118,6 +129,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("lookahead", "the lookup plans, then lookahead decoding (a Jacobi window of guesses refined inside each "
            "verify call and the n-grams it produced; no draft model) alone and behind the best lookup plan, tuned by "
            "running it", _lookahead),
+    Method("precision", "the lookup plans, then the model drafting for itself with int8 / int4 products (ONNX Runtime: int8 "
+           "and int4; torch: int8), alone and behind the best lookup plan, timed in rounds and scored in the real loop",
+           _precision),
     Method("adapter", "early exit through a small trained adapter (the model stays frozen) and a reduced draft "
            "vocabulary", _adapter),
 )}

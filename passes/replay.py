@@ -86,7 +86,9 @@ def estimate_rounds(rounds: list[ReplayedRound], plan: DraftPlan, costs) -> Roun
     total_cost = 0.0
     for r in rounds:
         total_cost += r.model_tokens * draft_step + r.lookups * costs.lookup
-        total_cost += costs.verify(plan if r.reuse else None, r.drafted + 1, r.reuse)
+        # a round the model drafted is priced as its plan's verify (prefix reuse; a verify right after the
+        # draft's steps, which may cost more than back-to-back: StepCosts.verify_after_draft)
+        total_cost += costs.verify(plan if r.reuse or r.model_tokens else None, r.drafted + 1, r.reuse)
     tokens = sum(r.accepted + 1 for r in rounds)
     drafted = sum(r.drafted for r in rounds)
     return RoundEstimate(

@@ -123,8 +123,22 @@ class TuningContext:
         return best_policy(self.profile(plan, references), plan, self.costs, self.max_draft)
 
     def profile(self, plan: DraftPlan, references: list[Reference] | None = None):
-        return profile_plan(self.ir.decoder(), plan, self.references if references is None else references,
+        return profile_plan(self.draft_decoder(plan), plan, self.references if references is None else references,
                             self.draft_head(plan))
+
+    def draft_decoder(self, plan: DraftPlan):
+        """The torch decoder whose blocks and head compute ``plan``'s draft: the model's, or for a precision
+        draft its stand-in on the runner's backend (``passes/precision_estimate.py``)."""
+        from speccompile.runtime.draft_kinds import kind_of
+
+        decoder = self.ir.decoder()
+        kind = kind_of(plan, self.ir.config.num_layers)
+        precision = kind.draft_segment.precision if kind.has_model_part else None
+        if precision is None:
+            return decoder
+        from .precision_estimate import estimation_twin
+
+        return estimation_twin(decoder, precision, self.runner.name if self.runner is not None else "torch")
 
     def sample(self, share: float) -> list[Reference]:
         """About ``share`` of the calibration sequences, spread over them (cheap scoring where a ranking holds)."""

@@ -31,7 +31,7 @@ class OnnxRunner:
         from speccompile.runtime.onnx_backend import OnnxBackend
 
         plans = model_plans(plans or {})
-        key = tuple(sorted((name, repr(p.skip_attn), repr(p.skip_mlp), p.exit_layer, p.draft_head_file)
+        key = tuple(sorted((name, repr(p.skip_attn), repr(p.skip_mlp), p.exit_layer, p.draft_head_file, p.kind, repr(p.params))
                            for name, p in plans.items()))
         if key != self._key:
             self._backend = None

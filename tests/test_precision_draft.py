@@ -6,7 +6,11 @@ int4 products drafts, the full-precision model verifies.
   agrees with it most of the time);
 - the quantized weights go into the same ``weights.bin`` once, next to the full ones, and only the draft
   graph reads them;
-- where no kernel runs the scheme (torch; the standard ONNX graphs) the plan is refused in one line
+- on torch, an int8 draft runs through the decoder's int8 twin (``runtime/int8_twin.py``): greedy
+  speculative == plain on every canonical family for the whole model, an int8 early exit, an int8 layer skip
+  and a hybrid behind n-gram lookup; the twin shares every tensor but its products' weights; sampling keeps
+  the full model's distribution (chi-square, with a negative control);
+- where no kernel runs the scheme (int4 on torch; the standard ONNX graphs) the plan is refused in one line
   before any work, and bad options are refused when the plan is validated.
 """
 
@@ -22,6 +26,7 @@ from onnx_helpers import make_artifact, ort_backend  # noqa: E402
 from speccompile.runtime.errors import ArtifactError  # noqa: E402
 from speccompile.runtime.manifest import DraftPlan, read_manifest  # noqa: E402
 from speccompile.runtime.torch_backend import TorchBackend  # noqa: E402
+from tiny_models import FAMILIES  # noqa: E402
 
 
 def precision_plans(num_layers: int) -> dict[str, DraftPlan]:
@@ -66,6 +71,85 @@ def test_quantized_weights_are_stored_once_and_read_only_by_the_draft(tiny_decod
     assert record["precision_draft_bytes"] == sum(stored.values()) > 0  # what inspect reports as the draft's bytes
 
 
+def torch_plans(num_layers: int) -> dict[str, DraftPlan]:
+    int8 = {"precision": "int8"}
+    plans = [DraftPlan(name="int8", kind="precision", params=int8, max_draft=4, threshold=0.0),
+             DraftPlan(name="int8-b128s", kind="precision", params={**int8, "block_size": 128, "symmetric": True},
+                       max_draft=6, adaptive=False),
+             DraftPlan(name="int8-exit", kind="precision", params=int8, exit_layer=num_layers - 1, max_draft=3),
+             DraftPlan(name="int8-skip", kind="precision", params=int8, skip_mlp=[1], max_draft=3, threshold=0.0),
+             DraftPlan(name="int8+lookup", kind="precision", params=int8, max_draft=4, lookup=["ngram"], ngram_min=1,
+                       ngram_max=3, lookup_max_draft=4)]
+    return {p.name: p for p in plans}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_int8_precision_drafts_are_lossless_on_torch(tiny_decoder, family):
+    _, decoder = tiny_decoder(family)
+    backend = TorchBackend(decoder)
+    plans = torch_plans(decoder.config.num_layers)
+    backend.check_plans(plans)
+    assert_speculative_is_plain(backend, decoder, prompts(decoder.config.vocab_size), plans, 24)
+    _, stats = run(backend, prompts(decoder.config.vocab_size)[0], 24, plans["int8-b128s"])
+    assert stats.accepted / max(stats.drafted, 1) > 0.5, stats  # the int8 twin agrees with the model most of the time
+
+
+def test_the_int8_twin_shares_every_tensor_but_the_products(tiny_decoder):
+    from speccompile.runtime.int8_twin import DynamicInt8Linear, int8_twin
+
+    _, decoder = tiny_decoder("llama")
+    TorchBackend(decoder)  # packs q/k/v and gate/up on CPU, as a backend runs the decoder
+    twin = int8_twin(decoder)
+    ours = {id(t) for t in list(decoder.parameters()) + list(decoder.buffers())}
+    assert {id(t) for t in list(twin.parameters()) + list(twin.buffers())} <= ours  # norms, embeddings, rotary
+    assert not any(isinstance(m, torch.nn.Linear) for m in twin.modules())
+    assert twin.layers[0].attn.__dict__["_qkv"][0].__class__ is DynamicInt8Linear  # the packed product too
+    assert any(isinstance(m, torch.nn.Linear) for m in decoder.modules())  # the model itself is untouched
+    ids = torch.tensor([prompts(decoder.config.vocab_size)[1]])
+    with torch.inference_mode():
+        full, draft = decoder(ids), twin(ids)
+    assert not torch.equal(full, draft)
+    assert (full.argmax(-1) == draft.argmax(-1)).float().mean() > 0.8
+
+
+def test_int8_precision_sampling_keeps_the_target_distribution(tmp_path_factory):
+    """The draft's q is its own softmax (int8 products and two skipped blocks, so that it differs from the
+    target); the rejection rule keeps the full model's distribution. Negative control: the samples are not
+    distributed like the draft."""
+    import numpy as np
+    from transformers import AutoModelForCausalLM
+
+    from lossless import chi_square_pvalue, exact_marginals, next_token_logits
+    from speccompile.convert import arch_config, canonical_weights
+    from speccompile.runtime.decoder import build_decoder
+    from speccompile.runtime.int8_twin import int8_twin
+    from speccompile.runtime.sampling import SamplingParams
+    from tiny_models import make_model
+
+    vocab, prompt, samples, alpha = 12, [1, 5, 7, 3], 2000, 1e-3
+    folder = make_model("llama", tmp_path_factory.mktemp("int8_sampling"), seed=4, vocab_size=vocab,
+                        initializer_range=0.15)
+    hf = AutoModelForCausalLM.from_pretrained(folder).eval()
+    decoder = build_decoder(arch_config(hf), canonical_weights(hf, arch_config(hf)))
+    backend = TorchBackend(decoder)
+    plan = DraftPlan(name="int8-skip", kind="precision", params={"precision": "int8"}, skip_attn=[1, 2],
+                     skip_mlp=[1, 2], max_draft=2, adaptive=False)
+    params = SamplingParams(temperature=1.0)
+    target2, target3 = exact_marginals(next_token_logits(decoder), params, prompt, vocab)
+    _, draft3 = exact_marginals(next_token_logits(int8_twin(decoder), plan), params, prompt, vocab)
+    assert 0.5 * np.abs(target3 - draft3).sum() > 0.1, "draft too close to the target for the control to mean anything"
+    second, third, accepted = [], [], 0
+    for seed in range(samples):
+        tokens, stats = run(backend, prompt, 3, plan, params, seed=seed)
+        second.append(tokens[1])
+        third.append(tokens[2])
+        accepted += stats.accepted
+    assert 0 < accepted < 2 * samples
+    assert chi_square_pvalue(second, target2) > alpha
+    assert chi_square_pvalue(third, target3) > alpha
+    assert chi_square_pvalue(third, draft3) < alpha
+
+
 def test_precision_drafts_are_refused_in_one_line_where_nothing_runs_them(tiny_decoder, tmp_path):
     _, decoder = tiny_decoder("llama")
     plan = DraftPlan(name="int4", kind="precision", params={"precision": "int4"}, max_draft=3)
@@ -76,7 +160,36 @@ def test_precision_drafts_are_refused_in_one_line_where_nothing_runs_them(tiny_d
         ort_backend(standard)  # refused when the artifact is opened
     for exc in (torch_refusal, onnx_refusal):
         assert "int4" in str(exc.value) and "\n" not in str(exc.value)
-    assert "ONNX Runtime only" in str(torch_refusal.value) and "no graph" in str(onnx_refusal.value)
+    assert "ONNX Runtime only" in str(torch_refusal.value) and "int8" in str(torch_refusal.value)
+    assert "no graph" in str(onnx_refusal.value)
     for params, needle in (({"precision": "int3"}, "int3"), ({"precision": "int4", "block_size": 24}, "block_size")):
         with pytest.raises(ArtifactError, match=needle):
             DraftPlan(name="bad", kind="precision", params=params).validate(decoder.config.num_layers)
+
+
+@pytest.mark.parametrize("backend", ["torch", "onnx"])
+def test_precision_build_prices_in_rounds_scores_in_the_real_loop_and_stays_lossless(backend, tiny_model_dir, tmp_path):
+    """``--method precision``: the draft's step and the verify after it are timed in rounds on the backend and
+    priced into the plan's estimate (the manifest keeps them, next to the parallel pass's estimate); the
+    artifact's precision plan decodes exactly what plain decoding does."""
+    from speccompile.build import BuildOptions, build
+    from speccompile.passes.cost_model import segment_key
+    from speccompile.runtime.draft_kinds import kind_of
+    from speccompile.runtime.model import load
+
+    out = build(BuildOptions(model=str(tiny_model_dir("llama")), out=tmp_path / "p", method="precision",
+                             backends=(backend,), max_draft=4, calibration_tokens=16, confirm_prompts=2,
+                             confirm_tokens=16, show_progress=False), log=lambda message: None)
+    model = load(out)
+    plan = model.manifest.plans["precision"]
+    assert plan.kind == "precision" and plan.measured["method"] == "precision"
+    schemes = {"torch": {"int8"}, "onnx": {"int8", "int4"}}[backend]
+    assert set(plan.measured["draft_costs"]) == schemes and plan.params["precision"] in schemes
+    assert all(c["draft_step_ms"] > 0 and c["verify_after_draft"] >= 1 for c in plan.measured["draft_costs"].values())
+    assert plan.measured["expected_speedup"] > 0 and "parallel_estimate" in plan.measured
+    step_costs = model.manifest.tuning["step_costs"]
+    key = segment_key(kind_of(plan, model.manifest.config.num_layers).draft_segment)
+    assert step_costs["draft_steps"][key] > 0  # what the estimate priced the draft step with
+    prompt = model.tokenizer.encode("def read_lines(path):")
+    plain = model.generate(prompt, max_new_tokens=24, speculate=False).token_ids
+    assert model.generate(prompt, max_new_tokens=24, plan="precision").token_ids == plain

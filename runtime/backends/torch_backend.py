@@ -71,6 +71,7 @@ class TorchBackend(Backend):
         self.round_on_device = device_round_requested() if round_on_device is None else round_on_device
         self.static = None  # torch_graphs.StaticSteps over the current cache, when graphs are on
         self.draft_heads: dict[str, tuple[DraftHead, TorchDraftHead]] = {}  # draft head file -> kernel
+        self.twins: dict[str, torch.nn.Module] = {}  # precision -> the decoder's int8 twin (runtime/int8_twin.py)
         if torch.device(self.device).type == "cpu":
             # q/k/v and gate/up as one product each, then the faster CPU form of small-row products,
             # measured on the products a step runs (runtime/cpu_linear.py)
@@ -98,7 +99,7 @@ class TorchBackend(Backend):
         """Another backend over the same weights with its own KV cache (one per concurrent sequence)."""
         other = TorchBackend(self.decoder, device=self.device, cuda_graphs=self.cuda_graphs, capture=self._capture,
                              round_on_device=self.round_on_device)
-        other.draft_heads = self.draft_heads
+        other.draft_heads, other.twins = self.draft_heads, self.twins
         return other
 
     def reserve(self, max_len: int) -> None:
@@ -133,11 +134,12 @@ class TorchBackend(Backend):
         the segment starts at block 0; the logits ``[T, vocab]`` stay on the device (the model's dtype; a
         draft head's over the whole vocabulary, ``-inf`` outside its own)."""
         t = ids.shape[0] if segment.from_tokens else count
-        if self.static is not None and self.static.fits(t) and segment.head in (None, FINAL_HEAD):
+        if self.static is not None and self.static.fits(t) and segment.head in (None, FINAL_HEAD) and not segment.precision:
             out = self.static.run(segment, pos, ids, t)
         else:
-            head = self.decoder.head if segment.head in (None, FINAL_HEAD) else self._draft_head(segment.head)[1].full_logits
-            out = run_segment(self.decoder, segment, None if ids is None else ids.view(1, -1), pos, self.cache,
+            decoder = self._twin(segment.precision) if segment.precision else self.decoder
+            head = decoder.head if segment.head in (None, FINAL_HEAD) else self._draft_head(segment.head)[1].full_logits
+            out = run_segment(decoder, segment, None if ids is None else ids.view(1, -1), pos, self.cache,
                               self.hidden, head, count)
         return None if out is None else out[0]
 
@@ -154,11 +156,35 @@ class TorchBackend(Backend):
         return DeviceRound.for_drafter(self, drafter, seed)
 
     def unsupported(self, segment: Segment) -> str | None:
-        if segment.precision is not None:  # torch's CPU weight-only int8 product: 10-20x slower than fp32 here
-            return f"{segment.precision} precision drafts run on ONNX Runtime only (build with --backend onnx)"
+        if segment.precision is not None:
+            return self._precision_unsupported(segment.precision)
         if getattr(self.decoder, "whole_blocks", False) and segment.skip_attn != segment.skip_mlp:
             return "the generic torch path skips whole blocks only (skip_attn must equal skip_mlp)"
         return None
+
+    # -- precision self-drafts (draft_kinds/precision.py): the decoder's int8 twin ------------------------
+    def _precision_unsupported(self, precision: str) -> str | None:
+        from ..draft_kinds.precision import parse_precision
+        from ..int8_twin import int8_kernel_missing
+
+        scheme = parse_precision(precision)[0]
+        if scheme != "int8":  # _weight_int4pack_mm_for_cpu: 5x slower than the fp32 product here (int8_twin.py)
+            return (f"{precision} precision drafts run on ONNX Runtime only (torch has no fast CPU {scheme} product); "
+                    "use an int8 precision draft on torch, or build with --backend onnx")
+        if not isinstance(self.decoder, Decoder):
+            return "the generic torch path has no int8 precision draft (its model is transformers' own)"
+        if torch.device(self.device).type != "cpu":
+            return "int8 precision drafts on torch run on CPU (fbgemm / oneDNN); on a GPU build with --backend onnx"
+        return int8_kernel_missing()
+
+    def _twin(self, precision: str) -> torch.nn.Module:
+        """The decoder's int8 twin for ``precision`` (made on first use, shared by replicas)."""
+        from ..int8_twin import int8_twin
+
+        key = precision.partition("/")[0]  # per output channel whatever the block size (int8_twin.py)
+        if key not in self.twins:
+            self.twins[key] = int8_twin(self.decoder)
+        return self.twins[key]
 
     # -- token trees (runtime/tree.py) ----------------------------------------------------------------
     def tree_unsupported(self) -> str | None:

@@ -1,0 +1,71 @@
+"""The torch decoder that stands in for a precision self-draft (``runtime/draft_kinds/precision.py``) when the
+estimator scores it (``passes/acceptance.profile_plan``: the draft's logits over a calibration sequence in
+one parallel pass against the verifier's KV, which is what the first drafted token of a real round sees).
+
+- On torch the draft *is* a torch decoder, the int8 twin (``runtime/int8_twin.py``): the estimate runs the
+  very kernels the artifact runs.
+- On ONNX Runtime the draft is ``MatMulNBits`` with the plan's block grid. Its stand-in has the same grid,
+  quantized and de-quantized in fp32 here (``block_quantized``), with fp32 activations where ONNX Runtime's
+  accuracy level 4 quantizes them to int8 per block: close, not exact. The precision tuner therefore
+  measures the later tokens of a round (and so the plan it keeps) in the real loop, on the backend.
+
+Twins are kept per decoder (a build scores several plans of one precision).
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from speccompile.runtime.draft_kinds.precision import parse_precision
+from speccompile.runtime.int8_twin import int8_twin, twin_with
+
+_TWINS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+
+
+def block_quantized(weight: torch.Tensor, bits: int, block: int, symmetric: bool) -> torch.Tensor:
+    """``weight`` [out, in] on a weight-only block grid along its input dimension (as ``MatMulNBits`` stores
+    it: ``block`` inputs share a scale, and a zero point unless ``symmetric``), de-quantized to fp32."""
+    out, width = weight.shape
+    padded = -(-width // block) * block
+    w = torch.zeros(out, padded, dtype=torch.float32)
+    w[:, :width] = weight.detach().float().cpu()
+    w = w.view(out, padded // block, block)
+    levels = 2 ** bits - 1
+    if symmetric:
+        scale = (w.abs().amax(-1, keepdim=True) / (2 ** (bits - 1))).clamp(min=1e-12)
+        q = (w / scale).round().clamp(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+        deq = q * scale
+    else:
+        low, high = w.amin(-1, keepdim=True).clamp(max=0), w.amax(-1, keepdim=True).clamp(min=0)
+        scale = ((high - low) / levels).clamp(min=1e-12)
+        zero = (-low / scale).round().clamp(0, levels)
+        deq = ((w / scale).round() + zero).clamp(0, levels).sub(zero) * scale
+    return deq.view(out, padded)[:, :width].to(weight.dtype)
+
+
+def _grid_linear(linear: nn.Linear, bits: int, block: int, symmetric: bool) -> nn.Linear:
+    grid = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+    grid.weight = nn.Parameter(block_quantized(linear.weight, bits, block, symmetric), requires_grad=False)
+    if linear.bias is not None:
+        grid.bias = linear.bias
+    return grid
+
+
+def estimation_twin(decoder: nn.Module, precision: str, backend: str) -> nn.Module:
+    """The torch decoder whose logits stand for ``precision``'s draft on ``backend`` ("torch" or "onnx")."""
+    twins = _TWINS.setdefault(decoder, {})
+    key = (precision, backend)
+    if key not in twins:
+        scheme, block, symmetric = parse_precision(precision)
+        if backend == "torch":
+            twins[key] = int8_twin(decoder)
+        else:
+            bits = {"int4": 4, "int8": 8}[scheme]
+            twins[key] = twin_with(decoder, lambda linear, down: _grid_linear(linear, bits, block, symmetric))
+    return twins[key]
+
+
+__all__ = ["block_quantized", "estimation_twin"]

@@ -1,0 +1,173 @@
+"""Tune precision self-drafts (``runtime/draft_kinds/precision.py``): the model's own graph with int8 / int4
+products drafts, the full-precision model verifies.
+
+A precision draft is priced and scored in three steps, each as close to what runs as it can be:
+
+1. **Cost, timed in rounds on the backend** (``cost_model.measure_draft_rounds``): draft steps and the verify
+   after them, alternating as a round runs them. Back-to-back timings flatter such a draft on a CPU whose
+   last-level cache holds a good part of the fp32 weights: the draft's weights evict them, and a verify right
+   after drafts was measured at up to twice its back-to-back cost (issue 22's note). The step and the
+   verify's factor go into the costs every estimate reads (``StepCosts.draft_steps``, ``verify_after_draft``).
+2. **First drafted token of a round, exactly** (``passes/acceptance.profile_plan`` with the draft's torch
+   stand-in, ``passes/precision_estimate.py``): one parallel pass against the verifier's KV over every
+   calibration continuation; the draft-length policy (alone) and the lookup sources' sizes (behind the lookup
+   plan, a hybrid) are chosen on it as for any model draft.
+3. **Later tokens, in the real loop**: the best candidates decode the first calibration prompts with the
+   backend (``decode_all``); their rounds, priced with the costs of step 1, give the estimate the plan keeps
+   (the parallel pass reads the verifier's KV where a real round's later drafts read their own).
+
+Schemes tried: int8 on torch (the int8 twin; torch has no fast int4 CPU product), int8 and int4 (block 32) on
+ONNX Runtime. The best becomes plan ``precision``; confirmation then times it against plain decoding.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+
+import numpy as np
+import torch
+
+from speccompile.runtime.draft_kinds.precision import precision_of
+from speccompile.runtime.errors import ArtifactError
+from speccompile.runtime.manifest import DraftPlan
+from speccompile.runtime.speculative import DecodeRequest, decode_all
+
+from .acceptance import best_policy
+from .base import Pass, PassResult
+from .budget import RATE_SLACK, geometric_bound, hybrid_bound
+from .cost_model import measure_draft_rounds
+from .ir import DecoderIR
+from .lookup_autotune import score_lookup
+from .plans import tuned_target
+from .precision_estimate import estimation_twin
+from .replay import ReplayedRound, estimate_rounds, round_mix
+from .tuning import TuningContext
+
+SCHEMES = {"torch": ({"precision": "int8"},),
+           "onnx": ({"precision": "int8"}, {"precision": "int4"})}
+LOOKUP_FIELDS = ("lookup", "ngram_min", "ngram_max", "lookup_max_draft", "short_ngram", "datastore", "extend")
+REAL_LOOP_CANDIDATES = 2  # the best plans by the parallel estimate that decode in the real loop
+
+
+def precision_plan(params: dict, max_draft: int) -> DraftPlan:
+    return DraftPlan(name="precision", kind="precision", params=dict(params), max_draft=max_draft)
+
+
+def behind_lookup(plan: DraftPlan, lookup: DraftPlan) -> DraftPlan:
+    """``plan`` behind ``lookup``'s sources (a lookup hit drafts the round, the precision draft otherwise)."""
+    return replace(plan, **{field: getattr(lookup, field) for field in LOOKUP_FIELDS}, measured={})
+
+
+class PrecisionTune(Pass):
+    name = "precision_tune"
+    adds = ("precision",)
+
+    def __init__(self, context: TuningContext, prompts: int = 4, new_tokens: int = 48, show_progress: bool = True):
+        self.context, self.prompts, self.new_tokens, self.show_progress = context, prompts, new_tokens, show_progress
+        self.schemes = SCHEMES.get(context.runner.name, SCHEMES["torch"])
+
+    def least_seconds(self) -> float:
+        return 3 * self.prompts * self.new_tokens * self.context.costs.plain_step()
+
+    def _decoder(self):
+        return self.context.ir.decoder()
+
+    # -- the bound: the int8 twin's agreement and its step, timed on torch --------------------------------------
+    @torch.inference_mode()
+    def bound(self, ir: DecoderIR) -> float:
+        """The geometric round model at the int8 twin's agreement with the target (first drafted tokens, on a
+        sample of the calibration continuations, plus ``RATE_SLACK``) and its step cost relative to the
+        model's, both on torch (cheap: no export); behind the lookup plan when there is one."""
+        c = self.context
+        decoder = self._decoder()
+        twin = estimation_twin(decoder, "int8", "torch")
+        plan = precision_plan({"precision": "int8"}, c.max_draft)
+        profile = c.profile(plan, c.sample(0.25))
+        rate = float(np.concatenate(profile.matches).mean()) if profile.matches else 0.0
+        ids = torch.tensor([[3]], device=decoder.embed.weight.device)
+        full = min(_seconds(lambda: decoder(ids)) for _ in range(5))
+        draft = min(_seconds(lambda: twin(ids)) for _ in range(5))
+        plain = c.costs.plain_step()
+        speedup = geometric_bound(rate + RATE_SLACK, draft / full, lambda t: c.costs.full(t) / plain, c.max_draft)[0]
+        return hybrid_bound(c, speedup) if "lookup" in ir.plans else speedup
+
+    # -- the pass ---------------------------------------------------------------------------------------------
+    def _candidates(self, ir: DecoderIR) -> list[tuple[DraftPlan, object, list | None]]:
+        """(plan, estimate, replayed rounds) per scheme, alone and behind the lookup plan, by the parallel pass."""
+        c = self.context
+        lookup = ir.plans.get("lookup")
+        found = []
+        for params in self.schemes:
+            plan = precision_plan(params, c.max_draft)
+            profile = c.profile(plan)
+            alone = best_policy(profile, plan, c.costs, c.max_draft)
+            found.append((replace(plan, max_draft=alone.max_draft, threshold=alone.threshold, adaptive=False),
+                          alone, None))
+            if lookup is not None and lookup.lookup and not lookup.has_model_draft:  # a tree's sources, as a chain
+                best = None
+                for k in range(2, c.max_draft + 1, 2):
+                    hybrid = replace(behind_lookup(plan, lookup), max_draft=k, threshold=alone.threshold, adaptive=False)
+                    estimate, rounds = score_lookup(c, hybrid, profile)
+                    if best is None or estimate.expected_speedup > best[1].expected_speedup:
+                        best = (hybrid, estimate, rounds)
+                found.append(best)
+            if (left := self.seconds_left()) is not None and left <= 0:
+                break
+        return found
+
+    def _real_rounds(self, backend, plan: DraftPlan) -> list[ReplayedRound]:
+        """``plan``'s rounds as the runtime runs them on the first calibration prompts."""
+        c = self.context
+        if plan.datastore and c.confirm_datastore:  # not the datastore holding these prompts' answers
+            plan = replace(plan, datastore=c.confirm_datastore)
+        rounds = []
+        for ref in c.references[: self.prompts]:
+            prompt = ref.tokens[0, : ref.prompt_len].tolist()
+            _, stats = decode_all(backend, DecodeRequest(prompt, self.new_tokens, eos_ids=c.eos), plan, c.workdir)
+            # the model's drafted tokens per round: its rounds' tokens, less the lookup tokens that extended them
+            rows = [(d, a, label, d if label.startswith("model") else 0)
+                    for (d, a), label in zip(stats.round_log, stats.round_sources)]
+            scale = stats.per_source.get("model", [0])[0] / max(sum(m for *_, m in rows), 1)
+            rounds += [ReplayedRound(d, a, m * scale, len(plan.lookup or ()), 0, label) for d, a, label, m in rows]
+        return rounds
+
+    def call(self, ir: DecoderIR) -> PassResult:
+        start, before, c = time.perf_counter(), dict(ir.plans), self.context
+        plans = {f"precision-{i}": precision_plan(params, c.max_draft) for i, params in enumerate(self.schemes)}
+        try:
+            backend = c.runner.backend(plans)
+            backend.check_plans(plans)
+        except ArtifactError as exc:  # no kernel for it here (the generic torch path, standard ONNX graphs, a GPU)
+            return PassResult(ir, skipped=f"no precision draft on this backend: {exc}")
+        if c.runner.name == "torch":  # the estimator's twin is the one the backend runs: made once
+            backend.twins["int8"] = estimation_twin(self._decoder(), "int8", "torch")
+        timed = {}
+        for plan in plans.values():
+            draft, factor = measure_draft_rounds(backend, c.costs, plan, min(4, c.max_draft))
+            timed[precision_of(plan.params)] = {"draft_step_ms": round(draft * 1e3, 3), "verify_after_draft": round(factor, 3)}
+        candidates = sorted(self._candidates(ir), key=lambda found: -found[1].expected_speedup)
+        best = None
+        for plan, parallel, _ in candidates[:REAL_LOOP_CANDIDATES]:
+            rounds = self._real_rounds(backend, plan)
+            estimate = estimate_rounds(rounds, plan, c.costs)
+            if best is None or estimate.expected_speedup > best[1].expected_speedup:
+                best = (plan, estimate, rounds, parallel)
+        if best is not None:
+            plan, estimate, rounds, parallel = best
+            plan.measured = c.record("precision", estimate, tuning_seconds=round(time.perf_counter() - start, 2),
+                                     parallel_estimate=round(parallel.expected_speedup, 4),
+                                     parallel_acceptance=round(parallel.acceptance_rate, 4),
+                                     round_mix=round_mix(rounds), draft_costs=timed)
+            plan.target_acceptance = tuned_target(plan.measured)
+            ir.add_plan(plan)
+        return PassResult.after(ir, before, draft_costs=timed)
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+__all__ = ["PrecisionTune", "behind_lookup", "precision_plan"]
