@@ -44,23 +44,22 @@ class PipelineInputs:
 
 
 def _auto(i: PipelineInputs) -> list:
-    """Cheap first (lookup and retrieval, the early-exit agreement over the calibration continuations), then
-    passes whose bound can still beat the incumbent: layer skip, precision self-drafts (alone and behind
-    lookup), the exit adapter, reduced draft vocabularies,
+    """Cheap first (lookup and retrieval), then passes whose bound can still beat the incumbent: precision
+    self-drafts (int8, alone and behind lookup), early exit, layer skip, the exit adapter, reduced draft vocabularies,
     hybrids of lookup with each model plan; lookahead (alone and behind lookup) with the time left."""
     from .adapter import AdapterAutotune, DraftVocabTune
     from .autotune import CosineAutotune, ExitLayerAutotune
     from .lookahead_tune import LookaheadTune
     from .lookup_autotune import HybridAutotune, LookupAutotune
-
     from .precision_tune import PrecisionTune
 
     c, o, progress = i.context, i.options, i.progress
-    passes = [LookupAutotune(c, retrieval=o.retrieval, show_progress=progress),
-              ExitLayerAutotune(c, show_progress=progress, full=False),
-              CosineAutotune(c, show_progress=progress, full=False)]
+    # The precision draft right after lookup: on SmolLM2 the only model draft that beats lookup (ONNX Runtime)
+    passes = [LookupAutotune(c, retrieval=o.retrieval, show_progress=progress)]
     if not i.generic:  # the generic path has no precision draft (its model is transformers' own)
-        passes.append(PrecisionTune(c, show_progress=progress))
+        passes.append(PrecisionTune(c, show_progress=progress, quick=True))
+    passes += [ExitLayerAutotune(c, show_progress=progress, full=False),
+               CosineAutotune(c, show_progress=progress, full=False)]
     # Lookahead last: it runs the model to tune (seconds), and adds little behind lookup on the models measured
     lookahead = LookaheadTune(c, prompts=2, new_tokens=24, quick=True)
     if i.generic:  # no draft heads on the generic path

@@ -159,7 +159,7 @@ def test_auto_build_records_its_budget_and_pass_table(tiny_model_dir, tmp_path):
     out = tmp_path / "auto"
     manifest = build_tiny(tiny_model_dir("llama"), out, "--time-budget", "40")
     rows = manifest["tuning"]["passes"]
-    assert [r["pass"] for r in rows][:2] == ["lookup_autotune", "exit_autotune"]
+    assert [r["pass"] for r in rows][:3] == ["lookup_autotune", "precision_tune", "exit_autotune"]
     assert [r["pass"] for r in rows][-3:] == ["lookahead_tune", "confirm_plans", "choose_default_plan"]
     assert {r["pass"] for r in rows} >= {"cosine_autotune", "adapter_autotune", "hybrid_autotune", "confirm_plans"}
     for row in rows:

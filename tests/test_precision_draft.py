@@ -1,8 +1,8 @@
 """Precision self-drafts (``runtime/draft_kinds/precision.py``): the model's own graph with weight-only int8 /
 int4 products drafts, the full-precision model verifies.
 
-- on ONNX Runtime's fused graphs, greedy speculative == plain on several families, for the whole model,
-  an int4 early exit and an int4 layer skip, and the drafts are accepted (a tiny random model's int8 draft
+- on ONNX Runtime's fused graphs, greedy speculative == plain on every canonical family, for the whole
+  model, an int4 early exit, an int8 layer skip and an int8 draft behind n-gram lookup, and the drafts are accepted (a tiny random model's int8 draft
   agrees with it most of the time);
 - the quantized weights go into the same ``weights.bin`` once, next to the full ones, and only the draft
   graph reads them;
@@ -36,7 +36,9 @@ def precision_plans(num_layers: int) -> dict[str, DraftPlan]:
              DraftPlan(name="int4-exit", kind="precision", params={"precision": "int4"}, exit_layer=num_layers - 1,
                        max_draft=3, threshold=0.0),
              DraftPlan(name="int8-skip", kind="precision", params={"precision": "int8"}, skip_mlp=[1], max_draft=3,
-                       threshold=0.0)]
+                       threshold=0.0),
+             DraftPlan(name="int8+lookup", kind="precision", params={"precision": "int8", "block_size": 16},
+                       max_draft=4, lookup=["ngram"], ngram_min=1, ngram_max=3, lookup_max_draft=4)]
     return {p.name: p for p in plans}
 
 
@@ -45,7 +47,7 @@ def prompts(vocab: int) -> list[list[int]]:
     return [torch.randint(3, vocab, (4 + 9 * i,), generator=gen).tolist() for i in range(3)]
 
 
-@pytest.mark.parametrize("family", ["llama", "qwen3", "gpt_neox", "gemma3_text"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_precision_drafts_are_lossless_on_onnx_runtime(tiny_decoder, tmp_path, family):
     _, decoder = tiny_decoder(family)
     plans = precision_plans(decoder.config.num_layers)
