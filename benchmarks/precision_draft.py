@@ -48,6 +48,12 @@ def hybrid_for(precision: str, max_draft: int, lookup_plan):
                                **{field: getattr(lookup_plan, field) for field in LOOKUP_FIELDS})
 
 
+def lookup_plan_of(manifest):
+    """The artifact's plan named ``lookup``, else its default plan when that is a lookup plan."""
+    plan = manifest.plans.get("lookup") or manifest.plans.get(manifest.default_plan)
+    return plan if plan is not None and plan.lookup and not plan.has_model_draft else None
+
+
 def with_precision_plans(source: Path, out: Path, precisions: list[str], max_draft: int, hybrid: bool = False) -> Path:
     """A copy of ``source`` whose ONNX export also holds the precision plans' draft graphs."""
     from speccompile.artifact import hash_files, read_canonical_weights
@@ -60,9 +66,9 @@ def with_precision_plans(source: Path, out: Path, precisions: list[str], max_dra
     shutil.copytree(source, out, ignore=shutil.ignore_patterns("onnx"))
     weights = read_canonical_weights(source, manifest)
     plans = dict(manifest.plans)
-    lookup_plan = manifest.plans.get(manifest.default_plan) if hybrid else None
+    lookup_plan = lookup_plan_of(manifest) if hybrid else None
     if hybrid and (lookup_plan is None or not lookup_plan.lookup):
-        raise SystemExit("--hybrid needs an artifact whose default plan is a lookup plan")
+        raise SystemExit("--hybrid needs an artifact with a lookup plan (build it with --method lookup or precision)")
     for precision in precisions:
         for plan in [plan_for(precision, max_draft)] + ([hybrid_for(precision, max_draft, lookup_plan)] if hybrid else []):
             plans[plan.name] = plan
@@ -102,7 +108,7 @@ def main() -> None:
         print(f"weights.bin {record['weights_bytes'] / 1e6:.1f} MB, of which quantized draft weights {extra / 1e6:.1f} MB")
     else:
         model = load(args.artifact, backend="torch")
-        lookup_plan = model.manifest.plans.get(model.manifest.default_plan)
+        lookup_plan = lookup_plan_of(model.manifest)
         for precision in precisions:
             model.manifest.plans[plan_for(precision, args.max_draft).name] = plan_for(precision, args.max_draft)
             if args.hybrid:
@@ -114,8 +120,8 @@ def main() -> None:
     names = [None, *(plan_for(p, args.max_draft).name for p in precisions)]
     if args.hybrid:
         names += [plan_for(p, args.max_draft).name + "+lookup" for p in precisions]
-    if model.manifest.default_plan:
-        names.append(model.manifest.default_plan)
+    names += [name for name in dict.fromkeys([model.manifest.default_plan, "lookup"])
+              if name in model.manifest.plans and name not in names]
     for name in names:  # warm-up: every session once
         model.generate(prompts[0], max_new_tokens=8, plan=name, speculate=name is not None)
     seconds = dict.fromkeys(names, 0.0)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import secrets
 import shutil
 from contextlib import contextmanager
@@ -288,6 +289,9 @@ def write_artifact(out: Path, ir, tokenizer, source: dict, tokens: dict, force: 
     return out
 
 
+QUANTIZED_COPY = re.compile(r"\.int[48](\.b\d+s?)?(\.scales|\.zero_points)?$")  # exporters/onnx_quant.Quantizer's names
+
+
 def read_canonical_weights(root: Path, manifest) -> dict:
     """The canonical weights of an artifact as torch tensors, from its torch or its ONNX files."""
     import numpy as np
@@ -303,6 +307,8 @@ def read_canonical_weights(root: Path, manifest) -> dict:
     data = np.memmap(root / record["weights"], dtype=np.uint8, mode="r")
     weights = {}
     for name, t in record["tensors"].items():
+        if QUANTIZED_COPY.search(name):  # a precision draft's quantized copy of a weight, not a canonical weight
+            continue
         raw = data[t["offset"] : t["offset"] + t["nbytes"]]
         array = np.frombuffer(raw.tobytes(), dtype=t["dtype"]).reshape(t["shape"])
         weights[name] = torch.from_numpy(array.copy()).float()

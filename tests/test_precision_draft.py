@@ -195,3 +195,25 @@ def test_precision_build_prices_in_rounds_scores_in_the_real_loop_and_stays_loss
     prompt = model.tokenizer.encode("def read_lines(path):")
     plain = model.generate(prompt, max_new_tokens=24, speculate=False).token_ids
     assert model.generate(prompt, max_new_tokens=24, plan="precision").token_ids == plain
+
+
+def test_an_onnx_artifact_with_a_precision_draft_reexports(tiny_decoder, tmp_path):
+    """The canonical weights read back from an ONNX-only artifact (what ``tune`` and the benchmarks re-export
+    from) leave out the draft's quantized copies: re-exporting them used to feed the old uint8 tensors to the
+    new draft graph as floats."""
+    from speccompile.artifact import read_canonical_weights
+    from speccompile.exporters.onnx_export import export_onnx_weights, export_options
+    from speccompile.runtime.onnx_backend import OnnxBackend
+
+    _, decoder = tiny_decoder("llama")
+    plans = {"int8": DraftPlan(name="int8", kind="precision", params={"precision": "int8"}, max_draft=3)}
+    root = make_artifact(decoder, plans, tmp_path / "a", variant="fused")
+    manifest = read_manifest(root)
+    weights = read_canonical_weights(root, manifest)
+    assert weights and not [name for name in weights if ".int8" in name]
+    out = tmp_path / "b"
+    record = export_onnx_weights(manifest.config, weights, plans, out / "onnx", relative_to=out,
+                                 **export_options(manifest.backends["onnx"]))
+    backend = OnnxBackend(out, record, manifest.config, plans=plans)
+    prompt = prompts(decoder.config.vocab_size)[1]
+    assert run(backend, prompt, 12, plans["int8"])[0] == run(backend, prompt, 12)[0]
