@@ -1,7 +1,8 @@
 """Precision self-drafts: the model drafts for itself with weight-only quantized products (int8 / int4).
 
 The draft is the model's own graph (every block, or the plan's early exit or skipped sublayers) with each
-linear layer's weights quantized in blocks (``MatMulNBits`` on ONNX Runtime), verified by the untouched
+linear layer's weights quantized (in blocks, ``MatMulNBits``, on ONNX Runtime; per output channel, int8 only,
+in the decoder's int8 twin on torch: ``runtime/int8_twin.py``), verified by the untouched
 full-precision model, so the output stays the full model's. Like a layer-skip draft it needs no cache of
 its own: it reads the verifier's KV at every accepted position and writes its own only at the positions it
 drafts, which the verify then rewrites (DESIGN.md section 3). Nothing is reused by the verify: the draft's
@@ -10,7 +11,8 @@ hidden states are not the full model's.
 Options live in the plan's ``params``: ``precision`` (``"int4"`` or ``"int8"``), ``block_size`` (default
 32) and ``symmetric`` (default False); the plan's ``exit_layer`` / ``skip_attn`` / ``skip_mlp`` make it an
 int4 early exit or layer skip. A backend without a kernel for the scheme refuses the plan before any work
-(torch here: its CPU weight-only int8 product measured 10-20x slower than fp32 on this project's machine).
+(torch refuses int4: its CPU int4 product measured 5x slower than the fp32 one; the standard ONNX graphs
+have no ``MatMulNBits`` draft). Tuned by ``passes/precision_tune.py``.
 """
 
 from __future__ import annotations
