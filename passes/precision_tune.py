@@ -30,6 +30,7 @@ import torch
 
 from speccompile.runtime.draft_kinds.precision import precision_of
 from speccompile.runtime.errors import ArtifactError
+from speccompile.runtime.int8_twin import int8_kernel_missing
 from speccompile.runtime.manifest import DraftPlan
 from speccompile.runtime.speculative import DecodeRequest, decode_all
 
@@ -88,6 +89,8 @@ class PrecisionTune(Pass):
         model's, both on torch (cheap: no export); behind the lookup plan when there is one."""
         c = self.context
         decoder = self._decoder()
+        if decoder.embed.weight.device.type != "cpu" or int8_kernel_missing():
+            return 0.0  # the int8 twin runs on CPU only (a GPU build drafts no precision plan with this pass)
         twin = estimation_twin(decoder, "int8", "torch")
         plan = precision_plan({"precision": "int8"}, c.max_draft)
         profile = c.profile(plan, c.sample(0.25))

@@ -217,3 +217,24 @@ def test_an_onnx_artifact_with_a_precision_draft_reexports(tiny_decoder, tmp_pat
     backend = OnnxBackend(out, record, manifest.config, plans=plans)
     prompt = prompts(decoder.config.vocab_size)[1]
     assert run(backend, prompt, 12, plans["int8"])[0] == run(backend, prompt, 12)[0]
+
+
+def test_the_precision_pass_bound_is_zero_where_the_int8_twin_cannot_run(tiny_decoder, monkeypatch):
+    """The bound runs the int8 twin on torch: where it cannot (a GPU decoder, a torch without the kernel) the pass
+    is skipped by its bound instead of failing the build."""
+    import numpy as np
+
+    import speccompile.passes.precision_tune as precision_tune
+    from speccompile.passes.ir import DecoderIR
+    from speccompile.passes.tuning import TuningContext
+
+    _, decoder = tiny_decoder("llama")
+    ir = DecoderIR(decoder.config, {})
+    ir.attach_decoder(decoder)
+    rng = np.random.default_rng(0)
+    context = TuningContext.prepare(ir, [rng.integers(3, decoder.config.vocab_size, 8).tolist() for _ in range(4)], 12, 4,
+                                    show_progress=False)
+    tune = precision_tune.PrecisionTune(context, show_progress=False, quick=True)
+    assert tune.bound(ir) > 0.0
+    monkeypatch.setattr(precision_tune, "int8_kernel_missing", lambda: "no dynamic-int8 kernel")
+    assert tune.bound(ir) == 0.0
