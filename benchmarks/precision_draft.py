@@ -36,16 +36,14 @@ def plan_for(precision: str, max_draft: int):
                      params={"precision": scheme, "block_size": block, "symmetric": symmetric})
 
 
-LOOKUP_FIELDS = ("lookup", "ngram_min", "ngram_max", "lookup_max_draft", "short_ngram", "datastore", "extend")
-
-
 def hybrid_for(precision: str, max_draft: int, lookup_plan):
     """The precision draft of ``precision`` behind ``lookup_plan``'s lookups (the same sources and sizes)."""
     import dataclasses
 
+    from speccompile.passes.precision_tune import behind_lookup
+
     plan = plan_for(precision, max_draft)
-    return dataclasses.replace(plan, name=plan.name + "+lookup",
-                               **{field: getattr(lookup_plan, field) for field in LOOKUP_FIELDS})
+    return dataclasses.replace(behind_lookup(plan, lookup_plan), name=plan.name + "+lookup")
 
 
 def lookup_plan_of(manifest):

@@ -63,17 +63,14 @@ def tree_cost(backend, context: int = 128, repeats: int = 15) -> None:
     ``repeats``): whether the step-cost curve the build measured on chains prices trees too."""
     import numpy as np
 
+    from speccompile.passes.cost_model import _best_seconds
+
     backend.reserve(context + 32)
     rng = np.random.default_rng(0)
     backend.forward(rng.integers(0, 1000, context).tolist(), 0)
 
     def best(call) -> float:
-        times = []
-        for _ in range(repeats):
-            start = time.perf_counter()
-            call()
-            times.append(time.perf_counter() - start)
-        return min(times)
+        return min(_best_seconds(call) for _ in range(repeats))
 
     step = best(lambda: backend.forward([5], context))
     print("\n| rows | chain verify / step | tree verify / step | tree / chain |\n|---|---|---|---|")

@@ -47,6 +47,7 @@ from speccompile.runtime.torch_backend import TorchDraftHead
 
 from .base import Pass, PassResult
 from .budget import ADAPTER_GAIN, RATE_SLACK, exit_agreements, model_draft_bound
+from .cost_model import _best_seconds
 from .ir import DecoderIR
 from .plans import tuned_target
 from .tuning import TuningContext
@@ -268,13 +269,8 @@ def time_heads(decoder, vocab: int, repeats: int = 30) -> float:
     reduced = TorchDraftHead(decoder, None, np.arange(vocab))
 
     def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-        return min(times)
+        fn()  # warm-up
+        return min(_best_seconds(fn) for _ in range(repeats))
 
     with torch.inference_mode():
         return best(lambda: decoder.head(h)) / best(lambda: reduced(h))

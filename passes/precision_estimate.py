@@ -6,8 +6,8 @@ one parallel pass against the verifier's KV, which is what the first drafted tok
   very kernels the artifact runs.
 - On ONNX Runtime the draft is ``MatMulNBits`` with the plan's block grid. Its stand-in has the same grid,
   quantized and de-quantized in fp32 here (``block_quantized``), with fp32 activations where ONNX Runtime's
-  accuracy level 4 quantizes them to int8 per block: close, not exact. The precision tuner therefore
-  measures the later tokens of a round (and so the plan it keeps) in the real loop, on the backend.
+  accuracy level 4 quantizes them to int8 per block: close, not exact (``--method precision`` therefore
+  keeps the plan that did best in the real loop, on the backend).
 
 Twins are kept per decoder (a build scores several plans of one precision).
 """
@@ -22,7 +22,7 @@ from torch import nn
 from speccompile.runtime.draft_kinds.precision import parse_precision
 from speccompile.runtime.int8_twin import int8_twin, twin_with
 
-_TWINS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()
+_GRID_TWINS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()  # decoder -> precision -> twin
 
 
 def block_quantized(weight: torch.Tensor, bits: int, block: int, symmetric: bool) -> torch.Tensor:
@@ -56,16 +56,14 @@ def _grid_linear(linear: nn.Linear, bits: int, block: int, symmetric: bool) -> n
 
 def estimation_twin(decoder: nn.Module, precision: str, backend: str) -> nn.Module:
     """The torch decoder whose logits stand for ``precision``'s draft on ``backend`` ("torch" or "onnx")."""
-    twins = _TWINS.setdefault(decoder, {})
-    key = (precision, backend)
-    if key not in twins:
+    if backend == "torch":
+        return int8_twin(decoder)  # the one the torch backend runs (made once per decoder)
+    twins = _GRID_TWINS.setdefault(decoder, {})
+    if precision not in twins:
         scheme, block, symmetric = parse_precision(precision)
-        if backend == "torch":
-            twins[key] = int8_twin(decoder)
-        else:
-            bits = {"int4": 4, "int8": 8}[scheme]
-            twins[key] = twin_with(decoder, lambda linear, down: _grid_linear(linear, bits, block, symmetric))
-    return twins[key]
+        bits = {"int4": 4, "int8": 8}[scheme]
+        twins[precision] = twin_with(decoder, lambda linear, down: _grid_linear(linear, bits, block, symmetric))
+    return twins[precision]
 
 
 __all__ = ["block_quantized", "estimation_twin"]

@@ -4,17 +4,18 @@ products drafts, the full-precision model verifies.
 A precision draft is priced and scored in three steps, each as close to what runs as it can be:
 
 1. **Cost, timed in rounds on the backend** (``cost_model.measure_draft_rounds``): draft steps and the verify
-   after them, alternating as a round runs them. Back-to-back timings flatter such a draft on a CPU whose
-   last-level cache holds a good part of the fp32 weights: the draft's weights evict them, and a verify right
-   after drafts was measured at up to twice its back-to-back cost (issue 22's note). The step and the
+   after them, alternating as a round runs them. Back-to-back timings may flatter a draft that runs apart from
+   the verifier (on ONNX Runtime, before its sessions stopped spinning after each call, a verify right after
+   drafts cost twice its back-to-back time: ``onnx_backend.stop_spinning_after_runs``). The step and the
    verify's factor go into the costs every estimate reads (``StepCosts.draft_steps``, ``verify_after_draft``).
 2. **First drafted token of a round, exactly** (``passes/acceptance.profile_plan`` with the draft's torch
    stand-in, ``passes/precision_estimate.py``): one parallel pass against the verifier's KV over every
    calibration continuation; the draft-length policy (alone) and the lookup sources' sizes (behind the lookup
    plan, a hybrid) are chosen on it as for any model draft.
-3. **Later tokens, in the real loop**: the best candidates decode the first calibration prompts with the
-   backend (``decode_all``); their rounds, priced with the costs of step 1, give the estimate the plan keeps
-   (the parallel pass reads the verifier's KV where a real round's later drafts read their own).
+3. **Later tokens, in the real loop** (``--method precision``; ``auto``'s quick pass keeps step 2's estimate):
+   the best candidates decode the first calibration prompts with the backend (``decode_all``); their rounds,
+   priced with the costs of step 1, give the estimate the plan keeps (the parallel pass reads the verifier's
+   KV where a real round's later drafts read their own).
 
 Schemes tried: int8 on torch (the int8 twin; torch has no fast int4 CPU product), int8 and int4 (block 32) on
 ONNX Runtime. The best becomes plan ``precision``; confirmation then times it against plain decoding.
@@ -37,7 +38,7 @@ from speccompile.runtime.speculative import DecodeRequest, decode_all
 from .acceptance import best_policy
 from .base import Pass, PassResult
 from .budget import RATE_SLACK, geometric_bound, hybrid_bound
-from .cost_model import measure_draft_rounds
+from .cost_model import _best_seconds, measure_draft_rounds
 from .ir import DecoderIR
 from .lookup_autotune import score_lookup
 from .plans import tuned_target
@@ -96,8 +97,8 @@ class PrecisionTune(Pass):
         profile = c.profile(plan, c.sample(0.25))
         rate = float(np.concatenate(profile.matches).mean()) if profile.matches else 0.0
         ids = torch.tensor([[3]], device=decoder.embed.weight.device)
-        full = min(_seconds(lambda: decoder(ids)) for _ in range(5))
-        draft = min(_seconds(lambda: twin(ids)) for _ in range(5))
+        full = min(_best_seconds(lambda: decoder(ids)) for _ in range(5))
+        draft = min(_best_seconds(lambda: twin(ids)) for _ in range(5))
         plain = c.costs.plain_step()
         speedup = geometric_bound(rate + RATE_SLACK, draft / full, lambda t: c.costs.full(t) / plain, c.max_draft)[0]
         return hybrid_bound(c, speedup) if "lookup" in ir.plans else speedup
@@ -150,8 +151,6 @@ class PrecisionTune(Pass):
             backend.check_plans(plans)
         except ArtifactError as exc:  # no kernel for it here (the generic torch path, standard ONNX graphs, a GPU)
             return PassResult(ir, skipped=f"no precision draft on this backend: {exc}")
-        if c.runner.name == "torch":  # the estimator's twin is the one the backend runs: made once
-            backend.twins["int8"] = estimation_twin(self._decoder(), "int8", "torch")
         timed = {}
         for plan in plans.values():
             draft, factor = measure_draft_rounds(backend, c.costs, plan, min(4, c.max_draft))
@@ -176,12 +175,6 @@ class PrecisionTune(Pass):
             plan.target_acceptance = tuned_target(plan.measured)
             ir.add_plan(plan)
         return PassResult.after(ir, before, draft_costs=timed)
-
-
-def _seconds(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return time.perf_counter() - start
 
 
 __all__ = ["PrecisionTune", "behind_lookup", "precision_plan"]

@@ -27,12 +27,12 @@ from __future__ import annotations
 import copy
 import itertools
 import warnings
+import weakref
 from typing import Callable
 
 import torch
 from torch import nn
 
-SCHEMES = ("int8",)
 PACKED = ("_qkv", "_gate_up")  # decoder.pack_projections' entries in a module's __dict__
 
 
@@ -44,8 +44,8 @@ def int8_kernel_missing() -> str | None:
 
 
 class DynamicInt8Linear(nn.Module):
-    """``F.linear(x, W, b)`` with ``W`` int8 per output channel (symmetric) and ``x`` quantized per call
-    (``reduce_range``: 7-bit activations, so the u8 x s8 pair sums of fbgemm's kernel cannot saturate)."""
+    """``F.linear(x, W, b)`` with ``W`` int8 per output channel (symmetric) and ``x`` quantized per call to
+    8 bits (no ``reduce_range``: see the module's docstring)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -111,9 +111,15 @@ def twin_with(decoder: nn.Module, product: Callable[[nn.Linear, bool], nn.Module
     return twin
 
 
+_TWINS: "weakref.WeakKeyDictionary[nn.Module, nn.Module]" = weakref.WeakKeyDictionary()
+
+
 def int8_twin(decoder: nn.Module) -> nn.Module:
-    """The decoder's int8 twin: ``DynamicInt8Linear`` products, ``DynamicFp16Linear`` MLP down projections."""
-    return twin_with(decoder, lambda linear, down: (DynamicFp16Linear if down else DynamicInt8Linear)(linear))
+    """The decoder's int8 twin: ``DynamicInt8Linear`` products, ``DynamicFp16Linear`` MLP down projections.
+    Made once per decoder, so the backend's replicas and the tuner's estimator run the same one."""
+    if decoder not in _TWINS:
+        _TWINS[decoder] = twin_with(decoder, lambda linear, down: (DynamicFp16Linear if down else DynamicInt8Linear)(linear))
+    return _TWINS[decoder]
 
 
-__all__ = ["DynamicFp16Linear", "DynamicInt8Linear", "SCHEMES", "int8_kernel_missing", "int8_twin", "twin_with"]
+__all__ = ["DynamicFp16Linear", "DynamicInt8Linear", "int8_kernel_missing", "int8_twin", "twin_with"]

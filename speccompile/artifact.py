@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import secrets
 import shutil
 from contextlib import contextmanager
@@ -289,9 +288,6 @@ def write_artifact(out: Path, ir, tokenizer, source: dict, tokens: dict, force: 
     return out
 
 
-QUANTIZED_COPY = re.compile(r"\.int[48](\.b\d+s?)?(\.scales|\.zero_points)?$")  # exporters/onnx_quant.Quantizer's names
-
-
 def read_canonical_weights(root: Path, manifest) -> dict:
     """The canonical weights of an artifact as torch tensors, from its torch or its ONNX files."""
     import numpy as np
@@ -304,6 +300,8 @@ def read_canonical_weights(root: Path, manifest) -> dict:
     if record.get("quantization"):
         raise SpeccompileError("this artifact's ONNX weights are quantized and it has no torch weights to tune from; "
                                "rebuild it from the source model with --backend torch,onnx --quantize")
+    from speccompile.exporters.onnx_quant import QUANTIZED_COPY
+
     data = np.memmap(root / record["weights"], dtype=np.uint8, mode="r")
     weights = {}
     for name, t in record["tensors"].items():

@@ -30,6 +30,7 @@ from ..adapter import DraftHead, load_draft_head
 from ..cpu_linear import use_streaming_linears
 from ..decoder import Decoder, KVCache, build_decoder, pack_projections, run_segment
 from ..errors import ArtifactError
+from ..int8_twin import int8_kernel_missing, int8_twin
 from ..manifest import ArchConfig
 from ..segments import FINAL_HEAD, Segment
 from .base import Backend
@@ -71,7 +72,6 @@ class TorchBackend(Backend):
         self.round_on_device = device_round_requested() if round_on_device is None else round_on_device
         self.static = None  # torch_graphs.StaticSteps over the current cache, when graphs are on
         self.draft_heads: dict[str, tuple[DraftHead, TorchDraftHead]] = {}  # draft head file -> kernel
-        self.twins: dict[str, torch.nn.Module] = {}  # precision -> the decoder's int8 twin (runtime/int8_twin.py)
         if torch.device(self.device).type == "cpu":
             # q/k/v and gate/up as one product each, then the faster CPU form of small-row products,
             # measured on the products a step runs (runtime/cpu_linear.py)
@@ -99,7 +99,7 @@ class TorchBackend(Backend):
         """Another backend over the same weights with its own KV cache (one per concurrent sequence)."""
         other = TorchBackend(self.decoder, device=self.device, cuda_graphs=self.cuda_graphs, capture=self._capture,
                              round_on_device=self.round_on_device)
-        other.draft_heads, other.twins = self.draft_heads, self.twins
+        other.draft_heads = self.draft_heads
         return other
 
     def reserve(self, max_len: int) -> None:
@@ -137,7 +137,7 @@ class TorchBackend(Backend):
         if self.static is not None and self.static.fits(t) and segment.head in (None, FINAL_HEAD) and not segment.precision:
             out = self.static.run(segment, pos, ids, t)
         else:
-            decoder = self._twin(segment.precision) if segment.precision else self.decoder
+            decoder = int8_twin(self.decoder) if segment.precision else self.decoder  # made once per decoder
             head = decoder.head if segment.head in (None, FINAL_HEAD) else self._draft_head(segment.head)[1].full_logits
             out = run_segment(decoder, segment, None if ids is None else ids.view(1, -1), pos, self.cache,
                               self.hidden, head, count)
@@ -165,8 +165,6 @@ class TorchBackend(Backend):
     # -- precision self-drafts (draft_kinds/precision.py): the decoder's int8 twin ------------------------
     def _precision_unsupported(self, precision: str) -> str | None:
         from ..draft_kinds.precision import parse_precision
-        from ..int8_twin import int8_kernel_missing
-
         scheme = parse_precision(precision)[0]
         if scheme != "int8":  # _weight_int4pack_mm_for_cpu: 5x slower than the fp32 product here (int8_twin.py)
             return (f"{precision} precision drafts run on ONNX Runtime only (torch has no fast CPU {scheme} product); "
@@ -176,15 +174,6 @@ class TorchBackend(Backend):
         if torch.device(self.device).type != "cpu":
             return "int8 precision drafts on torch run on CPU (fbgemm / oneDNN); on a GPU build with --backend onnx"
         return int8_kernel_missing()
-
-    def _twin(self, precision: str) -> torch.nn.Module:
-        """The decoder's int8 twin for ``precision`` (made on first use, shared by replicas)."""
-        from ..int8_twin import int8_twin
-
-        key = precision.partition("/")[0]  # per output channel whatever the block size (int8_twin.py)
-        if key not in self.twins:
-            self.twins[key] = int8_twin(self.decoder)
-        return self.twins[key]
 
     # -- token trees (runtime/tree.py) ----------------------------------------------------------------
     def tree_unsupported(self) -> str | None:

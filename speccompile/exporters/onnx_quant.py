@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
@@ -9,6 +10,9 @@ import numpy as np
 CONTRIB = "com.microsoft"
 QUANT_BITS = {"int8": 8, "int4": 4}
 DEFAULT_BLOCK_SIZE = 32
+# What ``Quantizer.tensors`` names a weight's quantized copy: ``<canonical>.<tag>[.scales|.zero_points]``, the tag
+# being the scheme, with a precision self-draft's block size and symmetry after it (``int4.b128s``)
+QUANTIZED_COPY = re.compile(r"\.int[48](\.b\d+s?)?(\.scales|\.zero_points)?$")
 DEFAULT_ACCURACY_LEVEL = 4  # int8 activations: onnxruntime's fast CPU MatMulNBits path (int8 at level 0 has none);
 # lossless only because the fused graphs make a k-row call compute what k one-row calls do (FusedGraph.padding)
 
@@ -65,4 +69,4 @@ class Quantizer:
         return base, f"{base}.scales", zp_name
 
 
-__all__ = ["CONTRIB", "DEFAULT_ACCURACY_LEVEL", "DEFAULT_BLOCK_SIZE", "QUANT_BITS", "Quantizer"]
+__all__ = ["CONTRIB", "DEFAULT_ACCURACY_LEVEL", "DEFAULT_BLOCK_SIZE", "QUANTIZED_COPY", "QUANT_BITS", "Quantizer"]
