@@ -11,7 +11,8 @@ place where one multi-token call stands in for single steps:
   a quantization step), and greedy speculative == plain over several prompts and plans;
 - the torch CPU backend with every product form ``runtime/cpu_linear.py`` may choose per row count
   (``F.linear`` everywhere, ``W @ x^T`` everywhere, and each mixed): the same logit agreement (fp32),
-  and speculative == plain with the most mixed choice.
+  and speculative == plain with the most mixed choice;
+- precision self-drafts (int8 / int4 products drafting, fp32 verifying) on both backends, and token trees.
 
 Run: python -m pytest -q tests/test_real_shapes.py
 """
@@ -90,12 +91,13 @@ def onnx_artifacts(real_shaped, tmp_path_factory):
     folder, decoder = real_shaped[0], real_shaped[1]()
     base = tmp_path_factory.mktemp("real_shapes_onnx")
     options = {"int8": {"variant": "fused", "quantize": "int8"}, "int4": {"variant": "fused", "quantize": "int4"},
-               "fused": {"variant": "fused"}, "standard": {"variant": "standard"}}
+               "fused": {"variant": "fused"}, "standard": {"variant": "standard"}, "precision": {"variant": "fused"}}
     cache = {}
 
     def get(name: str):
         if name not in cache:
-            root = make_artifact(decoder, plans(), base / name, folder / "tokenizer.json", **options[name])
+            plan_map = {**plans(), **precision_plans("onnx")} if name == "precision" else plans()
+            root = make_artifact(decoder, plan_map, base / name, folder / "tokenizer.json", **options[name])
             cache[name] = root, OnnxBackend.from_artifact(root, read_manifest(root))
         return cache[name]
 
@@ -139,6 +141,35 @@ def test_torch_cpu_product_forms(real_shaped, monkeypatch):
         assert rounding < ROUNDING, f"torch {form}: a k-token call and k steps give logits {rounding:.2e} apart"
     assert_speculative_is_plain(backend, TorchBackend(decoder), prompts(decoder.config.vocab_size), {"exit": plans()["exit"]},
                                 NEW_TOKENS)
+
+
+def precision_plans(backend: str) -> dict[str, DraftPlan]:
+    """Precision self-drafts (the fp32 model verifies): int8 alone, int8 behind n-gram lookup, an int8 early exit,
+    and on ONNX Runtime int4 (torch has no int4 draft)."""
+    int8 = {"precision": "int8"}
+    out = [DraftPlan(name="int8", kind="precision", params=int8, max_draft=6, adaptive=False),
+           DraftPlan(name="int8+lookup", kind="precision", params=int8, max_draft=4, lookup=["ngram"], ngram_min=1,
+                     ngram_max=3, lookup_max_draft=6),
+           DraftPlan(name="int8-exit", kind="precision", params=int8, exit_layer=LAYERS - 1, max_draft=3)]
+    if backend == "onnx":
+        out.append(DraftPlan(name="int4", kind="precision", params={"precision": "int4"}, max_draft=4, threshold=0.0))
+    return {p.name: p for p in out}
+
+
+@pytest.mark.parametrize("name", ["onnx", "torch"])
+def test_precision_drafts_at_real_shapes(name, onnx_artifacts, real_shaped):
+    """A precision draft writes its own KV at the positions it drafts and the fp32 verify rewrites them: greedy
+    speculative == plain at SmolLM2's shapes on ONNX Runtime's fused graphs (MatMulNBits drafts) and on torch
+    (the int8 twin), and the drafts are accepted."""
+    if name == "torch":
+        root, backend = None, TorchBackend(real_shaped[1]())
+    else:
+        root, backend = onnx_artifacts("precision")
+    plan_map = precision_plans(name)
+    backend.check_plans(plan_map)
+    assert_speculative_is_plain(backend, backend.replica(), prompts(backend.config.vocab_size), plan_map, NEW_TOKENS, root)
+    _, stats = run(backend, prompts(backend.config.vocab_size)[0], NEW_TOKENS, plan_map["int8"])
+    assert stats.accepted / max(stats.drafted, 1) > 0.5, stats
 
 
 TREE_PLANS = {p.name: p for p in (
