@@ -12,7 +12,9 @@ to its own (the quantized weights go into the same weights.bin, once); on torch 
 loaded manifest (the int8 twin is made at load, nothing is stored). Nothing is tuned: each plan drafts up to
 ``--max-draft`` tokens with the adaptive threshold. A plan string is a precision as the draft kind writes it:
 ``int4`` (block 32, asymmetric: the grid of SmolLM2's Q4_1 GGUF, so it flatters the method there),
-``int4/b128`` (block 128: a grid that does not match the GGUF's), ``int4/b32s`` (symmetric), ``int8``.
+``int4/b128`` (block 128: a grid that does not match the GGUF's), ``int4/b32s`` (symmetric), ``int8``; with
+``@N`` (``int8/b128s@2``) the draft is a token tree with up to N - 1 of its runner-ups beside each token it
+drafts (``DraftPlan.draft_branches``).
 ``--hybrid`` adds, per precision, the hybrid of the artifact's default lookup plan and that precision draft
 (a lookup hit when there is one, else the precision draft, extended by lookup: ``runtime/hybrid.py``).
 """
@@ -28,11 +30,15 @@ HERE = Path(__file__).resolve().parent
 
 
 def plan_for(precision: str, max_draft: int):
+    """The plan of a ``--plans`` entry: a precision, then ``@N`` for a model-draft tree of ``N`` branches
+    (``DraftPlan.draft_branches``: the draft's choice and up to N - 1 runner-ups at each drafted position)."""
     from speccompile.runtime.draft_kinds.precision import parse_precision
     from speccompile.runtime.manifest import DraftPlan
 
+    precision, _, branches = precision.partition("@")
     scheme, block, symmetric = parse_precision(precision)
-    return DraftPlan(name=f"precision-{precision.replace('/', '-')}", kind="precision", max_draft=max_draft,
+    name = f"precision-{precision.replace('/', '-')}" + (f"-tree{branches}" if branches else "")
+    return DraftPlan(name=name, kind="precision", max_draft=max_draft, draft_branches=int(branches or 1),
                      params={"precision": scheme, "block_size": block, "symmetric": symmetric})
 
 

@@ -5,8 +5,9 @@
 
 Decodes every prompt with: plain decoding; every plan of the artifact (build it with ``--method lookahead``
 for the lookup plan, its token-tree pricing, the lookahead and LogitSpec plans); the lookup plan as a token
-tree (3 branches per source, up to 12 tokens); the widest tree (the lookup sources, 8 LogitSpec guesses and
-a lookahead window, up to 24 tokens: the most tokens per round, whatever its rows cost); lookahead decoding alone (a Jacobi window of W guesses verified in
+tree (3 branches per source, up to 12 tokens); wide trees (the lookup sources, LogitSpec guesses and a
+lookahead window; ``--wide 24/8/8,64/16/12``: node budget / LogitSpec top-k / branches per source, default
+24 nodes with 8 guesses and 8 branches: the most tokens per round, whatever the rows cost); lookahead decoding alone (a Jacobi window of W guesses verified in
 the same call, and its n-gram pool; ``runtime/lookahead.py``) as a chain and, where the backend verifies
 trees, with pooled n-grams as more branches. Each prompt runs every engine once per round, in an order that rotates,
 so drift on the machine falls on all of them alike. Prints tokens/s, the ratio to plain decoding, tokens per
@@ -46,9 +47,10 @@ def engines(model, args) -> dict:
             tree = replace(chain, lookup_branches=args.branches, lookup_max_draft=max(chain.lookup_max_draft, 4),
                            tree_nodes=args.tree_nodes)
             out[f"lookup as a tree: {tree.describe()}"] = tree
-        wide = replace(chain, lookup=chain.lookup + ["logitspec", "lookahead"], logitspec_top_k=8, lookup_branches=8,
-                       lookup_max_draft=max(chain.lookup_max_draft, 4), tree_nodes=args.wide_nodes)
-        out[f"the widest tree: {wide.describe()}"] = wide
+        for nodes, top_k, branches in args.wide:
+            wide = replace(chain, lookup=chain.lookup + ["logitspec", "lookahead"], logitspec_top_k=top_k,
+                           lookup_branches=branches, lookup_max_draft=max(chain.lookup_max_draft, 4), tree_nodes=nodes)
+            out[f"a wide tree ({nodes} nodes): {wide.describe()}"] = wide
     for window in args.windows:
         la = DraftPlan(name="lookahead", lookup=["lookahead"], lookahead_window=window, lookahead_ngram=args.ngram)
         out[f"lookahead alone, W={window}, chain"] = la
@@ -113,8 +115,9 @@ def main() -> None:
     parser.add_argument("--ngram", type=int, default=2)
     parser.add_argument("--branches", type=int, default=3)
     parser.add_argument("--tree-nodes", type=int, default=12)
-    parser.add_argument("--wide-nodes", type=int, default=24, help="node budget of the widest tree (lookup, LogitSpec "
-                        "and lookahead branches together)")
+    parser.add_argument("--wide", type=lambda s: [tuple(int(x) for x in w.split("/")) for w in s.split(",")],
+                        default=[(24, 8, 8)], help="wide trees to time, each NODES/LOGITSPEC_TOP_K/BRANCHES, comma "
+                        "separated (default 24/8/8)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--tree-cost", action="store_true", help="also time tree against chain verifies of as many rows")
     parser.add_argument("--premise", action="store_true", help="also print LogitSpec's premise on the plain outputs")

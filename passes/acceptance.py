@@ -49,6 +49,15 @@ class Profile:
     matches: list[np.ndarray]
     confidences: list[np.ndarray]
     tops: list[np.ndarray] | None = None  # the draft's argmax at every position (for replaying drafters)
+    # the draft's next-best tokens [n, RUNNER_UPS] and their probabilities at every position (model-draft trees)
+    runner_ups: list[np.ndarray] | None = None
+    runner_up_probs: list[np.ndarray] | None = None
+
+    def subset(self, indices: list[int]) -> "Profile":
+        """The profile of the sequences ``indices`` (a fold of the calibration set)."""
+        pick = lambda values: None if values is None else [values[i] for i in indices]  # noqa: E731
+        return Profile(pick(self.matches), pick(self.confidences), pick(self.tops), pick(self.runner_ups),
+                       pick(self.runner_up_probs))
 
     @property
     def match_rate(self) -> float:
@@ -239,16 +248,22 @@ def draft_logits(decoder: Decoder, plan: DraftPlan, ref: Reference, head=None) -
     return (decoder.head(h) if head is None else head.full_logits(h))[0]
 
 
+RUNNER_UPS = 3  # next-best draft tokens a profile keeps per position: model-draft trees up to 4 branches
+
+
 def profile_plan(decoder: Decoder, plan: DraftPlan, references: list[Reference], head=None) -> Profile:
-    matches, confidences, tops = [], [], []
+    matches, confidences, tops, runners, runner_probs = [], [], [], [], []
     for ref in references:
         logits = draft_logits(decoder, plan, ref, head)
         probs = torch.softmax(logits.float(), dim=-1)
-        conf, top = probs.max(dim=-1)
+        best, order = probs.topk(RUNNER_UPS + 1, dim=-1)
+        conf, top = best[:, 0], order[:, 0]
         matches.append(top.cpu().numpy() == ref.targets)
         confidences.append(conf.cpu().numpy())
         tops.append(top.cpu().numpy())
-    return Profile(matches=matches, confidences=confidences, tops=tops)
+        runners.append(order[:, 1:].cpu().numpy())
+        runner_probs.append(best[:, 1:].cpu().numpy())
+    return Profile(matches=matches, confidences=confidences, tops=tops, runner_ups=runners, runner_up_probs=runner_probs)
 
 
 @dataclass

@@ -153,10 +153,7 @@ def score_lookup(context: TuningContext, plan: DraftPlan, profile=None):
         for fold in (0, 1):
             held = [i for i in range(len(refs)) if i % 2 == fold]
             part = replace(plan, datastore=f"retrieval/fold{1 - fold}.safetensors")
-            sub_profile = None
-            if profile is not None:
-                sub_profile = type(profile)([profile.matches[i] for i in held], [profile.confidences[i] for i in held],
-                                            [profile.tops[i] for i in held])
+            sub_profile = profile.subset(held) if profile is not None else None
             rounds += replay(part, [refs[i] for i in held], sub_profile, context.workdir)
     return estimate_rounds(rounds, plan, context.costs), rounds
 

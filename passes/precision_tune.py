@@ -50,6 +50,7 @@ SCHEMES = {"torch": ({"precision": "int8"},),
            "onnx": ({"precision": "int8"}, {"precision": "int4"})}
 LOOKUP_FIELDS = ("lookup", "ngram_min", "ngram_max", "lookup_max_draft", "short_ngram", "datastore", "extend")
 REAL_LOOP_CANDIDATES = 2  # the best plans by the parallel estimate that decode in the real loop
+TREE_BRANCHES = (2, 3)  # model-draft trees priced against each candidate's chain (DraftPlan.draft_branches)
 
 
 def precision_plan(params: dict, max_draft: int) -> DraftPlan:
@@ -104,6 +105,25 @@ class PrecisionTune(Pass):
         return hybrid_bound(c, speedup) if "lookup" in ir.plans else speedup
 
     # -- the pass ---------------------------------------------------------------------------------------------
+    def _as_tree(self, found: tuple[DraftPlan, object, list | None], profile) -> tuple[DraftPlan, object, list | None]:
+        """``found`` (a chain candidate) or its model-draft tree (``draft_branches``), whichever the replay over
+        the calibration continuations prices higher with the backend's verify curve (both replayed, so the
+        profile's approximations of later tokens apply to both alike); a tree's estimate is the chain's scaled by
+        that ratio, so that it stays comparable with the other candidates'."""
+        c = self.context
+        plan, estimate, rounds = found
+        if not c.trees:  # the tuning backend verifies no token trees
+            return found
+        chain, _ = score_lookup(c, plan, profile)
+        best = found
+        for branches in TREE_BRANCHES:
+            tree_plan = replace(plan, draft_branches=branches)
+            tree, tree_rounds = score_lookup(c, tree_plan, profile)
+            ratio = tree.expected_speedup / max(chain.expected_speedup, 1e-9)
+            if ratio > 1.0 and ratio * estimate.expected_speedup > best[1].expected_speedup:
+                best = (tree_plan, replace(tree, expected_speedup=ratio * estimate.expected_speedup), tree_rounds)
+        return best
+
     def _candidates(self, ir: DecoderIR) -> list[tuple[DraftPlan, object, list | None]]:
         """(plan, estimate, replayed rounds) per scheme, alone and behind the lookup plan, by the parallel pass."""
         c = self.context
@@ -113,8 +133,8 @@ class PrecisionTune(Pass):
             plan = precision_plan(params, c.max_draft)
             profile = c.profile(plan)
             alone = best_policy(profile, plan, c.costs, c.max_draft)
-            found.append((replace(plan, max_draft=alone.max_draft, threshold=alone.threshold, adaptive=False),
-                          alone, None))
+            found.append(self._as_tree((replace(plan, max_draft=alone.max_draft, threshold=alone.threshold,
+                                                adaptive=False), alone, None), profile))
             if lookup is not None and lookup.lookup and not lookup.has_model_draft:  # a tree's sources, as a chain
                 best = None
                 for k in range(2, c.max_draft + 1, 2):
@@ -122,7 +142,7 @@ class PrecisionTune(Pass):
                     estimate, rounds = score_lookup(c, hybrid, profile)
                     if best is None or estimate.expected_speedup > best[1].expected_speedup:
                         best = (hybrid, estimate, rounds)
-                found.append(best)
+                found.append(self._as_tree(best, profile))
             if (left := self.seconds_left()) is not None and left <= 0:
                 break
         return found

@@ -31,14 +31,24 @@ class ProfileStep:
     """A model draft step read from one sequence's profile: what the plan's subgraph drafts after the
     target's own prefix (exact for the first token of a round, DESIGN.md section 5)."""
 
-    def __init__(self, tops: np.ndarray, confidences: np.ndarray, prompt_len: int):
-        self.tops, self.confidences, self.prompt_len = tops, confidences, prompt_len
+    def __init__(self, tops: np.ndarray, confidences: np.ndarray, prompt_len: int,
+                 runners: tuple[np.ndarray, np.ndarray] | None = None):
+        self.tops, self.confidences, self.prompt_len, self.runners = tops, confidences, prompt_len, runners
+        self._last = -1
 
     def __call__(self, token: int, pos: int, ctx) -> tuple[int, float, None]:
-        i = pos - self.prompt_len
+        i = self._last = pos - self.prompt_len
         if not 0 <= i < len(self.tops):
             return -1, 0.0, None
         return int(self.tops[i]), float(self.confidences[i]), None
+
+    def runner_ups(self, most: int) -> list[tuple[int, float]]:
+        """The profile's next-best tokens at the last step's position (``Profile.runner_ups``)."""
+        i = self._last
+        if self.runners is None or not 0 <= i < len(self.tops):
+            return []
+        tokens, probs = self.runners
+        return [(int(t), float(p)) for t, p in zip(tokens[i][:most], probs[i][:most])]
 
 
 @dataclass
@@ -61,7 +71,8 @@ def replay(plan: DraftPlan, references: list[Reference], profile: Profile | None
     for s, ref in enumerate(references):
         tokens = ref.tokens[0].tolist()
         prompt, target = tokens[: ref.prompt_len], tokens[ref.prompt_len :]
-        step = ProfileStep(profile.tops[s], profile.confidences[s], ref.prompt_len) if plan.has_model_draft else None
+        runners = (profile.runner_ups[s], profile.runner_up_probs[s]) if profile and profile.runner_ups else None
+        step = ProfileStep(profile.tops[s], profile.confidences[s], ref.prompt_len, runners) if plan.has_model_draft else None
         drafter = make_drafter(plan, step, root)
         drafter.start(prompt)
         produced, n = 1, len(target)

@@ -78,9 +78,18 @@ class Draft:
         return Draft(self.tokens[:n], self.q[:n], self.sources[:n], self.reuse, self.verify_plan)
 
     def extend(self, other: "Draft") -> "Draft":
-        """This draft followed by ``other`` (which must not need prefix reuse of its own)."""
-        return Draft(self.tokens + other.tokens, self.q + other.q, self.sources + other.sources, self.reuse,
-                     self.verify_plan)
+        """This draft followed by ``other`` (a chain, which must not need prefix reuse of its own). A model
+        draft's tree (its chain, then leaves beside it: ``ModelDrafter``) continues below the chain's last
+        token; the leaves stay where they are in the tree, after the new tokens."""
+        if self.parents is None:
+            return Draft(self.tokens + other.tokens, self.q + other.q, self.sources + other.sources, self.reuse,
+                         self.verify_plan)
+        n, m = len(self.first_branch().tokens), len(other.tokens)
+        if any(p >= n for p in self.parents[n:]):
+            raise ValueError("only a chain with leaves beside it can be extended")
+        return Draft(self.tokens[:n] + other.tokens + self.tokens[n:], self.q[:n] + other.q + self.q[n:],
+                     self.sources[:n] + other.sources + self.sources[n:], self.reuse, self.verify_plan,
+                     self.parents[:n] + list(range(n - 1, n - 1 + m)) + self.parents[n:])
 
     @property
     def label(self) -> str:
@@ -138,6 +147,10 @@ class DraftStep(Protocol):
     def __call__(self, token: int, pos: int, ctx: RoundContext) -> tuple[int, float, np.ndarray | None]:
         """Draft the token after ``token`` (at ``pos``): (drafted token, confidence, q or None when greedy)."""
 
+    def runner_ups(self, most: int) -> list[tuple[int, float]]:
+        """The last step's next-best tokens after the one it drafted, with their draft probabilities, best
+        first (at most ``most``): a model-draft tree's leaves (``ModelDrafter``)."""
+
 
 @dataclass
 class DraftPolicy:
@@ -172,48 +185,86 @@ class BackendStep:
         from .draft_kinds import kind_of
 
         self.backend, self.kind = backend, kind_of(plan, backend.config.num_layers)
+        self._probs: np.ndarray | None = None  # the last greedy step's draft probabilities (runner_ups)
+        self._drafted = -1
 
     def __call__(self, token: int, pos: int, ctx: RoundContext) -> tuple[int, float, np.ndarray | None]:
         logits = self.kind.draft(self.backend, token, pos)
         if ctx.params.greedy:
-            drafted = int(np.argmax(logits))
-            return drafted, float(softmax(logits)[drafted]), None
+            self._probs = softmax(logits)
+            drafted = self._drafted = int(np.argmax(logits))
+            return drafted, float(self._probs[drafted]), None
         q = probabilities(logits, ctx.params)
         drafted = sample(q, ctx.rng)
         return drafted, float(q.max()), q
 
+    def runner_ups(self, most: int) -> list[tuple[int, float]]:
+        probs = self._probs
+        if probs is None or most < 1:
+            return []
+        top = np.argpartition(probs, -(most + 1))[-(most + 1):]
+        top = [int(t) for t in top[np.argsort(-probs[top], kind="stable")] if t != self._drafted][:most]
+        return [(t, float(probs[t])) for t in top]
+
+
+# A runner-up less likely than this under the draft is not worth a verify row. SmolLM2-135M's int8 draft on ONNX
+# Runtime (issue 24): leaves above 0.05 were the model's token 6% of the time, above 0.2 10%, above 0.3 17%;
+# a leaf pays there from about 8% (one more token per hit against a row's cost in a ~7-row verify).
+BRANCH_MIN_PROBABILITY = 0.2
+
 
 class ModelDrafter:
-    """Drafts with a plan's subgraph of the model (layer skip or early exit) under a ``DraftPolicy``."""
+    """Drafts with a plan's subgraph of the model under a ``DraftPolicy``.
+
+    With ``plan.draft_branches`` > 1 (greedy rounds) the draft is a token tree (``runtime/tree.py``): its chain,
+    then, beside each drafted token, up to ``draft_branches - 1`` of the draft's runner-ups as leaves (source
+    ``branch``) where the draft gave them at least ``BRANCH_MIN_PROBABILITY``. A leaf costs a verify row and no
+    draft step; it pays where the draft's first choice is wrong and its second right, which is where a chain's
+    round ends (the top-k branches of SpecInfer / EAGLE-2 trees, cut to one level so that the draft runs once
+    per depth)."""
 
     name = "model"
+    branch = "branch"  # the source name of a tree's runner-up leaves
 
     def __init__(self, plan: DraftPlan, step: DraftStep, policy: DraftPolicy):
         from .draft_kinds import kind_of
 
         self.plan, self.step, self.policy = plan, step, policy
         self.kind = kind_of(plan)
+        self.drafts_trees = plan.draft_branches > 1  # tree rounds run on the host (``speculative.decode``)
 
     def start(self, prompt: Sequence[int]) -> None:
         pass
 
     def propose(self, ctx: RoundContext) -> Draft:
         draft = Draft(verify_plan=self.plan)
+        leaves: list[tuple[int, int]] = []  # (parent node, token)
         current = ctx.history[-1]
-        for j in range(min(self.policy.max_draft, ctx.limit)):
+        most = min(self.policy.max_draft, ctx.limit)
+        branches = self.plan.draft_branches - 1 if ctx.params.greedy else 0
+        for j in range(most):
             current, confidence, q = self.step(current, ctx.pos + j, ctx)
             draft.tokens.append(current)
             draft.q.append(q)
             draft.sources.append(self.name)
+            if branches:
+                leaves += [(j - 1, t) for t, p in self.step.runner_ups(branches) if p >= BRANCH_MIN_PROBABILITY]
             if confidence < self.policy.threshold:
                 break
         draft.reuse = self.kind.reuse(len(draft.tokens))
+        room = ctx.limit - len(draft.tokens)
+        if leaves and room > 0:
+            leaves = leaves[:room]
+            draft.parents = list(range(-1, len(draft.tokens) - 1)) + [parent for parent, _ in leaves]
+            draft.tokens += [token for _, token in leaves]
+            draft.q += [None] * len(leaves)
+            draft.sources += [self.branch] * len(leaves)
         return draft
 
     def feedback(self, draft: Draft, accepted: int) -> None:
-        drafted = draft.sources.count(self.name)
+        drafted = draft.sources.count(self.name)  # the chain's tokens (a tree's leaves did not set its length)
         self.policy.update(drafted, min(accepted, drafted))
 
 
-__all__ = ["BackendStep", "Draft", "DraftPolicy", "DraftStep", "Drafter", "ModelDrafter", "ObservesSources",
-           "RoundContext"]
+__all__ = ["BRANCH_MIN_PROBABILITY", "BackendStep", "Draft", "DraftPolicy", "DraftStep", "Drafter", "ModelDrafter",
+           "ObservesSources", "RoundContext"]

@@ -25,6 +25,10 @@ class HybridDrafter(ObservesSources):
         for source in self._sources():
             source.start(prompt)
 
+    @property
+    def drafts_trees(self) -> bool:
+        return bool(getattr(self.model, "drafts_trees", False))
+
     def _sources(self):
         return self.lookups + ([self.model] if self.model is not None else [])
 
@@ -38,7 +42,7 @@ class HybridDrafter(ObservesSources):
         draft = self.model.propose(ctx)
         room = ctx.limit - len(draft.tokens)
         if self.extend and room > 0 and draft.tokens:
-            tail = list(ctx.history[-8:]) + draft.tokens
+            tail = list(ctx.history[-8:]) + draft.first_branch().tokens  # a model tree's chain, not its leaves
             for source in self.lookups:
                 more = source.lookup(ctx.history, tail, room)
                 if more:

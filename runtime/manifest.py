@@ -182,6 +182,9 @@ class DraftPlan:
     # tree of at most tree_nodes tokens (0: lookup_max_draft), verified in one call (runtime/tree.py).
     lookup_branches: int = 1
     tree_nodes: int = 0
+    # model-draft trees (runtime/drafters.py, ModelDrafter): > 1 adds, at each drafted position, up to this many
+    # - 1 of the draft's runner-up tokens as leaves beside its choice (greedy rounds; kinds without prefix reuse)
+    draft_branches: int = 1
     # lookahead decoding (runtime/lookahead.py), a lookup source named "lookahead": its Jacobi window and the
     # length of the n-grams it pools
     lookahead_window: int = 4
@@ -250,6 +253,12 @@ class DraftPlan:
         if self.lookup_branches > 1 and (not self.lookup or self.has_model_draft):
             raise ArtifactError(f"plan '{self.name}': token trees (lookup_branches > 1) are drafted by lookup sources "
                                 "alone; give the plan lookup sources and no model part, or set lookup_branches to 1")
+        if self.draft_branches < 1 or (self.draft_branches > 1 and not self.has_model_draft):
+            raise ArtifactError(f"plan '{self.name}': draft_branches must be >= 1, and above 1 only for a plan with a "
+                                f"model draft, got {self.draft_branches}; set it to 1")
+        if self.draft_branches > 1 and self.exit_layer is not None:
+            raise ArtifactError(f"plan '{self.name}': an early exit's verify reuses its draft's prefix, which a tree's "
+                                "branches do not have; set draft_branches to 1")
         if "retrieval" in self.lookup and not self.datastore:
             raise ArtifactError(f"plan '{self.name}' drafts by retrieval but names no datastore; rebuild the artifact")
         if (self.head.startswith("adapter:") or self.draft_vocab is not None) and not self.draft_head_file:
@@ -291,7 +300,9 @@ class DraftPlan:
         parts += lookups
         kind = kind_of(self)
         if kind.has_model_part:
-            parts.append(kind.describe() + describe_head(self))
+            branches = (f", up to {self.draft_branches - 1} runner-up(s) per drafted token as tree leaves"
+                        if self.draft_branches > 1 else "")
+            parts.append(kind.describe() + describe_head(self) + branches)
         return ", else ".join(parts) if len(parts) > 1 else (parts[0] if parts else "nothing")
 
     @classmethod

@@ -181,7 +181,7 @@ def draft_room(plan: DraftPlan | None, max_draft: int | None = None) -> int:
     """Most tokens one round of ``plan`` may draft (what the KV cache must hold beyond the output)."""
     if plan is None:
         return 0
-    room = (max_draft or plan.max_draft) if plan.has_model_draft else 0
+    room = (max_draft or plan.max_draft) * plan.draft_branches if plan.has_model_draft else 0
     return room + (plan.max_tree_nodes if plan.lookup else 0)
 
 
@@ -197,13 +197,13 @@ def backend_drafter(backend: Backend, plan: DraftPlan | None, root: Path | None 
     if plan is None:
         return None
     backend.check_plans({plan.name: plan})  # a plan this backend cannot run is refused before any work
-    no_trees = backend.tree_unsupported() if plan.lookup_branches > 1 else None
+    no_trees = backend.tree_unsupported() if plan.lookup_branches > 1 or plan.draft_branches > 1 else None
     if no_trees is not None:
         import warnings
 
         warnings.warn(f"plan {plan.name!r} drafts token trees, which the {backend.name} backend cannot verify here "
                       f"({no_trees}); it drafts chains (its first branch)", stacklevel=2)
-        plan = replace(plan, lookup_branches=1)
+        plan = replace(plan, lookup_branches=1, draft_branches=1)
     if plan.draft_head_file is not None:  # an exit adapter / reduced vocabulary, from ``root``
         backend.load_draft_head(plan.draft_head_file, root)
     return make_drafter(plan, BackendStep(backend, plan), root, max_draft)
