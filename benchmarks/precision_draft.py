@@ -11,7 +11,8 @@ For ONNX Runtime the artifact is copied (``ART-precision``) and re-exported with
 to its own (the quantized weights go into the same weights.bin, once); on torch the plans are added to the
 loaded manifest (the int8 twin is made at load, nothing is stored). Nothing is tuned: each plan drafts up to
 ``--max-draft`` tokens with the adaptive threshold. A plan string is a precision as the draft kind writes it:
-``int4`` (block 32, asymmetric: the grid of SmolLM2's Q4_1 GGUF, so it flatters the method there),
+``int4`` (block 32, asymmetric: the block layout of SmolLM2's Q4_1 GGUF, though not its values: integer zero
+points; ``benchmarks/quant_agreement.py``),
 ``int4/b128`` (block 128: a grid that does not match the GGUF's), ``int4/b32s`` (symmetric), ``int8``; with
 ``@N`` (``int8/b128s@2``) the draft is a token tree with up to N - 1 of its runner-ups beside each token it
 drafts (``DraftPlan.draft_branches``).
@@ -97,7 +98,13 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--hybrid", action="store_true")
     parser.add_argument("--backend", choices=("onnx", "torch"), default="onnx")
+    parser.add_argument("--branch-floor", type=float, default=None,
+                        help="a model-draft tree's least leaf probability (default: drafters.BRANCH_MIN_PROBABILITY)")
     args = parser.parse_args()
+    if args.branch_floor is not None:
+        from speccompile.runtime import drafters
+
+        drafters.BRANCH_MIN_PROBABILITY = args.branch_floor
 
     from speccompile.bench import load_prompts
     from speccompile.runtime import load
@@ -130,6 +137,7 @@ def main() -> None:
         model.generate(prompts[0], max_new_tokens=8, plan=name, speculate=name is not None)
     seconds = dict.fromkeys(names, 0.0)
     rounds, accepted, drafted, identical = (dict.fromkeys(names[1:], 0) for _ in range(4))
+    leaves = {name: [0, 0] for name in names[1:]}  # a model-draft tree's runner-up leaves: drafted, accepted
     for turn, ids in enumerate(prompts):
         order = names if turn % 2 == 0 else names[::-1]
         results = {name: model.generate(ids, max_new_tokens=args.max_new_tokens, plan=name, speculate=name is not None)
@@ -141,11 +149,13 @@ def main() -> None:
                 accepted[name] += result.stats.accepted
                 drafted[name] += result.stats.drafted
                 identical[name] += result.token_ids == results[None].token_ids
+                leaves[name] = [a + b for a, b in zip(leaves[name], result.stats.per_source.get("branch", [0, 0]))]
     print(f"{len(prompts)} prompts ({source}), {args.max_new_tokens} new tokens, in turns; plain "
           f"{seconds[None]:.1f}s")
     for name in names[1:]:
         print(f"{name:28s} {seconds[None] / seconds[name]:.3f}x plain  {(accepted[name] + rounds[name]) / max(rounds[name], 1):.2f} "
-              f"tokens/round  acceptance {accepted[name] / max(drafted[name], 1):.2f}  identical {identical[name]}/{len(prompts)}")
+              f"tokens/round  acceptance {accepted[name] / max(drafted[name], 1):.2f}  identical {identical[name]}/{len(prompts)}"
+              + (f"  leaves accepted {leaves[name][1]}/{leaves[name][0]}" if leaves[name][0] else ""))
 
 
 if __name__ == "__main__":

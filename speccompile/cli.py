@@ -405,6 +405,9 @@ def inspect(artifact, as_json):
     extra = manifest.backends.get("onnx", {}).get("precision_draft_bytes")
     if extra:
         click.echo(f"  precision   {extra / 1e6:.1f} MB of weights.bin are the precision self-drafts' quantized weights")
+        if str(src.get("path", "")).lower().endswith(".gguf"):
+            click.echo("              the source is a GGUF: its fp32 weights are de-quantized from its own block grid, so a "
+                       "precision draft's acceptance here is not a 16-bit-trained model's (benchmarks/quant_agreement.py)")
     echo_pass_table(manifest.tuning)
     echo_verify_costs(manifest.tuning)
     for name, plan in manifest.plans.items():
