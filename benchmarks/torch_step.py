@@ -8,8 +8,9 @@ fills both caches with the same 128-token context, then times calls of 1, 2, 4 a
 position, alternating between the two backends call by call (the order flipping each call), so the
 machine's drifting speed weighs on both alike. Prints the median milliseconds per call and the ratio.
 
-``--form`` sets ``SPECCOMPILE_CPU_LINEAR`` for both (``streaming`` or ``standard``: the product form held
-fixed, so only packing differs; ``auto``: each backend runs its own product-form probe, as in use).
+``--form`` sets ``SPECCOMPILE_CPU_LINEAR`` for both (``streaming``, ``standard`` or ``packed``: the product
+form held fixed, so only packing differs; ``auto``: each backend runs its own product-form probe, as in
+use). ``benchmarks/cpu_forms.py`` compares the product forms themselves.
 Meant to be run under ``flock /tmp/speccompile-timing.lock``.
 """
 
@@ -26,7 +27,7 @@ import numpy as np
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifact", type=Path)
-    parser.add_argument("--form", choices=["auto", "streaming", "standard"], default="streaming")
+    parser.add_argument("--form", choices=["auto", "streaming", "standard", "packed"], default="streaming")
     parser.add_argument("--calls", type=int, default=30, help="calls per backend and token count")
     parser.add_argument("--context", type=int, default=128)
     args = parser.parse_args()
@@ -51,7 +52,8 @@ def main() -> None:
     packed = torch_backend.TorchBackend(build_decoder(manifest.config, weights))
     print(f"{args.artifact.name}, {manifest.config.num_layers} blocks, SPECCOMPILE_CPU_LINEAR={args.form}; "
           f"streaming form for rows {sorted(unpacked.decoder._streaming_rows)} (unpacked), "
-          f"{sorted(packed.decoder._streaming_rows)} (packed)")
+          f"{sorted(packed.decoder._streaming_rows)} (packed); MKL-packed form for rows "
+          f"{sorted(unpacked.decoder._packed_rows)} (unpacked), {sorted(packed.decoder._packed_rows)} (packed)")
     context = list(range(5, 5 + args.context))
     for backend in (unpacked, packed):
         backend.reserve(args.context + 16)

@@ -155,6 +155,9 @@ class TuningOptions:
     retrieval: bool = option(True, "--retrieval/--no-retrieval", show_default=True,
                              help="Let lookup plans draft from a datastore of the calibration text and the model's "
                                   "continuations of it (stored in the artifact; kept only if it pays).")
+    trees: bool = option(True, "--trees/--no-trees", show_default=True,
+                         help="Let plans draft token trees (several continuations verified in one call) where the backend "
+                              "verifies them and the objective expects them to pay; --no-trees keeps chains only.")
     calibration: str | None = option(None, "--calibration", type="path",
                                      help="Calibration text: .jsonl with a 'text' or 'prompt' field per line, or plain "
                                           "text split on blank lines. Default: a small built-in set.")

@@ -1,18 +1,31 @@
-"""Linear layers for a few token rows on CPU: the weight-streaming product, chosen by measurement.
+"""Linear layers for a few token rows on CPU: three forms of the same product, chosen by measurement.
 
 Decoding and verifying multiply one to a few dozen token rows by every weight matrix, so a step is a
-stream over the weights. ``F.linear(x, W)`` computes ``x @ W^T``; with one to three rows BLAS may take a
-matrix-vector or narrow path that streams the weights far below the memory bandwidth (measured on this
-project's 2-core AMD EPYC with torch's MKL: SmolLM2-135M's 211 products take 42 ms for one row and 70 ms
-for two, where the same products written ``W @ x^T`` with at least two columns take 17 ms and 16 ms).
-Which form is faster depends on the CPU and the BLAS build, so ``choose_streaming_rows`` times both on
-the model's own weights (cold, in model order, as a step reads them) for each row count and keeps the
-winner per count; ``use_streaming_linears`` then switches the model's ``nn.Linear`` modules to
-``StreamingLinear``, which applies it. Both forms compute the same dot products; like any change of
-kernel they may round differently, which the near-tie rule of lossless greedy covers (DESIGN.md
-section 6): a backend's plain and speculative decoding always run the same modules.
+stream over the weights. ``F.linear(x, W)`` computes ``x @ W^T``, and how fast BLAS streams the weights
+for one to sixteen rows depends on the CPU and the BLAS build:
 
-``SPECCOMPILE_CPU_LINEAR=standard`` keeps ``F.linear`` everywhere; ``=streaming`` uses the streaming
+- on this project's 2-core AMD EPYC, torch's MKL took 42 ms for SmolLM2-135M's 211 products with one row
+  and 70 ms with two, where the same products written ``W @ x^T`` with at least two columns (the
+  *streaming* form) took 17 ms and 16 ms;
+- on its 2-core Intel Xeon (AVX-512), ``F.linear`` streams one to three rows near the memory bandwidth
+  (19-21 ms for the 121 packed products) but four rows take 34 ms, eight 44 ms and twelve 53 ms: MKL
+  re-packs every weight on each call at those shapes. The *packed* form packs each weight once, at load,
+  into MKL's own GEMM layout (``cblas_sgemm_pack`` through ``torch.ops.mkl._mkl_reorder_linear_weight``,
+  what inductor's freezing pass uses) and multiplies by it (``cblas_sgemm_compute``): 19, 22, 27 and 30 ms
+  for 1, 4, 8 and 12 rows. A pack made for ``MAX_ROWS`` rows serves every count up to it (checked once
+  per process, ``mkl_packing_missing``). At SmolLM2's shapes its rows were also batch-invariant (row i of
+  a k-row product bitwise row i of the one-row product, 1 to 128 rows), so a verify computed its
+  positions' products exactly as plain decoding's steps did; on tiny test shapes they are not, so nothing
+  relies on it. The pack is a second copy of each weight, in memory only (nothing is stored): the price of
+  the form, which ``SPECCOMPILE_CPU_LINEAR=standard`` avoids.
+
+``use_streaming_linears`` times the forms on the model's own weights (cold, in model order, as a step
+reads them) for each row count and switches the model's ``nn.Linear`` modules to ``StreamingLinear``,
+which applies the winner per count. Every form computes the same dot products; like any change of kernel
+they may round differently, which the near-tie rule of lossless greedy covers (DESIGN.md section 6): a
+backend's plain and speculative decoding always run the same modules.
+
+``SPECCOMPILE_CPU_LINEAR=standard`` keeps ``F.linear`` everywhere; ``=streaming`` / ``=packed`` use that
 form for every row count up to ``MAX_ROWS`` without timing.
 """
 
@@ -27,19 +40,92 @@ from torch import nn
 
 MAX_ROWS = 16  # longest verify the choice covers (a lookup draft is at most 12 tokens); longer calls use F.linear
 PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
+MODES = ("auto", "standard", "streaming", "packed")
+# the packed form is kept for a row count when it is at most this much slower than the form otherwise chosen:
+# one form for every count keeps a step and a verify on the same kernel (at SmolLM2's shapes, bitwise)
+PACKED_PREFERENCE = 1.03
 
 
 class StreamingLinear(nn.Linear):
-    """``nn.Linear`` that computes ``W @ x^T`` (at least two columns) for the row counts in
-    ``streaming_rows``, ``F.linear`` otherwise. Created only by switching an ``nn.Linear``'s class."""
+    """``nn.Linear`` that computes its product in the form chosen for the call's row count: MKL's packed
+    product for the counts in ``packed_rows`` (when the module holds a current pack of its weight),
+    ``W @ x^T`` (at least two columns) for those in ``streaming_rows``, ``F.linear`` otherwise. Created only
+    by switching an ``nn.Linear``'s class."""
 
     streaming_rows: frozenset[int] = frozenset()
+    packed_rows: frozenset[int] = frozenset()
+    mkl_pack: "MklPack | None" = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
-        if rows not in self.streaming_rows or x.dtype != self.weight.dtype:
+        if x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
-        return streaming_product(x, self.weight, self.bias)
+        if rows in self.packed_rows and self.mkl_pack is not None and self.mkl_pack.fits(self.weight):
+            return self.mkl_pack.product(x, self.weight, self.bias, rows)
+        if rows in self.streaming_rows:
+            return streaming_product(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class MklPack:
+    """One weight in MKL's packed GEMM layout, made for ``MAX_ROWS`` rows. It remembers which tensor it
+    packed (storage and version): a module whose weight was replaced or changed in place since falls back
+    to the other forms. Shared, not copied, by ``copy.deepcopy`` (the int8 twin copies the module tree)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.tensor = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach().contiguous(), MAX_ROWS)
+        self.ptr, self.version = weight.data_ptr(), _version_of(weight)
+        self.nbytes = weight.numel() * weight.element_size()  # about the pack's own size (measured in RSS)
+
+    def fits(self, weight: torch.Tensor) -> bool:
+        return weight.data_ptr() == self.ptr and _version_of(weight) == self.version
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+        # the call's own row count as the pack's batch size: MKL computes with the pack for any count up to the
+        # one it was made for (checked once per process: mkl_packing_missing)
+        return torch.ops.mkl._mkl_linear(x, self.tensor, weight, bias, rows)
+
+    def __deepcopy__(self, memo) -> "MklPack":
+        return self
+
+
+def _version_of(weight: torch.Tensor) -> int | None:
+    try:
+        return weight._version
+    except RuntimeError:  # an inference tensor keeps no version counter (nor can it change in place outside one)
+        return None
+
+
+_PACKING_MISSING: list[str | None] = []
+
+
+def mkl_packing_missing() -> str | None:
+    """Why this torch build cannot use the packed form, or None: no MKL, no packing ops, or a pack made for
+    ``MAX_ROWS`` rows that does not compute ``F.linear`` for fewer (checked once per process on random
+    weights, bias included)."""
+    if _PACKING_MISSING:
+        return _PACKING_MISSING[0]
+    reason = None
+    try:
+        if not torch.backends.mkl.is_available():
+            reason = "this torch build has no MKL"
+        else:
+            gen = torch.Generator().manual_seed(0)
+            weight, bias = torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)
+            layer = nn.Linear(24, 40)
+            layer.weight.data, layer.bias.data = weight, bias
+            layer.__class__ = StreamingLinear
+            layer.packed_rows, layer.mkl_pack = frozenset(range(1, MAX_ROWS + 1)), MklPack(layer.weight)
+            x = torch.randn(1, MAX_ROWS, 24, generator=gen)
+            with torch.inference_mode():
+                for rows in (1, 2, 3, 5, MAX_ROWS):
+                    if not torch.allclose(layer(x[:, :rows]), F.linear(x[:, :rows], weight, bias), rtol=1e-4, atol=1e-5):
+                        reason = f"MKL's packed product disagrees with F.linear for {rows} rows"
+                        break
+    except Exception as exc:  # an op missing from this build, or MKL refusing the call
+        reason = f"MKL packing is unavailable ({str(exc).splitlines()[0][:100]})"
+    _PACKING_MISSING.append(reason)
+    return reason
 
 
 def streaming_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -60,6 +146,17 @@ def _seconds(fn) -> float:
     start = time.perf_counter()
     fn()
     return time.perf_counter() - start
+
+
+def _follow_lower(winners: set[int], rows: tuple[int, ...]) -> frozenset[int]:
+    """The chosen counts 1..MAX_ROWS: a count between two probed ones follows the lower one."""
+    chosen, last = set(), False
+    for n in range(1, MAX_ROWS + 1):
+        if n in rows:
+            last = n in winners
+        if last:
+            chosen.add(n)
+    return frozenset(chosen)
 
 
 @torch.inference_mode()
@@ -85,22 +182,52 @@ def choose_streaming_rows(weights: list[torch.Tensor], rows: tuple[int, ...] = P
             streaming = min(streaming, _seconds(lambda: every_product(streaming_product, n)))
         if streaming < margin * standard:
             winners.add(n)
-    chosen, last = set(), False
-    for n in range(1, MAX_ROWS + 1):
-        if n in rows:
-            last = n in winners
-        if last:
-            chosen.add(n)
-    return frozenset(chosen)
+    return _follow_lower(winners, rows)
+
+
+@torch.inference_mode()
+def choose_packed_rows(weights: list[torch.Tensor], packs: list[MklPack], streaming_rows: frozenset[int],
+                       rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 3,
+                       preference: float = PACKED_PREFERENCE) -> frozenset[int]:
+    """Row counts (1..MAX_ROWS) for which MKL's packed product over all of ``weights`` (``packs``, in the same
+    order) takes at most ``preference`` times the form already chosen for the count (``W @ x^T`` for the
+    counts in ``streaming_rows``, else ``F.linear``)."""
+    if not weights:
+        return frozenset()
+    widths = {w.shape[1] for w in weights}
+    inputs = {(n, k): torch.randn(n, k, dtype=weights[0].dtype) for n in rows for k in widths}
+
+    def every_product(n, packed):
+        for w, pack in zip(weights, packs):
+            x = inputs[n, w.shape[1]]
+            if packed:
+                pack.product(x, w, None, n)
+            elif n in streaming_rows:
+                streaming_product(x, w)
+            else:
+                F.linear(x, w)
+
+    winners = set()
+    for n in rows:
+        every_product(n, True)  # warm-up
+        other = packed = float("inf")
+        for _ in range(repeats):  # in turns
+            other = min(other, _seconds(lambda: every_product(n, False)))
+            packed = min(packed, _seconds(lambda: every_product(n, True)))
+        if packed <= preference * other:
+            winners.add(n)
+    return _follow_lower(winners, rows)
 
 
 def use_streaming_linears(model: nn.Module, packed: list[tuple[nn.Linear, tuple[nn.Linear, ...]]] = ()) -> frozenset[int]:
-    """Switch every float ``nn.Linear`` of a CPU ``model`` to ``StreamingLinear`` with the row counts
-    measured to gain (once per model: later calls return the first choice). Returns the chosen counts.
+    """Switch every float ``nn.Linear`` of a CPU ``model`` to ``StreamingLinear`` with the product form per
+    row count measured to be fastest (once per model: later calls return the first choice). Returns the
+    counts given the streaming form; ``model._packed_rows`` holds those given the packed form and
+    ``model._packed_bytes`` what its packs take.
 
     ``packed``: products made by ``decoder.pack_projections`` (not submodules of ``model``), each with
     the modules it replaces; the timing reads the products a step runs, so the packed ones instead of
-    their parts, and every one of them is switched."""
+    their parts, and every one of them is switched (only what a step runs gets an MKL pack)."""
     chosen = getattr(model, "_streaming_rows", None)
     if chosen is not None:
         return chosen
@@ -114,17 +241,34 @@ def use_streaming_linears(model: nn.Module, packed: list[tuple[nn.Linear, tuple[
     timed = [m for m in stepped if eligible(m)]  # what a step runs, in model order
     linears = timed + [part for _, parts in packed for part in parts if eligible(part)]
     mode = os.environ.get("SPECCOMPILE_CPU_LINEAR", "auto").strip().lower()
-    if mode not in ("auto", "standard", "streaming"):
-        raise ValueError(f"SPECCOMPILE_CPU_LINEAR={mode!r}: use auto, standard or streaming")
-    if mode == "standard" or not linears:
-        chosen = frozenset()
+    if mode not in MODES:
+        raise ValueError(f"SPECCOMPILE_CPU_LINEAR={mode!r}: use one of {', '.join(MODES)}")
+    weights = list(dict.fromkeys(m.weight for m in timed))  # tied weights: read once, as a step does
+    every = frozenset(range(1, MAX_ROWS + 1))
+    chosen = packed_rows = frozenset()
+    candidates: list[MklPack] = []
+    if mode == "packed":
+        missing = mkl_packing_missing() if linears else None
+        if missing:
+            raise ValueError(f"SPECCOMPILE_CPU_LINEAR=packed: {missing}; use auto or standard")
+        packed_rows = every
     elif mode == "streaming":
-        chosen = frozenset(range(1, MAX_ROWS + 1))
-    else:
-        weights = list(dict.fromkeys(m.weight for m in timed))  # tied weights: read once, as a step does
+        chosen = every
+    elif mode == "auto" and linears:
         chosen = choose_streaming_rows(weights)
+        if mkl_packing_missing() is None:
+            candidates = [MklPack(w) for w in weights]
+            packed_rows = choose_packed_rows(weights, candidates, chosen)
+            chosen = chosen - packed_rows
+    packs: dict[int, MklPack] = {}
+    if packed_rows:  # the packs timed, or made now (a pack not chosen is dropped here: memory only the chosen form takes)
+        packs = {id(w): pack for w, pack in zip(weights, candidates or [MklPack(w) for w in weights])}
+    stepping = {id(m) for m in timed}
     for module in linears:
         module.__class__ = StreamingLinear
         module.streaming_rows = chosen
-    model._streaming_rows = chosen
+        module.packed_rows = packed_rows
+        module.mkl_pack = packs.get(id(module.weight)) if id(module) in stepping else None
+    model._streaming_rows, model._packed_rows = chosen, packed_rows
+    model._packed_bytes = sum(pack.nbytes for pack in packs.values())
     return chosen

@@ -110,6 +110,7 @@ def tune_ir(ir: DecoderIR, prompts: list[list[int]], options, log: Callable[[str
                                         options.show_progress, options.confirm_prompts,
                                         options.confirm_tokens or options.calibration_tokens,
                                         runner=runner, workdir=Path(workdir), eos=eos)
+        context.trees = context.trees and options.trees  # --no-trees: chains only, whatever the backend verifies
         if method.budgeted:
             plan_budget(budget, context, backends)
             log(f"calibration done in {sum(context.timings.values()):.1f}s; time budget {budget.total:.0f}s "
@@ -125,7 +126,7 @@ def tune_ir(ir: DecoderIR, prompts: list[list[int]], options, log: Callable[[str
             log(f"warning: no draft plan beat plain decoding on {context.device} (best confirmed "
                 f"{ir.tuning['best_confirmed_speedup']:.2f}x); the artifact decodes plainly by default")
         ir.tuning.update(
-            method=options.method, device=context.device, backend=backend,
+            method=options.method, device=context.device, backend=backend, token_trees=context.trees,
             calibration={"source": options.calibration or "built-in", "prompts": len(prompts),
                          "new_tokens": options.calibration_tokens, "seconds": context.timings},
             cost_model=context.cost.as_dict(), step_costs=context.costs.as_dict(),

@@ -1,5 +1,5 @@
-"""The CPU weight-streaming linear (runtime/cpu_linear.py): same products as F.linear, chosen per row
-count by measurement, and lossless when forced on for every row count."""
+"""The CPU product forms (runtime/cpu_linear.py): W @ x^T and MKL's packed product compute F.linear's
+products, are chosen per row count by measurement, and are lossless when forced on for every row count."""
 
 import pytest
 import torch
@@ -7,7 +7,8 @@ import torch.nn.functional as F
 
 from lossless import assert_same_greedy, run
 from speccompile.convert import arch_config, canonical_weights
-from speccompile.runtime.cpu_linear import MAX_ROWS, StreamingLinear, choose_streaming_rows, use_streaming_linears
+from speccompile.runtime.cpu_linear import (MAX_ROWS, MklPack, StreamingLinear, choose_packed_rows, choose_streaming_rows,
+                                            mkl_packing_missing, use_streaming_linears)
 from speccompile.runtime.decoder import build_decoder, pack_projections
 from speccompile.runtime.manifest import DraftPlan
 from speccompile.runtime.torch_backend import TorchBackend
@@ -26,6 +27,61 @@ def test_streaming_linear_computes_f_linear(bias):
         torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
+needs_mkl = pytest.mark.skipif(mkl_packing_missing() is not None, reason=f"no MKL packed product: {mkl_packing_missing()}")
+
+
+def packed_layer(out_features: int = 80, in_features: int = 48, bias: bool = True) -> StreamingLinear:
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(in_features, out_features, bias=bias)
+    layer.__class__ = StreamingLinear
+    layer.packed_rows, layer.mkl_pack = frozenset(range(1, MAX_ROWS + 1)), MklPack(layer.weight)
+    return layer
+
+
+@needs_mkl
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_computes_f_linear(bias):
+    """One pack, made for MAX_ROWS rows, serves every row count up to it; beyond, F.linear itself."""
+    layer = packed_layer(bias=bias)
+    with torch.inference_mode():
+        for rows in (1, 2, 3, 7, 16, 17):
+            x = torch.randn(1, rows, 48)
+            y = layer(x)
+            assert y.shape == (1, rows, 80) and y.is_contiguous()
+            torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_mkl
+def test_packed_linear_follows_its_weight():
+    """A pack is used only for the tensor it packed: a weight replaced, or changed in place, since packing is
+    multiplied as it is now (F.linear), never by the stale pack."""
+    layer = packed_layer()
+    x = torch.randn(1, 4, 48)
+    with torch.no_grad():
+        layer.weight.mul_(2)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+        layer.weight = torch.nn.Parameter(torch.randn(80, 48), requires_grad=False)
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
+
+
+@needs_mkl
+def test_pack_is_shared_by_deepcopy():
+    """The int8 twin deep-copies the module tree: a pack is shared, never copied (it is as large as its weight)."""
+    import copy
+
+    layer = packed_layer()
+    assert copy.deepcopy(layer, memo={id(layer.weight): layer.weight, id(layer.bias): layer.bias}).mkl_pack is layer.mkl_pack
+
+
+@needs_mkl
+def test_packed_choice():
+    weights = [torch.randn(64, 32), torch.randn(32, 64)]
+    packs = [MklPack(w) for w in weights]
+    every = frozenset(range(1, MAX_ROWS + 1))
+    assert choose_packed_rows(weights, packs, frozenset(), rows=(1, 4), preference=float("inf")) == every
+    assert choose_packed_rows(weights, packs, every, rows=(1, 4), preference=0.0) == frozenset()
+
+
 def test_choice_covers_counts_between_probes():
     weights = [torch.randn(64, 32), torch.randn(32, 64)]
     assert choose_streaming_rows(weights, rows=(1, 4), margin=float("inf")) == frozenset(range(1, MAX_ROWS + 1))
@@ -34,23 +90,32 @@ def test_choice_covers_counts_between_probes():
 
 def test_environment_override(monkeypatch):
     monkeypatch.setenv("SPECCOMPILE_CPU_LINEAR", "fastest")
-    with pytest.raises(ValueError, match="SPECCOMPILE_CPU_LINEAR"):
+    with pytest.raises(ValueError, match="SPECCOMPILE_CPU_LINEAR.*auto, standard, streaming, packed"):
         use_streaming_linears(torch.nn.Sequential(torch.nn.Linear(4, 4)))
     monkeypatch.setenv("SPECCOMPILE_CPU_LINEAR", "standard")
     model = torch.nn.Sequential(torch.nn.Linear(4, 4))
     assert use_streaming_linears(model) == frozenset()
 
 
+FORCED = ["streaming"] + (["packed"] if mkl_packing_missing() is None else [])
+
+
+@pytest.mark.parametrize("form", FORCED)
 @pytest.mark.parametrize("family", ["llama", "gpt2", "qwen2"])
-def test_speculative_greedy_equals_plain_with_streaming_forced(family, tiny_decoder, monkeypatch):
-    monkeypatch.setenv("SPECCOMPILE_CPU_LINEAR", "streaming")
+def test_speculative_greedy_equals_plain_with_a_form_forced(family, form, tiny_decoder, monkeypatch):
+    monkeypatch.setenv("SPECCOMPILE_CPU_LINEAR", form)
     hf, _ = tiny_decoder(family)
     config = arch_config(hf)
     decoder = build_decoder(config, canonical_weights(hf, config))  # a fresh one: the shared one keeps its choice
     backend = TorchBackend(decoder)
     linears = [m for m in decoder.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is StreamingLinear for m in linears)
-    assert decoder._streaming_rows == frozenset(range(1, MAX_ROWS + 1))
+    every = frozenset(range(1, MAX_ROWS + 1))
+    assert (decoder._streaming_rows, decoder._packed_rows) == ((every, frozenset()) if form == "streaming" else (frozenset(), every))
+    if form == "packed":  # every product a step runs has its pack; the parts of packed q/k/v and gate/up need none
+        stepped = [decoder.layers[0].attn._qkv[0], decoder.layers[0].attn.o, decoder.layers[0].mlp.down, decoder.lm_head]
+        assert all(m.mkl_pack is not None and m.mkl_pack.fits(m.weight) for m in stepped)
+        assert decoder.layers[0].attn.q.mkl_pack is None
     gen = torch.Generator().manual_seed(5)
     near_ties = accepted = 0
     for length in (4, 19):

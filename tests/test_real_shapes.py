@@ -10,8 +10,8 @@ place where one multi-token call stands in for single steps:
   the near-tie threshold (quantized: exactly, since int8 activations turn any difference into a jump of
   a quantization step), and greedy speculative == plain over several prompts and plans;
 - the torch CPU backend with every product form ``runtime/cpu_linear.py`` may choose per row count
-  (``F.linear`` everywhere, ``W @ x^T`` everywhere, and each mixed): the same logit agreement (fp32),
-  and speculative == plain with the most mixed choice;
+  (``F.linear``, ``W @ x^T`` or MKL's packed product everywhere, and mixes): the same logit agreement
+  (fp32), and speculative == plain with a mixed choice;
 - precision self-drafts (int8 / int4 products drafting, fp32 verifying) on both backends, and token trees.
 
 Run: python -m pytest -q tests/test_real_shapes.py
@@ -120,23 +120,32 @@ def test_onnx_verify_is_the_step_it_replaces(name, onnx_artifacts):
         assert_speculative_is_plain(backend, backend.replica(), prompts(backend.config.vocab_size), plan_map, NEW_TOKENS, root)
 
 
-FORMS = {"F.linear": frozenset(), "W @ x^T": frozenset(range(1, MAX_ROWS + 1)),
-         "step F.linear, verify W @ x^T": frozenset(range(2, MAX_ROWS + 1)),
-         "step W @ x^T, verify F.linear": frozenset({1})}  # the last one also decodes (see below)
+EVERY = frozenset(range(1, MAX_ROWS + 1))
+# form -> (row counts given W @ x^T, row counts given MKL's packed product); the rest run F.linear
+FORMS = {"F.linear": (frozenset(), frozenset()), "W @ x^T": (EVERY, frozenset()),
+         "step F.linear, verify W @ x^T": (EVERY - {1}, frozenset()),
+         "step W @ x^T, verify F.linear": (frozenset({1}), frozenset()),
+         "MKL packed": (frozenset(), EVERY),
+         "step F.linear, verify MKL packed": (frozenset(), EVERY - {1, 2, 3}),
+         "step MKL packed, verify F.linear": (frozenset(), frozenset({1}))}  # the last one also decodes (see below)
 
 
 def test_torch_cpu_product_forms(real_shaped, monkeypatch):
     """Every choice runtime/cpu_linear.py can make of the product form per row count keeps a k-token call
-    within the rounding bound of k steps, and with the most mixed choice (a step streams W @ x^T, a verify
-    runs F.linear) greedy speculative == plain (fp32: only near-ties may differ)."""
+    within the rounding bound of k steps, and with the most mixed choice (a step runs MKL's packed product, a
+    verify F.linear) greedy speculative == plain (fp32: only near-ties may differ)."""
     from speccompile.runtime import cpu_linear
 
     monkeypatch.setenv("SPECCOMPILE_CPU_LINEAR", "auto")
-    for form, rows in FORMS.items():
-        monkeypatch.setattr(cpu_linear, "choose_streaming_rows", lambda weights, rows=rows: rows)
+    for form, (streaming, packed) in FORMS.items():
+        if packed and cpu_linear.mkl_packing_missing():
+            continue
+        monkeypatch.setattr(cpu_linear, "choose_streaming_rows", lambda weights, rows=streaming: rows)
+        monkeypatch.setattr(cpu_linear, "choose_packed_rows", lambda weights, packs, streaming_rows, rows=packed: rows)
         decoder = real_shaped[1]()  # fresh: the choice is made once per model
         backend = TorchBackend(decoder)
-        assert decoder._streaming_rows == rows
+        assert (decoder._streaming_rows, decoder._packed_rows) == (streaming - packed, packed)
+        assert (decoder._packed_bytes > 0) == bool(packed)
         rounding = verify_vs_steps(backend, prompts(decoder.config.vocab_size)[1])
         assert rounding < ROUNDING, f"torch {form}: a k-token call and k steps give logits {rounding:.2e} apart"
     assert_speculative_is_plain(backend, TorchBackend(decoder), prompts(decoder.config.vocab_size), {"exit": plans()["exit"]},

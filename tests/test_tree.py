@@ -349,3 +349,19 @@ def test_lookahead_build_tunes_by_running_and_stays_lossless(backend, tiny_model
     prompt = model.tokenizer.encode("def read_lines(path):")
     plain = model.generate(prompt, max_new_tokens=24, speculate=False).token_ids
     assert model.generate(prompt, max_new_tokens=24, plan="lookahead").token_ids == plain
+
+
+def test_no_trees_builds_chains_only(tiny_model_dir, tmp_path):
+    """``--no-trees``: the tuner prices no token tree and keeps no tree plan, on a backend that verifies trees (the
+    chain-only build a tree build is compared with); the manifest records the choice."""
+    from speccompile.build import BuildOptions, build
+    from speccompile.runtime.model import load
+
+    out = build(BuildOptions(model=str(tiny_model_dir("llama")), out=tmp_path / "chains", method="lookahead",
+                             backends=("torch",), max_draft=4, calibration_tokens=16, confirm_prompts=2,
+                             confirm_tokens=16, show_progress=False, trees=False), log=lambda message: None)
+    manifest = load(out).manifest
+    assert manifest.tuning["token_trees"] is False
+    assert "trees" not in manifest.plans["lookup"].measured
+    for plan in manifest.plans.values():
+        assert plan.lookup_branches == 1 and plan.tree_nodes == 0 and plan.draft_branches == 1, plan.name
