@@ -39,11 +39,12 @@ import torch.nn.functional as F
 from torch import nn
 
 MAX_ROWS = 16  # longest verify the choice covers (a lookup draft is at most 12 tokens); longer calls use F.linear
-PROBE_ROWS = (1, 2, 3, 4, 6, 8, 12, 16)
+PROBE_ROWS = (1, 2, 3, 4, 8, 16)  # probed row counts (the others follow the probed count below them)
 MODES = ("auto", "standard", "streaming", "packed")
 # the packed form is kept for a row count when it is at most this much slower than the form otherwise chosen:
 # one form for every count keeps a step and a verify on the same kernel (at SmolLM2's shapes, bitwise)
 PACKED_PREFERENCE = 1.03
+STREAMING_MARGIN = 0.9  # W @ x^T is kept for a row count when it is more than 10% faster than F.linear
 
 
 class StreamingLinear(nn.Linear):
@@ -160,63 +161,44 @@ def _follow_lower(winners: set[int], rows: tuple[int, ...]) -> frozenset[int]:
 
 
 @torch.inference_mode()
-def choose_streaming_rows(weights: list[torch.Tensor], rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 3,
-                          margin: float = 0.9) -> frozenset[int]:
-    """Row counts (1..MAX_ROWS) for which ``W @ x^T`` over all of ``weights`` beats ``F.linear`` by more
-    than ``1 - margin``; a count between two probed ones follows the lower one."""
+def choose_forms(weights: list[torch.Tensor], packs: list[MklPack] | None = None, rows: tuple[int, ...] = PROBE_ROWS,
+                 repeats: int = 3, margin: float = STREAMING_MARGIN,
+                 preference: float = PACKED_PREFERENCE) -> tuple[frozenset[int], frozenset[int]]:
+    """(row counts given ``W @ x^T``, row counts given MKL's packed product), from 1..MAX_ROWS, timed over all
+    of ``weights`` (``packs``: their MKL packs, in the same order; None: no packed form). Per probed count the
+    forms run in turns, ``repeats`` times each, best time kept. ``W @ x^T`` is chosen where it beats
+    ``F.linear`` by more than ``1 - margin``; the packed form where it takes at most ``preference`` times
+    the form chosen so far. A count between two probed ones follows the lower one."""
     if not weights:
-        return frozenset()
+        return frozenset(), frozenset()
     widths = {w.shape[1] for w in weights}
     inputs = {(n, k): torch.randn(n, k, dtype=weights[0].dtype) for n in rows for k in widths}
 
-    def every_product(form, n):
-        for w in weights:
-            form(inputs[n, w.shape[1]], w)
-
-    winners = set()
-    for n in rows:
-        every_product(F.linear, n)  # warm-up (allocator, thread pool)
-        standard = streaming = float("inf")
-        for _ in range(repeats):  # in turns, so that a slow moment of the machine does not fall on one form only
-            standard = min(standard, _seconds(lambda: every_product(F.linear, n)))
-            streaming = min(streaming, _seconds(lambda: every_product(streaming_product, n)))
-        if streaming < margin * standard:
-            winners.add(n)
-    return _follow_lower(winners, rows)
-
-
-@torch.inference_mode()
-def choose_packed_rows(weights: list[torch.Tensor], packs: list[MklPack], streaming_rows: frozenset[int],
-                       rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 3,
-                       preference: float = PACKED_PREFERENCE) -> frozenset[int]:
-    """Row counts (1..MAX_ROWS) for which MKL's packed product over all of ``weights`` (``packs``, in the same
-    order) takes at most ``preference`` times the form already chosen for the count (``W @ x^T`` for the
-    counts in ``streaming_rows``, else ``F.linear``)."""
-    if not weights:
-        return frozenset()
-    widths = {w.shape[1] for w in weights}
-    inputs = {(n, k): torch.randn(n, k, dtype=weights[0].dtype) for n in rows for k in widths}
-
-    def every_product(n, packed):
-        for w, pack in zip(weights, packs):
+    def every_product(n: int, form: str) -> None:
+        for i, w in enumerate(weights):
             x = inputs[n, w.shape[1]]
-            if packed:
-                pack.product(x, w, None, n)
-            elif n in streaming_rows:
+            if form == "packed":
+                packs[i].product(x, w, None, n)
+            elif form == "streaming":
                 streaming_product(x, w)
             else:
                 F.linear(x, w)
 
-    winners = set()
+    forms = ("standard", "streaming") + (("packed",) if packs else ())
+    every_product(rows[0], "standard")  # warm-up (allocator, thread pool)
+    streaming, packed = set(), set()
     for n in rows:
-        every_product(n, True)  # warm-up
-        other = packed = float("inf")
-        for _ in range(repeats):  # in turns
-            other = min(other, _seconds(lambda: every_product(n, False)))
-            packed = min(packed, _seconds(lambda: every_product(n, True)))
-        if packed <= preference * other:
-            winners.add(n)
-    return _follow_lower(winners, rows)
+        best = {form: float("inf") for form in forms}
+        for _ in range(repeats):  # in turns, so that a slow moment of the machine does not fall on one form only
+            for form in forms:
+                best[form] = min(best[form], _seconds(lambda: every_product(n, form)))
+        chosen = best["standard"]
+        if best["streaming"] < margin * best["standard"]:
+            streaming.add(n)
+            chosen = best["streaming"]
+        if best.get("packed", float("inf")) <= preference * chosen:
+            packed.add(n)
+    return _follow_lower(streaming - packed, rows), _follow_lower(packed, rows)
 
 
 def use_streaming_linears(model: nn.Module, packed: list[tuple[nn.Linear, tuple[nn.Linear, ...]]] = ()) -> frozenset[int]:
@@ -255,11 +237,8 @@ def use_streaming_linears(model: nn.Module, packed: list[tuple[nn.Linear, tuple[
     elif mode == "streaming":
         chosen = every
     elif mode == "auto" and linears:
-        chosen = choose_streaming_rows(weights)
-        if mkl_packing_missing() is None:
-            candidates = [MklPack(w) for w in weights]
-            packed_rows = choose_packed_rows(weights, candidates, chosen)
-            chosen = chosen - packed_rows
+        candidates = [MklPack(w) for w in weights] if mkl_packing_missing() is None else []
+        chosen, packed_rows = choose_forms(weights, candidates or None)
     packs: dict[int, MklPack] = {}
     if packed_rows:  # the packs timed, or made now (a pack not chosen is dropped here: memory only the chosen form takes)
         packs = {id(w): pack for w, pack in zip(weights, candidates or [MklPack(w) for w in weights])}

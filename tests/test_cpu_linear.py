@@ -7,8 +7,8 @@ import torch.nn.functional as F
 
 from lossless import assert_same_greedy, run
 from speccompile.convert import arch_config, canonical_weights
-from speccompile.runtime.cpu_linear import (MAX_ROWS, MklPack, StreamingLinear, choose_packed_rows, choose_streaming_rows,
-                                            mkl_packing_missing, use_streaming_linears)
+from speccompile.runtime.cpu_linear import (MAX_ROWS, MklPack, StreamingLinear, choose_forms, mkl_packing_missing,
+                                            use_streaming_linears)
 from speccompile.runtime.decoder import build_decoder, pack_projections
 from speccompile.runtime.manifest import DraftPlan
 from speccompile.runtime.torch_backend import TorchBackend
@@ -73,19 +73,21 @@ def test_pack_is_shared_by_deepcopy():
     assert copy.deepcopy(layer, memo={id(layer.weight): layer.weight, id(layer.bias): layer.bias}).mkl_pack is layer.mkl_pack
 
 
+def test_choice_covers_counts_between_probes():
+    weights = [torch.randn(64, 32), torch.randn(32, 64)]
+    every = frozenset(range(1, MAX_ROWS + 1))
+    assert choose_forms(weights, rows=(1, 4), margin=float("inf")) == (every, frozenset())
+    assert choose_forms(weights, rows=(1, 4), margin=0.0) == (frozenset(), frozenset())
+
+
 @needs_mkl
 def test_packed_choice():
+    """The packed form where it is within ``preference`` of the form chosen otherwise, which then gives way."""
     weights = [torch.randn(64, 32), torch.randn(32, 64)]
     packs = [MklPack(w) for w in weights]
     every = frozenset(range(1, MAX_ROWS + 1))
-    assert choose_packed_rows(weights, packs, frozenset(), rows=(1, 4), preference=float("inf")) == every
-    assert choose_packed_rows(weights, packs, every, rows=(1, 4), preference=0.0) == frozenset()
-
-
-def test_choice_covers_counts_between_probes():
-    weights = [torch.randn(64, 32), torch.randn(32, 64)]
-    assert choose_streaming_rows(weights, rows=(1, 4), margin=float("inf")) == frozenset(range(1, MAX_ROWS + 1))
-    assert choose_streaming_rows(weights, rows=(1, 4), margin=0.0) == frozenset()
+    assert choose_forms(weights, packs, rows=(1, 4), margin=float("inf"), preference=float("inf")) == (frozenset(), every)
+    assert choose_forms(weights, packs, rows=(1, 4), margin=float("inf"), preference=0.0) == (every, frozenset())
 
 
 def test_environment_override(monkeypatch):

@@ -140,8 +140,7 @@ def test_torch_cpu_product_forms(real_shaped, monkeypatch):
     for form, (streaming, packed) in FORMS.items():
         if packed and cpu_linear.mkl_packing_missing():
             continue
-        monkeypatch.setattr(cpu_linear, "choose_streaming_rows", lambda weights, rows=streaming: rows)
-        monkeypatch.setattr(cpu_linear, "choose_packed_rows", lambda weights, packs, streaming_rows, rows=packed: rows)
+        monkeypatch.setattr(cpu_linear, "choose_forms", lambda weights, packs=None, chosen=(streaming - packed, packed): chosen)
         decoder = real_shaped[1]()  # fresh: the choice is made once per model
         backend = TorchBackend(decoder)
         assert (decoder._streaming_rows, decoder._packed_rows) == (streaming - packed, packed)
