@@ -480,9 +480,9 @@ def build_decoder(config: ArchConfig, weights: dict[str, Tensor], dtype=torch.fl
     model = model.to(dtype)
     if config.positions == "rotary":
         # The rotary frequencies stay float32 whatever the weights' dtype, as in transformers.
-        model.rope_inv_freq.data = weights["rope_inv_freq"].float().to(device)
+        model.rope_inv_freq.data = weights["rope_inv_freq"].to(device=device, dtype=torch.float32, copy=True)
     if config.local_rope:
-        model.rope_local_inv_freq.data = weights["rope_local_inv_freq"].float().to(device)
+        model.rope_local_inv_freq.data = weights["rope_local_inv_freq"].to(device=device, dtype=torch.float32, copy=True)
     return model.eval()
 
 

@@ -42,3 +42,20 @@ def test_cache_rollback_overwrites_stale_entries(family, tiny_decoder):
         rolled = decoder(ids[:, 30:], 30, cache)
         clean = decoder(ids)[:, 30:]
     assert (rolled - clean).abs().max().item() < TOLERANCE
+
+
+def test_decoder_keeps_no_view_of_the_weights_it_was_built_from(tiny_decoder):
+    """``build_decoder`` copies every tensor it is given: a view kept of one (the rotary frequencies were) would
+    keep the whole memory-mapped safetensors file of a loaded artifact resident next to the decoder's copy
+    (SmolLM2: 513 MB more)."""
+    from speccompile.convert import arch_config, canonical_weights
+    from speccompile.runtime.decoder import build_decoder
+
+    hf, _ = tiny_decoder("llama")
+    config = arch_config(hf)
+    weights = canonical_weights(hf, config)
+    given = {t.untyped_storage().data_ptr() for t in weights.values()}
+    decoder = build_decoder(config, weights)
+    kept = [name for name, t in [*decoder.named_parameters(), *decoder.named_buffers()]
+            if t.untyped_storage().data_ptr() in given]
+    assert kept == []
