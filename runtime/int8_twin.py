@@ -61,6 +61,8 @@ class DynamicInt8Linear(nn.Module):
         self.nbytes = weight.numel() + 4 * weight.shape[0]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # a draft step is ~120 of these: no no-op casts around each
+            return torch.ops.quantized.linear_dynamic(x, self._packed, False)
         return torch.ops.quantized.linear_dynamic(x.float(), self._packed, False).to(x.dtype)
 
 
@@ -76,6 +78,8 @@ class DynamicFp16Linear(nn.Module):
         self.nbytes = 2 * weight.numel()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return torch.ops.quantized.linear_dynamic_fp16(x, self._packed)
         return torch.ops.quantized.linear_dynamic_fp16(x.float(), self._packed).to(x.dtype)
 
 
