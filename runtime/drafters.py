@@ -27,7 +27,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from .manifest import DraftPlan
-from .sampling import SamplingParams, probabilities, sample, softmax
+from .sampling import SamplingParams, probabilities, sample
 
 
 @dataclass
@@ -185,26 +185,34 @@ class BackendStep:
         from .draft_kinds import kind_of
 
         self.backend, self.kind = backend, kind_of(plan, backend.config.num_layers)
-        self._probs: np.ndarray | None = None  # the last greedy step's draft probabilities (runner_ups)
+        # the last greedy step's exp(logits - top logit) and its sum: the draft's probabilities, for runner_ups
+        self._weights: np.ndarray | None = None
+        self._total = 1.0
         self._drafted = -1
 
     def __call__(self, token: int, pos: int, ctx: RoundContext) -> tuple[int, float, np.ndarray | None]:
         logits = self.kind.draft(self.backend, token, pos)
         if ctx.params.greedy:
-            self._probs = softmax(logits)
+            # Only the drafted token's probability is needed (the draft policy's confidence), so one exp pass in the
+            # logits' own precision instead of a float64 softmax: 40 us against 340 us over SmolLM2's 49k-token
+            # vocabulary, which was 5% of an int8 draft step on ONNX Runtime. A drafting heuristic: whatever it
+            # rounds to, the verifier decides every token.
             drafted = self._drafted = int(np.argmax(logits))
-            return drafted, float(self._probs[drafted]), None
+            with np.errstate(under="ignore", invalid="ignore"):
+                self._weights = np.exp(logits - logits[drafted])  # <= 1 everywhere; 0 at -inf (a draft vocabulary)
+            self._total = float(self._weights.sum(dtype=np.float64))
+            return drafted, 1.0 / self._total, None
         q = probabilities(logits, ctx.params)
         drafted = sample(q, ctx.rng)
         return drafted, float(q.max()), q
 
     def runner_ups(self, most: int) -> list[tuple[int, float]]:
-        probs = self._probs
-        if probs is None or most < 1:
+        weights = self._weights
+        if weights is None or most < 1:
             return []
-        top = np.argpartition(probs, -(most + 1))[-(most + 1):]
-        top = [int(t) for t in top[np.argsort(-probs[top], kind="stable")] if t != self._drafted][:most]
-        return [(t, float(probs[t])) for t in top]
+        top = np.argpartition(weights, -(most + 1))[-(most + 1):]
+        top = [int(t) for t in top[np.argsort(-weights[top], kind="stable")] if t != self._drafted][:most]
+        return [(t, float(weights[t]) / self._total) for t in top]
 
 
 # A runner-up less likely than this under the draft is not worth a verify row. SmolLM2-135M's int8 draft on ONNX
