@@ -255,7 +255,7 @@ class ModelDrafter:
             draft.tokens.append(current)
             draft.q.append(q)
             draft.sources.append(self.name)
-            if branches:
+            if branches and 1.0 - confidence >= BRANCH_MIN_PROBABILITY:  # else no runner-up can reach the floor
                 leaves += [(j - 1, t) for t, p in self.step.runner_ups(branches) if p >= BRANCH_MIN_PROBABILITY]
             if confidence < self.policy.threshold:
                 break
