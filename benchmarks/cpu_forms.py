@@ -15,11 +15,20 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 
 import numpy as np
 
 TOKENS = (1, 2, 4, 8, 12, 16)
+
+
+def resident_bytes() -> int:
+    """This process's resident set (``VmRSS``), as ``benchmarks/onnx_memory.py`` reads it."""
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 def main() -> None:
@@ -30,7 +39,6 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=128)
     args = parser.parse_args()
 
-    import psutil
     import torch
     from safetensors.torch import load_file
 
@@ -43,13 +51,12 @@ def main() -> None:
     if "torch" not in manifest.backends or manifest.config.decoder == "generic":
         raise SystemExit(f"{args.artifact}: needs an artifact with canonical torch weights (build with --backend torch)")
     weights = load_file(str(args.artifact / manifest.backends["torch"]["weights"]))
-    process = psutil.Process()
     backends, added = {}, {}
     for form in [f.strip() for f in args.forms.split(",") if f.strip()]:
         os.environ["SPECCOMPILE_CPU_LINEAR"] = form
-        before = process.memory_info().rss
+        before = resident_bytes()
         backend = torch_backend.TorchBackend(build_decoder(manifest.config, {k: v.clone() for k, v in weights.items()}))
-        added[form] = (process.memory_info().rss - before) / 2**20
+        added[form] = (resident_bytes() - before) / 2**20
         backends[form] = backend
         decoder = backend.decoder
         print(f"{form:>9}: streaming rows {sorted(decoder._streaming_rows)}, MKL-packed rows {sorted(decoder._packed_rows)}, "
@@ -87,6 +94,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    import time
-
     main()

@@ -71,9 +71,11 @@ class TuningContext:
     @classmethod
     def prepare(cls, ir: DecoderIR, prompts: list[list[int]], new_tokens: int, max_draft: int,
                 show_progress: bool = True, confirm_prompts: int = 4, confirm_tokens: int = 48,
-                runner: Runner | None = None, workdir: Path | None = None, eos: frozenset[int] = frozenset()) -> "TuningContext":
+                runner: Runner | None = None, workdir: Path | None = None, eos: frozenset[int] = frozenset(),
+                trees: bool = True) -> "TuningContext":
         """Greedy-decode the calibration prompts with the full model, store its K/V, time the sublayers
-        and the runner's backend."""
+        and the runner's backend. ``trees``: whether plans may draft token trees (``--no-trees``: chains
+        only), where the runner's backend verifies them."""
         decoder = ir.decoder()
         timings, clock = {}, time.perf_counter()
 
@@ -103,7 +105,7 @@ class TuningContext:
         return cls(ir=ir, references=references, cosine=cosine, cost=cost, costs=costs, max_draft=max_draft,
                    device=f"{device_name(cost.device)}, {runner.name}", confirm_prompts=prompts[:confirm_prompts],
                    confirm_tokens=confirm_tokens, runner=runner, workdir=workdir, eos=frozenset(eos), timings=timings,
-                   trees=backend.tree_unsupported() is None)
+                   trees=trees and backend.tree_unsupported() is None)
 
     @property
     def training_references(self) -> list[Reference]:

@@ -109,8 +109,7 @@ def tune_ir(ir: DecoderIR, prompts: list[list[int]], options, log: Callable[[str
         context = TuningContext.prepare(ir, prompts, options.calibration_tokens, options.max_draft,
                                         options.show_progress, options.confirm_prompts,
                                         options.confirm_tokens or options.calibration_tokens,
-                                        runner=runner, workdir=Path(workdir), eos=eos)
-        context.trees = context.trees and options.trees  # --no-trees: chains only, whatever the backend verifies
+                                        runner=runner, workdir=Path(workdir), eos=eos, trees=options.trees)
         if method.budgeted:
             plan_budget(budget, context, backends)
             log(f"calibration done in {sum(context.timings.values()):.1f}s; time budget {budget.total:.0f}s "
