@@ -192,9 +192,16 @@ def test_precision_build_prices_in_rounds_scores_in_the_real_loop_and_stays_loss
     step_costs = model.manifest.tuning["step_costs"]
     key = segment_key(kind_of(plan, model.manifest.config.num_layers).draft_segment)
     assert step_costs["draft_steps"][key] > 0  # what the estimate priced the draft step with
+    # the other composition (alone, or behind the lookup plan) is kept beside it, for confirmation to race
+    others = {name: p for name, p in model.manifest.plans.items() if name in ("precision-alone", "precision-hybrid")}
+    assert len(others) == ("lookup" in model.manifest.plans)
+    for name, other in others.items():
+        assert other.kind == "precision" and bool(other.lookup) == (name == "precision-hybrid") != bool(plan.lookup)
+        assert other.measured["expected_speedup"] <= plan.measured["expected_speedup"]
     prompt = model.tokenizer.encode("def read_lines(path):")
     plain = model.generate(prompt, max_new_tokens=24, speculate=False).token_ids
-    assert model.generate(prompt, max_new_tokens=24, plan="precision").token_ids == plain
+    for name in ("precision", *others):
+        assert model.generate(prompt, max_new_tokens=24, plan=name).token_ids == plain
 
 
 def test_an_onnx_artifact_with_a_precision_draft_reexports(tiny_decoder, tmp_path):
