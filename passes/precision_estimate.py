@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from speccompile.runtime.draft_kinds.precision import parse_precision
-from speccompile.runtime.int8_twin import int8_twin, twin_with
+from speccompile.runtime.int8_twin import SMOOTHING_ALPHA, fold_points, input_scales_from, int8_twin, twin_with
 
 _GRID_TWINS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()  # decoder -> precision -> twin
 
@@ -54,6 +54,33 @@ def _grid_linear(linear: nn.Linear, bits: int, block: int, symmetric: bool) -> n
     return grid
 
 
+@torch.inference_mode()
+def int8_input_scales(decoder: nn.Module, sequences: list[torch.Tensor], alpha: float = SMOOTHING_ALPHA) -> dict:
+    """SmoothQuant scales for the int8 twin (``runtime/int8_twin.fold_points``): the largest magnitude each input
+    channel of its products takes while the full model reads ``sequences`` (token ids ``[1, T]``; the calibration
+    continuations), turned into per-channel scales (``input_scales_from``)."""
+    points = fold_points(decoder)
+    absmax: dict[str, torch.Tensor] = {}
+
+    def keep(name: str, x: torch.Tensor) -> None:
+        seen = x.detach().reshape(-1, x.shape[-1]).abs().amax(0).float().cpu()
+        absmax[name] = seen if name not in absmax else torch.maximum(absmax[name], seen)
+
+    handles = []
+    for name, (norm, readers, _) in points.items():
+        if norm is not None:
+            handles.append(norm.register_forward_hook(lambda module, args, out, name=name: keep(name, out)))
+        else:
+            handles.append(readers[0].register_forward_pre_hook(lambda module, args, name=name: keep(name, args[0])))
+    try:
+        for tokens in sequences:
+            decoder(tokens.to(decoder.embed.weight.device))
+    finally:
+        for handle in handles:
+            handle.remove()
+    return input_scales_from(points, absmax, alpha)
+
+
 def estimation_twin(decoder: nn.Module, precision: str, backend: str) -> nn.Module:
     """The torch decoder whose logits stand for ``precision``'s draft on ``backend`` ("torch" or "onnx")."""
     if backend == "torch":
@@ -66,4 +93,4 @@ def estimation_twin(decoder: nn.Module, precision: str, backend: str) -> nn.Modu
     return twins[precision]
 
 
-__all__ = ["block_quantized", "estimation_twin"]
+__all__ = ["int8_input_scales", "block_quantized", "estimation_twin"]

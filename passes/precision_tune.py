@@ -34,7 +34,8 @@ import torch
 
 from speccompile.runtime.draft_kinds.precision import precision_of
 from speccompile.runtime.errors import ArtifactError
-from speccompile.runtime.int8_twin import int8_kernel_missing
+from speccompile.runtime.decoder import Decoder
+from speccompile.runtime.int8_twin import SCALES_FILE, int8_kernel_missing, set_input_scales
 from speccompile.runtime.manifest import DraftPlan
 from speccompile.runtime.speculative import DecodeRequest, decode_all
 
@@ -45,7 +46,7 @@ from .cost_model import _best_seconds, measure_draft_rounds
 from .ir import DecoderIR
 from .lookup_autotune import NGRAM_SIZES, score_lookup
 from .plans import tuned_target
-from .precision_estimate import estimation_twin
+from .precision_estimate import estimation_twin, int8_input_scales
 from .replay import ReplayedRound, estimate_rounds, round_mix
 from .tuning import TuningContext
 
@@ -114,6 +115,24 @@ class PrecisionTune(Pass):
     def _decoder(self):
         return self.context.ir.decoder()
 
+    def _smooth(self, ir: DecoderIR) -> None:
+        """On torch: the int8 twin's SmoothQuant scales from the calibration continuations (once per build), set on
+        the decoder the estimates and timings run, and shipped in the artifact for the runtime's twin
+        (``runtime/int8_twin.py``). ONNX Runtime's ``MatMulNBits`` quantizes activations per block of 32: no
+        smoothing there."""
+        c, decoder = self.context, self._decoder()
+        if c.runner.name != "torch" or not isinstance(decoder, Decoder) or decoder.embed.weight.device.type != "cpu":
+            return
+        if getattr(decoder, "int8_input_scales", None) is None:
+            from safetensors.torch import save_file
+
+            scales = int8_input_scales(decoder, [ref.tokens for ref in c.references])
+            path = c.workdir / SCALES_FILE
+            path.parent.mkdir(parents=True, exist_ok=True)
+            save_file(scales, str(path))
+            set_input_scales(decoder, scales)
+            ir.extra_files[SCALES_FILE] = path
+
     # -- the bound: the int8 twin's agreement and its step, timed on torch --------------------------------------
     @torch.inference_mode()
     def bound(self, ir: DecoderIR) -> float:
@@ -124,6 +143,7 @@ class PrecisionTune(Pass):
         decoder = self._decoder()
         if decoder.embed.weight.device.type != "cpu" or int8_kernel_missing():
             return 0.0  # the int8 twin runs on CPU only (a GPU build drafts no precision plan with this pass)
+        self._smooth(ir)
         twin = estimation_twin(decoder, "int8", "torch")
         plan = precision_plan({"precision": "int8"}, c.max_draft)
         profile = c.profile(plan, c.sample(0.25))
@@ -198,6 +218,8 @@ class PrecisionTune(Pass):
 
     def call(self, ir: DecoderIR) -> PassResult:
         start, before, c = time.perf_counter(), dict(ir.plans), self.context
+        if not int8_kernel_missing():
+            self._smooth(ir)
         plans = {f"precision-{i}": precision_plan(params, c.max_draft) for i, params in enumerate(self.schemes)}
         try:
             backend = c.runner.backend(plans)

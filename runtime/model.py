@@ -124,9 +124,10 @@ def _open_backend(root: Path, manifest: Manifest, backend: str | None, device: s
                                     f"{HF_FOLDER!r}; the manifest is damaged: rebuild the artifact")
             decoder = HFDecoder.from_folder(root / HF_FOLDER, DTYPES[manifest.dtype], device)
             return TorchBackend(decoder, device=device)
-        return TorchBackend.from_files(
-            root / manifest.backends["torch"]["weights"], manifest.config, dtype=manifest.dtype, device=device
-        )
+        record = manifest.backends["torch"]
+        scales = record.get("int8_scales_file")
+        return TorchBackend.from_files(root / record["weights"], manifest.config, dtype=manifest.dtype, device=device,
+                                       int8_scales=None if scales is None else root / scales)
     if name == "onnx":
         try:
             from .onnx_backend import OnnxBackend

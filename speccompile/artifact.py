@@ -239,6 +239,10 @@ def write_backend_files(root: Path, ir, backends: list[str]) -> dict:
         weights = {k: (v if k == "rope_inv_freq" else v.to(dtype)).contiguous() for k, v in ir.weights.items()}
         save_file(weights, str(root / WEIGHTS_FILE), metadata={"format": "pt", "producer": "speccompile"})
         records["torch"] = {"weights": WEIGHTS_FILE}
+        from speccompile.runtime.int8_twin import SCALES_FILE
+
+        if SCALES_FILE in getattr(ir, "extra_files", {}):  # the int8 twin's smoothing (passes/precision_tune.py)
+            records["torch"]["int8_scales_file"] = SCALES_FILE
     if "onnx" in backends:
         from speccompile.exporters.onnx_export import export_onnx_weights
 

@@ -104,7 +104,9 @@ def test_the_int8_twin_shares_every_tensor_but_the_products(tiny_decoder):
     twin = int8_twin(decoder)
     ours = {id(t) for t in list(decoder.parameters()) + list(decoder.buffers())}
     assert {id(t) for t in list(twin.parameters()) + list(twin.buffers())} <= ours  # norms, embeddings, rotary
-    assert not any(isinstance(m, torch.nn.Linear) for m in twin.modules())
+    # the only float products left are the parts of packed products, which the packed int8 product replaces
+    parts = {id(p) for m in twin.modules() for key in ("_qkv", "_gate_up") if key in m.__dict__ for p in m.__dict__[key][2]}
+    assert parts and all(id(m) in parts for m in twin.modules() if isinstance(m, torch.nn.Linear))
     assert twin.layers[0].attn.__dict__["_qkv"][0].__class__ is DynamicInt8Linear  # the packed product too
     assert any(isinstance(m, torch.nn.Linear) for m in decoder.modules())  # the model itself is untouched
     ids = torch.tensor([prompts(decoder.config.vocab_size)[1]])
@@ -112,6 +114,37 @@ def test_the_int8_twin_shares_every_tensor_but_the_products(tiny_decoder):
         full, draft = decoder(ids), twin(ids)
     assert not torch.equal(full, draft)
     assert (full.argmax(-1) == draft.argmax(-1)).float().mean() > 0.8
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_the_twin_s_smoothing_folds_exactly(tiny_decoder, family):
+    """SmoothQuant scales are folded into the twin's own norms (or up rows) and its products' weight columns: with
+    float products the folded twin computes the model's function, whatever the scales; the model is untouched."""
+    from speccompile.passes.precision_estimate import int8_input_scales
+    from speccompile.runtime.int8_twin import fold_points, twin_with
+
+    _, decoder = tiny_decoder(family)
+    TorchBackend(decoder)  # packed q/k/v and gate/up, as the backend runs them
+    points = fold_points(decoder)
+    assert "head" in points and any(name.endswith(".attn") for name in points) == (decoder.layers[0].attn_norm is not None)
+    generator = torch.Generator().manual_seed(0)
+    scales = {name: torch.rand(readers[0].in_features, generator=generator) * 4 + 0.25
+              for name, (_, readers, _) in points.items()}
+
+    def float_product(linear, down):
+        copy = torch.nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None)
+        copy.weight.data, copy.bias = linear.weight.detach().clone(), None if linear.bias is None else linear.bias
+        return copy
+
+    norms = {name: points[name][0].weight.detach().clone() for name in points if points[name][0] is not None}
+    twin = twin_with(decoder, float_product, scales)
+    ids = torch.tensor([prompts(decoder.config.vocab_size)[1]])
+    with torch.inference_mode():
+        full, folded = decoder(ids), twin(ids)
+    torch.testing.assert_close(folded, full, rtol=1e-4, atol=1e-4 * full.abs().max().item())
+    assert all(torch.equal(points[name][0].weight, w) for name, w in norms.items())  # the model's norms stay
+    measured = int8_input_scales(decoder, [ids])
+    assert set(measured) == set(points) and all(bool(torch.isfinite(s).all() and (s > 0).all()) for s in measured.values())
 
 
 def test_int8_precision_sampling_keeps_the_target_distribution(tmp_path_factory):
@@ -189,6 +222,11 @@ def test_precision_build_prices_in_rounds_scores_in_the_real_loop_and_stays_loss
     assert set(plan.measured["draft_costs"]) == schemes and plan.params["precision"] in schemes
     assert all(c["draft_step_ms"] > 0 and c["verify_after_draft"] >= 1 for c in plan.measured["draft_costs"].values())
     assert plan.measured["expected_speedup"] > 0 and "parallel_estimate" in plan.measured
+    if backend == "torch":  # the twin's SmoothQuant scales ship in the artifact and reach the runtime's twin
+        from speccompile.runtime.int8_twin import SCALES_FILE
+
+        assert model.manifest.backends["torch"]["int8_scales_file"] == SCALES_FILE and SCALES_FILE in model.manifest.files
+        assert "head" in model.backend.decoder.int8_input_scales
     step_costs = model.manifest.tuning["step_costs"]
     key = segment_key(kind_of(plan, model.manifest.config.num_layers).draft_segment)
     assert step_costs["draft_steps"][key] > 0  # what the estimate priced the draft step with

@@ -30,7 +30,7 @@ from ..adapter import DraftHead, load_draft_head
 from ..cpu_linear import use_streaming_linears
 from ..decoder import Decoder, KVCache, build_decoder, pack_projections, run_segment
 from ..errors import ArtifactError
-from ..int8_twin import int8_kernel_missing, int8_twin
+from ..int8_twin import int8_kernel_missing, int8_twin, set_input_scales
 from ..manifest import ArchConfig
 from ..segments import FINAL_HEAD, Segment
 from .base import Backend
@@ -90,10 +90,14 @@ class TorchBackend(Backend):
 
     @classmethod
     def from_files(cls, weights_path: Path, config: ArchConfig, dtype: str = "float32", device: str = "cpu",
-                   cuda_graphs: bool | None = None):
+                   cuda_graphs: bool | None = None, int8_scales: Path | None = None):
+        """``int8_scales``: the int8 twin's SmoothQuant scales (``runtime/int8_twin.set_input_scales``)."""
         weights = load_file(str(weights_path), device="cpu")
         graphs = cuda_graphs_requested() if cuda_graphs is None else cuda_graphs
-        return cls(build_decoder(config, weights, dtype=DTYPES[dtype], device=device), device=device, cuda_graphs=graphs)
+        backend = cls(build_decoder(config, weights, dtype=DTYPES[dtype], device=device), device=device, cuda_graphs=graphs)
+        if int8_scales is not None:
+            set_input_scales(backend.decoder, load_file(str(int8_scales), device="cpu"))
+        return backend
 
     def replica(self) -> "TorchBackend":
         """Another backend over the same weights with its own KV cache (one per concurrent sequence)."""
