@@ -7,7 +7,9 @@ projections, on one torch artifact's precision plans, each timed against plain d
 Every variant runs the artifact's plans unchanged (their draft lengths and thresholds were tuned on the twin the
 artifact ships, ``runtime/int8_twin.int8_twin``); only the twin under them changes. Prints, per variant and plan,
 the speedup over plain decoding (summed over the prompts, plain and every variant decoded one after the other on
-each prompt, in an order that alternates), the rounds, and whether each output equals plain decoding.
+each prompt, in an order that alternates), the rounds, whether each output equals plain decoding, and the twin's
+teacher-forced agreement: how often its greedy token is the model's over each prompt's plain continuation, in
+one parallel pass (what the first drafted token of a round sees; later ones read the twin's own KV).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ def main() -> None:
     parser.add_argument("--max-new-tokens", type=int, default=96)
     args = parser.parse_args()
 
+    import torch
+
     import speccompile.runtime.int8_twin as it
     from speccompile.runtime import load
     from speccompile.runtime.speculative import DecodeRequest, decode_all
@@ -56,11 +60,18 @@ def main() -> None:
     runs = [(twin, plan) for twin in twins for plan in plans]
     plain_seconds, seconds = 0.0, {run: 0.0 for run in runs}
     rounds, same = {run: 0 for run in runs}, {run: 0 for run in runs}
+    agreed, positions = {twin: 0 for twin in twins}, 0
     decode_all(backend, DecodeRequest(prompts[0], 8), None, model.root)  # warm-up
     for i, prompt in enumerate(prompts):
         start = time.perf_counter()
         plain, _ = decode_all(backend, DecodeRequest(prompt, args.max_new_tokens), None, model.root)
         plain_seconds += time.perf_counter() - start
+        ids = torch.tensor([prompt + list(plain)])
+        with torch.inference_mode():
+            target = decoder(ids)[0, len(prompt) - 1 : -1].argmax(-1)
+            for twin in twins:
+                agreed[twin] += int((twins[twin](ids)[0, len(prompt) - 1 : -1].argmax(-1) == target).sum())
+        positions += target.shape[0]
         for twin, plan in runs if i % 2 == 0 else runs[::-1]:
             it._TWINS[decoder] = twins[twin]  # the twin the backend's precision segments run
             start = time.perf_counter()
@@ -69,10 +80,10 @@ def main() -> None:
             rounds[(twin, plan)] += stats.rounds
             same[(twin, plan)] += out == plain
     print(f"{args.artifact}: {len(prompts)} prompts, {args.max_new_tokens} new tokens, torch, greedy")
-    print("| twin | plan | vs plain | rounds | identical |\n|---|---|---|---|---|")
+    print("| twin | agreement | plan | vs plain | rounds | identical |\n|---|---|---|---|---|---|")
     for twin, plan in runs:
-        print(f"| {twin} | {plan} | {plain_seconds / seconds[(twin, plan)]:.3f}x | {rounds[(twin, plan)]} | "
-              f"{same[(twin, plan)]}/{len(prompts)} |")
+        print(f"| {twin} | {agreed[twin] / max(positions, 1):.3f} | {plan} | {plain_seconds / seconds[(twin, plan)]:.3f}x | "
+              f"{rounds[(twin, plan)]} | {same[(twin, plan)]}/{len(prompts)} |")
 
 
 if __name__ == "__main__":

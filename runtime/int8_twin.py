@@ -20,10 +20,11 @@ product, has the worst outliers (a step of 15.7 ms instead of 13.3 ms; the fp32 
 removes most of that loss (``fold_points``, ``set_input_scales``): per-channel scales measured on the build's
 calibration text divide each input channel (folded into the twin's own copy of the norm before the product, or
 of the up rows before the down projection) and multiply the weight columns, exactly. With them the down
-projection is int8 too: agreement 93% on the benchmark prompts, and SmolLM2's int8-behind-lookup plan ran
-1.56x plain decoding where the fp16-down twin ran 1.48x (smoothed) and 1.46x (not), timed in turns
-(``benchmarks/twin_variants.py``). An artifact without scales (built before them) keeps the fp16 down
-projections.
+projection is int8 too. On SmolLM2's benchmark prompts (``benchmarks/twin_variants.py``, teacher-forced
+agreement, then the artifact's int8-behind-lookup plan timed in turns): smoothed with int8 down projections
+90.2%, 1.52x plain decoding; smoothed but fp16 down projections 95.1%, 1.48x (the better draft, the dearer
+step); no smoothing, fp16 down projections 87.8%, 1.46x. An artifact without scales (built before them)
+keeps the fp16 down projections.
 
 Activations use the full 8 bits (no ``reduce_range``): on a CPU without VNNI fbgemm's u8 x s8 pair sums may
 then saturate, which can only lower the draft's acceptance: the full model decides every token.
@@ -95,8 +96,9 @@ class DynamicFp16Linear(nn.Module):
 SCALES_FILE = "weights/int8_scales.safetensors"  # a torch artifact's twin scales (backends['torch'].int8_scales_file)
 SMOOTHING_ALPHA = 0.7
 """SmoothQuant's migration strength: how much of an input channel's range moves into the weights
-(``s = max|x|^a / max|W|^(1-a)``). On SmolLM2-135M the twin's greedy token agreed with the model's on 89.5% of
-the benchmark prompts' continuation positions without smoothing, on 94.4% / 94.9% / 93.9% with 0.5 / 0.7 / 0.85."""
+(``s = max|x|^a / max|W|^(1-a)``). On SmolLM2-135M (fp16 down projections, a scratch measurement on the
+benchmark prompts' continuations) the twin's greedy token agreed with the model's on 89.5% of positions without
+smoothing, on 94.4% / 94.9% / 93.9% with 0.5 / 0.7 / 0.85."""
 
 
 def fold_points(model: nn.Module) -> dict[str, tuple[nn.Module | None, list[nn.Module], nn.Module | None]]:
