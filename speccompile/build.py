@@ -291,6 +291,14 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> Path:
     room = options.calibration_tokens + options.max_draft + 2
     texts = load_calibration(options.calibration)
     prompts = [ids[: max(1, manifest.config.max_position_embeddings - room)] for ids in map(tokenizer.encode, texts) if ids]
+    scales = manifest.backends.get("torch", {}).get("int8_scales_file")
+    if scales and not generic:  # the int8 twin's smoothing carries over, and the retuning runs the same twin
+        from safetensors.torch import load_file
+
+        from speccompile.runtime.int8_twin import set_input_scales
+
+        ir.extra_files[scales] = root / scales
+        set_input_scales(ir.decoder(), load_file(str(root / scales)))
     for plan in ir.plans.values():  # resources of kept plans (a datastore) carry over
         if plan.datastore:
             ir.extra_files[plan.datastore] = root / plan.datastore

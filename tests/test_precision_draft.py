@@ -227,6 +227,14 @@ def test_precision_build_prices_in_rounds_scores_in_the_real_loop_and_stays_loss
 
         assert model.manifest.backends["torch"]["int8_scales_file"] == SCALES_FILE and SCALES_FILE in model.manifest.files
         assert "head" in model.backend.decoder.int8_input_scales
+        from speccompile.build import TuneOptions, tune
+
+        shipped = (out / SCALES_FILE).read_bytes()
+        tune(TuneOptions(artifact=out, method="lookup", max_draft=4, calibration_tokens=16, confirm_prompts=2,
+                         confirm_tokens=16, show_progress=False), log=lambda message: None)
+        retuned = load(out)  # a retuned artifact keeps the scales its precision plan was tuned with
+        assert (out / SCALES_FILE).read_bytes() == shipped and "precision" in retuned.manifest.plans
+        assert retuned.manifest.backends["torch"]["int8_scales_file"] == SCALES_FILE
     step_costs = model.manifest.tuning["step_costs"]
     key = segment_key(kind_of(plan, model.manifest.config.num_layers).draft_segment)
     assert step_costs["draft_steps"][key] > 0  # what the estimate priced the draft step with
