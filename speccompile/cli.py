@@ -403,8 +403,14 @@ def inspect(artifact, as_json):
     total = sum(f["bytes"] for f in manifest.files.values())
     click.echo(f"  files       {len(manifest.files)} ({total / 1e6:.1f} MB), sha256 verified")
     extra = manifest.backends.get("onnx", {}).get("precision_draft_bytes")
+    scales = manifest.backends.get("torch", {}).get("int8_scales_file")
     if extra:
         click.echo(f"  precision   {extra / 1e6:.1f} MB of weights.bin are the precision self-drafts' quantized weights")
+    if scales:
+        size = manifest.files.get(scales, {}).get("bytes", 0)
+        click.echo(f"  precision   torch's int8 twin is quantized at load (about a quarter of the fp32 weights' bytes in "
+                   f"memory); its SmoothQuant scales: {scales} ({size / 1e3:.0f} kB)")
+    if extra or scales:
         if str(src.get("path", "")).lower().endswith(".gguf"):
             click.echo("              the source is a GGUF: its fp32 weights are de-quantized from its own block grid, so a "
                        "precision draft's acceptance here is not a 16-bit-trained model's (benchmarks/quant_agreement.py)")

@@ -227,6 +227,9 @@ def test_precision_build_prices_in_rounds_scores_in_the_real_loop_and_stays_loss
 
         assert model.manifest.backends["torch"]["int8_scales_file"] == SCALES_FILE and SCALES_FILE in model.manifest.files
         assert "head" in model.backend.decoder.int8_input_scales
+        from cli_helpers import invoke
+
+        assert f"SmoothQuant scales: {SCALES_FILE}" in invoke("inspect", out, check=True).output
         from speccompile.build import TuneOptions, tune
 
         shipped = (out / SCALES_FILE).read_bytes()
