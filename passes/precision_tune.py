@@ -55,6 +55,12 @@ SCHEMES = {"torch": ({"precision": "int8"},),
 LOOKUP_FIELDS = ("lookup", "ngram_min", "ngram_max", "lookup_max_draft", "short_ngram", "datastore", "extend")
 REAL_LOOP_CANDIDATES = 2  # plans that decode in the real loop: the best alone and the best behind lookup, by the parallel estimate
 TREE_BRANCHES = (2, 3)  # model-draft trees priced against each candidate's chain (DraftPlan.draft_branches)
+TREE_MARGIN = 1.03
+"""How much higher than its chain the replay must price a model-draft tree for the tree to replace it. The replay
+prices neither a draft step's runner-up search nor the tree verify's mask and cache compaction: on SmolLM2
+(2026-12-03) it priced the trees within 0.5% of their chains (0.998-1.005), and the trees builds kept ran 1.3%
+(ONNX Runtime, one leaf per token) and 3.5% (torch, two) slower than their chains, timed in turns; a leaf was
+accepted for 3-14% of the leaves verified."""
 
 
 def precision_plan(params: dict, max_draft: int) -> DraftPlan:
@@ -158,9 +164,9 @@ class PrecisionTune(Pass):
     # -- the pass ---------------------------------------------------------------------------------------------
     def _as_tree(self, found: tuple[DraftPlan, object, list | None], profile) -> tuple[DraftPlan, object, list | None]:
         """``found`` (a chain candidate) or its model-draft tree (``draft_branches``), whichever the replay over
-        the calibration continuations prices higher with the backend's verify curve (both replayed, so the
-        profile's approximations of later tokens apply to both alike); a tree's estimate is the chain's scaled by
-        that ratio, so that it stays comparable with the other candidates'."""
+        the calibration continuations prices higher with the backend's verify curve, a tree by ``TREE_MARGIN`` (both
+        replayed, so the profile's approximations of later tokens apply to both alike); a tree's estimate is the
+        chain's scaled by that ratio, so that it stays comparable with the other candidates'."""
         c = self.context
         plan, estimate, rounds = found
         if not c.trees:  # the tuning backend verifies no token trees
@@ -171,7 +177,7 @@ class PrecisionTune(Pass):
             tree_plan = replace(plan, draft_branches=branches)
             tree, tree_rounds = score_lookup(c, tree_plan, profile)
             ratio = tree.expected_speedup / max(chain.expected_speedup, 1e-9)
-            if ratio > 1.0 and ratio * estimate.expected_speedup > best[1].expected_speedup:
+            if ratio > TREE_MARGIN and ratio * estimate.expected_speedup > best[1].expected_speedup:
                 best = (tree_plan, replace(tree, expected_speedup=ratio * estimate.expected_speedup), tree_rounds)
         return best
 
