@@ -57,10 +57,11 @@ REAL_LOOP_CANDIDATES = 2  # plans that decode in the real loop: the best alone a
 TREE_BRANCHES = (2, 3)  # model-draft trees priced against each candidate's chain (DraftPlan.draft_branches)
 TREE_MARGIN = 1.03
 """How much higher than its chain the replay must price a model-draft tree for the tree to replace it. The replay
-prices neither a draft step's runner-up search nor the tree verify's mask and cache compaction: on SmolLM2
-(2026-12-03) it priced the trees within 0.5% of their chains (0.998-1.005), and the trees builds kept ran 1.3%
-(ONNX Runtime, one leaf per token) and 3.5% (torch, two) slower than their chains, timed in turns; a leaf was
-accepted for 3-14% of the leaves verified."""
+prices neither a draft step's runner-up search nor the tree verify's mask and cache compaction, and on SmolLM2
+(2026-12-03) it priced the trees within 0.5% of their chains (0.998-1.005). Timed in turns
+(``benchmarks/draft_branches.py``), ONNX Runtime's one-leaf tree ran 1.1-1.3% slower than its chain in two runs
+(3% of its leaves accepted); torch's two-leaf tree 3.5% slower in one run and 4% faster in the next (16% of its
+leaves accepted). A replay that close cannot tell them apart, so the simpler chain is kept."""
 
 
 def precision_plan(params: dict, max_draft: int) -> DraftPlan:
