@@ -15,11 +15,8 @@ one parallel pass (what the first drafted token of a round sees; later ones read
 from __future__ import annotations
 
 import argparse
-import json
-import time
-from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
+from plan_turns import PROMPTS, read_prompts, time_variants
 
 
 def variants(decoder) -> dict:
@@ -40,7 +37,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifact")
     parser.add_argument("--plans", default="precision,precision-alone")
-    parser.add_argument("--prompts", default=str(HERE / "data" / "smollm2_prompts.jsonl"))
+    parser.add_argument("--prompts", default=str(PROMPTS))
     parser.add_argument("--max-new-tokens", type=int, default=96)
     args = parser.parse_args()
 
@@ -48,43 +45,34 @@ def main() -> None:
 
     import speccompile.runtime.int8_twin as it
     from speccompile.runtime import load
-    from speccompile.runtime.speculative import DecodeRequest, decode_all
 
     model = load(args.artifact, backend="torch")
-    backend, decoder = model.backend, model.backend.decoder
-    prompts = [model.tokenizer.encode(json.loads(line)["prompt"]) for line in open(args.prompts) if line.strip()]
+    decoder = model.backend.decoder
+    prompts = read_prompts(model, args.prompts)
     plans = {name: model.manifest.plans[name] for name in args.plans.split(",") if name in model.manifest.plans}
     if not plans:
         raise SystemExit(f"error: {args.artifact} has none of the plans {args.plans}; it has {', '.join(model.manifest.plans)}")
     twins = variants(decoder)
-    runs = [(twin, plan) for twin in twins for plan in plans]
-    plain_seconds, seconds = 0.0, {run: 0.0 for run in runs}
-    rounds, same = {run: 0 for run in runs}, {run: 0 for run in runs}
-    agreed, positions = {twin: 0 for twin in twins}, 0
-    decode_all(backend, DecodeRequest(prompts[0], 8), None, model.root)  # warm-up
-    for i, prompt in enumerate(prompts):
-        start = time.perf_counter()
-        plain, _ = decode_all(backend, DecodeRequest(prompt, args.max_new_tokens), None, model.root)
-        plain_seconds += time.perf_counter() - start
+    runs = {(twin, plan): plans[plan] for twin in twins for plan in plans}
+    agreed, positions = {twin: 0 for twin in twins}, [0]
+
+    def agreement(prompt, plain):  # teacher-forced, over the plain continuation
         ids = torch.tensor([prompt + list(plain)])
         with torch.inference_mode():
             target = decoder(ids)[0, len(prompt) - 1 : -1].argmax(-1)
             for twin in twins:
                 agreed[twin] += int((twins[twin](ids)[0, len(prompt) - 1 : -1].argmax(-1) == target).sum())
-        positions += target.shape[0]
-        for twin, plan in runs if i % 2 == 0 else runs[::-1]:
-            it._TWINS[decoder] = twins[twin]  # the twin the backend's precision segments run
-            start = time.perf_counter()
-            out, stats = decode_all(backend, DecodeRequest(prompt, args.max_new_tokens), plans[plan], model.root)
-            seconds[(twin, plan)] += time.perf_counter() - start
-            rounds[(twin, plan)] += stats.rounds
-            same[(twin, plan)] += out == plain
+        positions[0] += target.shape[0]
+
+    def swap(run):  # the twin the backend's precision segments run
+        it._TWINS[decoder] = twins[run[0]]
+
+    plain_seconds, timed = time_variants(model, runs, prompts, args.max_new_tokens, before=swap, after_plain=agreement)
     print(f"{args.artifact}: {len(prompts)} prompts, {args.max_new_tokens} new tokens, torch, greedy")
     print("| twin | agreement | plan | vs plain | rounds | identical |\n|---|---|---|---|---|---|")
-    for twin, plan in runs:
-        print(f"| {twin} | {agreed[twin] / max(positions, 1):.3f} | {plan} | {plain_seconds / seconds[(twin, plan)]:.3f}x | "
-              f"{rounds[(twin, plan)]} | {same[(twin, plan)]}/{len(prompts)} |")
-
+    for (twin, plan), t in timed.items():
+        print(f"| {twin} | {agreed[twin] / max(positions[0], 1):.3f} | {plan} | {plain_seconds / t.seconds:.3f}x | "
+              f"{t.rounds} | {t.identical}/{len(prompts)} |")
 
 if __name__ == "__main__":
     main()
