@@ -11,20 +11,13 @@ rounds, the leaves verified and accepted, and whether each output equals plain d
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
-from plan_turns import PROMPTS, artifact_plan, read_prompts, time_variants
+from plan_turns import artifact_plan, plan_arguments, read_prompts, time_variants
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("artifact")
-    parser.add_argument("--plan", default=None)
-    parser.add_argument("--backend", default=None)
-    parser.add_argument("--prompts", default=str(PROMPTS))
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    args = parser.parse_args()
+    args = plan_arguments(__doc__.splitlines()[0])
 
     from speccompile.runtime import load
 

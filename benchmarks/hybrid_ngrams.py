@@ -13,10 +13,9 @@ alternates), the rounds, and whether each output equals plain decoding.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 
-from plan_turns import PROMPTS, artifact_plan, read_prompts, time_variants
+from plan_turns import artifact_plan, plan_arguments, read_prompts, time_variants
 
 
 def variants(plan) -> dict:
@@ -32,13 +31,7 @@ def variants(plan) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("artifact")
-    parser.add_argument("--plan", default=None)
-    parser.add_argument("--backend", default=None)
-    parser.add_argument("--prompts", default=str(PROMPTS))
-    parser.add_argument("--max-new-tokens", type=int, default=96)
-    args = parser.parse_args()
+    args = plan_arguments(__doc__.splitlines()[0])
 
     from speccompile.runtime import load
 

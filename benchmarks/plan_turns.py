@@ -8,6 +8,7 @@ over its own, summed over the prompts.
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from dataclasses import dataclass, field
@@ -15,6 +16,17 @@ from pathlib import Path
 from typing import Callable
 
 PROMPTS = Path(__file__).resolve().parent / "data" / "smollm2_prompts.jsonl"
+
+
+def plan_arguments(description: str) -> argparse.Namespace:
+    """The command line the plan-variant benchmarks take: ART [--plan] [--backend] [--prompts] [--max-new-tokens]."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument("artifact")
+    parser.add_argument("--plan", default=None, help="the plan to vary (default: the artifact's default plan)")
+    parser.add_argument("--backend", default=None, help="torch or onnx (default: the artifact's first)")
+    parser.add_argument("--prompts", default=str(PROMPTS))
+    parser.add_argument("--max-new-tokens", type=int, default=96)
+    return parser.parse_args()
 
 
 def artifact_plan(model, name: str | None, wanted: Callable, what: str):
