@@ -128,7 +128,8 @@ class PrecisionTune(Pass):
         (``runtime/int8_twin.py``). ONNX Runtime's ``MatMulNBits`` quantizes activations per block of 32: no
         smoothing there."""
         c, decoder = self.context, self._decoder()
-        if c.runner.name != "torch" or not isinstance(decoder, Decoder) or decoder.embed.weight.device.type != "cpu":
+        if (c.runner.name != "torch" or not isinstance(decoder, Decoder) or decoder.embed.weight.device.type != "cpu"
+                or int8_kernel_missing()):
             return
         if getattr(decoder, "int8_input_scales", None) is None:
             from safetensors.torch import save_file
@@ -225,8 +226,7 @@ class PrecisionTune(Pass):
 
     def call(self, ir: DecoderIR) -> PassResult:
         start, before, c = time.perf_counter(), dict(ir.plans), self.context
-        if not int8_kernel_missing():
-            self._smooth(ir)
+        self._smooth(ir)
         plans = {f"precision-{i}": precision_plan(params, c.max_draft) for i, params in enumerate(self.schemes)}
         try:
             backend = c.runner.backend(plans)

@@ -103,8 +103,8 @@ smoothing, on 94.4% / 94.9% / 93.9% with 0.5 / 0.7 / 0.85."""
 
 def fold_points(model: nn.Module) -> dict[str, tuple[nn.Module | None, list[nn.Module], nn.Module | None]]:
     """Where the twin can rescale a product's input channels exactly: name -> (the norm whose output is the
-    input, the products reading it, the product whose rows make it). Dividing the norm's weight (and bias), or
-    those rows, by ``s`` and multiplying the readers' weight columns by ``s`` leaves the function unchanged:
+    input, the products reading it, the gated MLP whose up rows make it). Dividing the norm's weight (and bias),
+    or those rows, by ``s`` and multiplying the readers' weight columns by ``s`` leaves the function unchanged:
 
     - ``layers.i.attn``: the attention norm's output, read by q/k/v (and their packed product);
     - ``layers.i.mlp``: the MLP norm's output, read by gate/up;
@@ -127,7 +127,7 @@ def fold_points(model: nn.Module) -> dict[str, tuple[nn.Module | None, list[nn.M
         if block.mlp_norm is not None:
             points[f"layers.{i}.mlp"] = (block.mlp_norm, [p for p in (mlp.gate, mlp.up) if p is not None] + packed, None)
         if mlp.gate is not None:
-            points[f"layers.{i}.down"] = (None, [mlp.down], mlp.up)
+            points[f"layers.{i}.down"] = (None, [mlp.down], mlp)
     points["head"] = (model.norm, [model.lm_head], None)
     return points
 
@@ -180,11 +180,10 @@ def _fold(twin: nn.Module, scales: dict[str, torch.Tensor]) -> tuple[dict, dict]
                                          requires_grad=False)
         for reader in readers:
             columns[id(reader)] = s
-        if maker is not None:  # the up rows, alone and inside the packed gate/up product
-            rows[id(maker)] = (0, s)
-            mlp = next(m for m in twin.modules() if getattr(m, "up", None) is maker)
-            if "_gate_up" in mlp.__dict__:
-                packed, sizes, _, _ = mlp.__dict__["_gate_up"]
+        if maker is not None:  # the MLP's up rows, alone and inside its packed gate/up product
+            rows[id(maker.up)] = (0, s)
+            if "_gate_up" in maker.__dict__:
+                packed, sizes, _, _ = maker.__dict__["_gate_up"]
                 rows[id(packed)] = (sizes[0], s)
     return columns, rows
 
@@ -230,7 +229,6 @@ def twin_with(decoder: nn.Module, product: Callable[[nn.Linear, bool], nn.Module
                 packed, sizes, parts, views = entry
                 object.__setattr__(module, name, (convert(packed), sizes, parts, views))
     twin.product_bytes = sum(getattr(m, "nbytes", 0) for m in made.values())
-    twin.input_scales = scales
     return twin
 
 
