@@ -85,14 +85,25 @@ def torch_plans(num_layers: int) -> dict[str, DraftPlan]:
     return {p.name: p for p in plans}
 
 
+@pytest.mark.parametrize("smoothed", [False, True], ids=["plain-twin", "smoothed-twin"])
 @pytest.mark.parametrize("family", FAMILIES)
-def test_int8_precision_drafts_are_lossless_on_torch(tiny_decoder, family):
+def test_int8_precision_drafts_are_lossless_on_torch(tiny_decoder, family, smoothed):
+    """Greedy speculative == plain with the int8 twin, without and with SmoothQuant scales (measured on the
+    prompts, as a build measures them on its calibration text: folded norms, int8 down projections)."""
+    from speccompile.passes.precision_estimate import int8_input_scales
+    from speccompile.runtime.int8_twin import set_input_scales
+
     _, decoder = tiny_decoder(family)
     backend = TorchBackend(decoder)
     plans = torch_plans(decoder.config.num_layers)
     backend.check_plans(plans)
-    assert_speculative_is_plain(backend, decoder, prompts(decoder.config.vocab_size), plans, 24)
-    _, stats = run(backend, prompts(decoder.config.vocab_size)[0], 24, plans["int8-b128s"])
+    if smoothed:
+        set_input_scales(decoder, int8_input_scales(decoder, [torch.tensor([p]) for p in prompts(decoder.config.vocab_size)]))
+    try:
+        assert_speculative_is_plain(backend, decoder, prompts(decoder.config.vocab_size), plans, 24)
+        _, stats = run(backend, prompts(decoder.config.vocab_size)[0], 24, plans["int8-b128s"])
+    finally:
+        set_input_scales(decoder, None)  # the decoder is shared by the session's other tests
     assert stats.accepted / max(stats.drafted, 1) > 0.5, stats  # the int8 twin agrees with the model most of the time
 
 

@@ -164,13 +164,20 @@ def precision_plans(backend: str) -> dict[str, DraftPlan]:
     return {p.name: p for p in out}
 
 
-@pytest.mark.parametrize("name", ["onnx", "torch"])
+@pytest.mark.parametrize("name", ["onnx", "torch", "torch-smoothed"])
 def test_precision_drafts_at_real_shapes(name, onnx_artifacts, real_shaped):
     """A precision draft writes its own KV at the positions it drafts and the fp32 verify rewrites them: greedy
     speculative == plain at SmolLM2's shapes on ONNX Runtime's fused graphs (MatMulNBits drafts) and on torch
-    (the int8 twin), and the drafts are accepted."""
-    if name == "torch":
+    (the int8 twin, also with SmoothQuant scales: folded norms, int8 down projections), and the drafts are
+    accepted."""
+    if name.startswith("torch"):
         root, backend = None, TorchBackend(real_shaped[1]())
+        if name == "torch-smoothed":
+            from speccompile.passes.precision_estimate import int8_input_scales
+            from speccompile.runtime.int8_twin import set_input_scales
+
+            sequences = [torch.tensor([p]) for p in prompts(backend.config.vocab_size)]
+            set_input_scales(backend.decoder, int8_input_scales(backend.decoder, sequences))
     else:
         root, backend = onnx_artifacts("precision")
     plan_map = precision_plans(name)
