@@ -261,4 +261,5 @@ def load(path: str | Path, backend: str | None = None, device: str = "cpu", veri
         tokenizer = TextTokenizer(root / TOKENIZER_FILE)
         opened = _open_backend(root, manifest, backend, device)
         check_after_open(manifest, opened)
+        opened.prepare_plans(manifest.plans)  # not inside the first request (the torch int8 twin)
     return SpeculativeModel(root, manifest, opened, tokenizer)

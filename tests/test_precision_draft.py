@@ -238,6 +238,9 @@ def test_precision_build_prices_in_rounds_scores_in_the_real_loop_and_stays_loss
 
         assert model.manifest.backends["torch"]["int8_scales_file"] == SCALES_FILE and SCALES_FILE in model.manifest.files
         assert "head" in model.backend.decoder.int8_input_scales
+        from speccompile.runtime.int8_twin import _TWINS
+
+        assert model.backend.decoder in _TWINS  # made at load, not inside the first request's decode
         from cli_helpers import invoke
 
         assert f"SmoothQuant scales: {SCALES_FILE}" in invoke("inspect", out, check=True).output

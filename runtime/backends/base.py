@@ -60,6 +60,10 @@ class Backend(ABC):
         """Make the draft head file ``head_file`` (artifact-relative, under ``root``) ready for segments
         whose ``head`` names it."""
 
+    def prepare(self, segment: Segment) -> None:
+        """Make ready now whatever ``segment`` builds on its first run (the torch int8 twin: about a second for
+        SmolLM2-135M), so that cost falls at load and not inside the first request's decode. Default: nothing."""
+
     # -- token trees (``runtime/tree.py``): backends that can verify them override these three ----------
     def tree_unsupported(self) -> str | None:
         """None when ``forward_tree`` works here, else why not (a short phrase)."""
@@ -99,6 +103,15 @@ class Backend(ABC):
         from ..draft_kinds import kind_of
 
         return kind_of(plan, self.config.num_layers).verify(self, tokens, pos, n_reuse)
+
+    def prepare_plans(self, plans: dict[str, DraftPlan]) -> None:
+        """``prepare`` every segment of ``plans`` that this backend can run (the rest are refused when used)."""
+        from ..draft_kinds import kind_of
+
+        for plan in plans.values():
+            for segment in kind_of(plan, self.config.num_layers).segments():
+                if self.unsupported(segment) is None:
+                    self.prepare(segment)
 
     def check_plans(self, plans: dict[str, DraftPlan]) -> None:
         """Refuse, before any work, a plan whose segments this backend cannot run (one line each)."""

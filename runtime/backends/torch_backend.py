@@ -159,6 +159,10 @@ class TorchBackend(Backend):
 
         return DeviceRound.for_drafter(self, drafter, seed)
 
+    def prepare(self, segment: Segment) -> None:
+        if segment.precision:
+            int8_twin(self.decoder)  # quantizing ~120 products takes about a second (SmolLM2-135M)
+
     def unsupported(self, segment: Segment) -> str | None:
         if segment.precision is not None:
             return self._precision_unsupported(segment.precision)
