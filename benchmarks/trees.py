@@ -5,9 +5,10 @@
 
 Decodes every prompt with: plain decoding; every plan of the artifact (build it with ``--method lookahead``
 for the lookup plan, its token-tree pricing, the lookahead and LogitSpec plans); the lookup plan as a token
-tree (3 branches per source, up to 12 tokens); wide trees (the lookup sources, LogitSpec guesses and a
-lookahead window; ``--wide 24/8/8,64/16/12``: node budget / LogitSpec top-k / branches per source, default
-24 nodes with 8 guesses and 8 branches: the most tokens per round, whatever the rows cost); lookahead decoding alone (a Jacobi window of W guesses verified in
+tree (3 branches per source, up to 12 tokens); wide trees (the lookup sources, LogitSpec guesses, a
+lookahead window and Token Recycling's successors; ``--wide 24/8/8,64/16/12``: node budget / LogitSpec top-k / branches per source, default
+24 nodes with 8 guesses and 8 branches: the most tokens per round, whatever the rows cost); Token Recycling alone (``runtime/recycling.py``: the verifier's
+earlier top tokens after each token, as a chain and a tree of 8); lookahead decoding alone (a Jacobi window of W guesses verified in
 the same call, and its n-gram pool; ``runtime/lookahead.py``) as a chain and, where the backend verifies
 trees, with pooled n-grams as more branches. Each prompt runs every engine once per round, in an order that rotates,
 so drift on the machine falls on all of them alike. Prints tokens/s, the ratio to plain decoding, tokens per
@@ -48,9 +49,13 @@ def engines(model, args) -> dict:
                            tree_nodes=args.tree_nodes)
             out[f"lookup as a tree: {tree.describe()}"] = tree
         for nodes, top_k, branches in args.wide:
-            wide = replace(chain, lookup=chain.lookup + ["logitspec", "lookahead"], logitspec_top_k=top_k,
+            wide = replace(chain, lookup=chain.lookup + ["logitspec", "lookahead", "recycling"], logitspec_top_k=top_k,
                            lookup_branches=branches, lookup_max_draft=max(chain.lookup_max_draft, 4), tree_nodes=nodes)
             out[f"a wide tree ({nodes} nodes): {wide.describe()}"] = wide
+    recycling = DraftPlan(name="recycling", lookup=["recycling"], lookup_max_draft=4)
+    out["Token Recycling alone, chain"] = recycling
+    if trees_ok:
+        out["Token Recycling alone, tree of 8"] = replace(recycling, lookup_branches=4, tree_nodes=8)
     for window in args.windows:
         la = DraftPlan(name="lookahead", lookup=["lookahead"], lookahead_window=window, lookahead_ngram=args.ngram)
         out[f"lookahead alone, W={window}, chain"] = la

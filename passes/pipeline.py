@@ -126,8 +126,8 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("lookup", "model-free drafts (n-gram lookup over prompt and output, retrieval from the calibration text)",
            _lookup),
     Method("lookahead", "the lookup plans, then lookahead decoding (a Jacobi window of guesses refined inside each "
-           "verify call and the n-grams it produced; no draft model) alone and behind the best lookup plan, tuned by "
-           "running it", _lookahead),
+           "verify call and the n-grams it produced; no draft model) alone and behind the best lookup plan, then "
+           "LogitSpec and Token Recycling (the verifier's earlier top tokens), tuned by running them", _lookahead),
     Method("precision", "the lookup plans, then the model drafting for itself with int8 / int4 products (ONNX Runtime: int8 "
            "and int4; torch: int8), alone and behind the best lookup plan, timed in rounds and scored in the real loop",
            _precision),

@@ -17,7 +17,8 @@ from .manifest import DraftPlan
 # Model-free sources by name: module (relative to this package) and class. A new source is one file
 # plus one line here.
 LOOKUP_SOURCES = {"ngram": ("ngram", "NgramDrafter"), "retrieval": ("retrieval", "RetrievalDrafter"),
-                  "lookahead": ("lookahead", "LookaheadDrafter"), "logitspec": ("logitspec", "LogitSpecDrafter")}
+                  "lookahead": ("lookahead", "LookaheadDrafter"), "logitspec": ("logitspec", "LogitSpecDrafter"),
+                  "recycling": ("recycling", "RecyclingDrafter")}
 
 
 def lookup_drafter(source: str, plan: DraftPlan, root: Path | None):

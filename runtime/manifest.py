@@ -191,6 +191,7 @@ class DraftPlan:
     lookahead_ngram: int = 2
     # LogitSpec (runtime/logitspec.py), a lookup source named "logitspec": guesses for the next-next token
     logitspec_top_k: int = 4
+    # (Token Recycling, runtime/recycling.py, a lookup source named "recycling", has no fields of its own)
     datastore: str | None = None  # artifact-relative path of the retrieval datastore
     extend: bool = True  # a lookup continuation may extend the model's draft
     # The draft head (runtime/adapter.py): a trained exit adapter ("adapter:E") and/or the ids of a reduced
@@ -292,7 +293,8 @@ class DraftPlan:
         short = f", 1 token after a match of <= {self.short_ngram}" if self.drafts_after_short_match else ""
         names = {"ngram": f"n-gram lookup (n {self.ngram_max}..{self.ngram_min}{short})", "retrieval": "retrieval",
                  "lookahead": f"lookahead decoding (window {self.lookahead_window}, pooled {self.lookahead_ngram}-grams)",
-                 "logitspec": f"LogitSpec (top {self.logitspec_top_k} next-next guesses, extended by lookup)"}
+                 "logitspec": f"LogitSpec (top {self.logitspec_top_k} next-next guesses, extended by lookup)",
+                 "recycling": "token recycling (the verifier's earlier top tokens after each token)"}
         lookups = [names.get(source, source) for source in self.lookup]
         if self.lookup_branches > 1:
             lookups = [f"token trees of {' and '.join(lookups)} (up to {self.lookup_branches} branches each, "

@@ -449,7 +449,9 @@ def inspect(artifact, as_json):
         if "lookahead" in plan.lookup:
             click.echo(f"      lookahead: a window of {plan.lookahead_window} Jacobi guesses, pooled "
                        f"{plan.lookahead_ngram}-grams")
-        if [source for source in plan.lookup if source != "lookahead"]:
+        if "recycling" in plan.lookup:
+            click.echo("      token recycling: each verify row's top tokens become the successors drafted after its input token")
+        if [source for source in plan.lookup if source not in ("lookahead", "recycling")]:
             click.echo(f"      lookup {'+'.join(plan.lookup)}: n-gram sizes {plan.ngram_max}..{plan.ngram_min}, up to "
                        f"{plan.lookup_max_draft} tokens"
                        + (f" (1 after a match of <= {plan.short_ngram})" if plan.drafts_after_short_match else "") + (f", datastore {plan.datastore}" if plan.datastore else ""))

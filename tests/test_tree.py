@@ -36,6 +36,9 @@ LOOKAHEAD_BEHIND = DraftPlan(name="lookahead-behind", lookup=["ngram", "lookahea
 LOGITSPEC = DraftPlan(name="logitspec", lookup=["ngram", "logitspec"], ngram_min=2, ngram_max=3, lookup_max_draft=4)
 LOGITSPEC_TREE = DraftPlan(name="logitspec-tree", lookup=["ngram", "logitspec"], ngram_min=1, ngram_max=3,
                            lookup_max_draft=4, lookup_branches=3, tree_nodes=10, logitspec_top_k=3)
+RECYCLING = DraftPlan(name="recycling", lookup=["ngram", "recycling"], ngram_min=2, ngram_max=3, lookup_max_draft=4)
+RECYCLING_TREE = DraftPlan(name="recycling-tree", lookup=["recycling", "ngram"], ngram_min=1, ngram_max=3,
+                           lookup_max_draft=4, lookup_branches=3, tree_nodes=10)
 #        input
 #        /    \
 #      n0      n3
@@ -188,7 +191,7 @@ def check_tree_lossless(decoder, backend, plans, trees_expected: bool | None = T
 def test_tree_plans_greedy_lossless_torch(family, tiny_decoder):
     _, decoder = tiny_decoder(family)
     accepted = check_tree_lossless(decoder, TorchBackend(decoder), [TREE, WIDE, LOOKAHEAD, LOOKAHEAD_TREE, LOOKAHEAD_BEHIND, LOGITSPEC,
-                                                              LOGITSPEC_TREE])
+                                                              LOGITSPEC_TREE, RECYCLING, RECYCLING_TREE])
     assert sum(accepted.values()) > 0
 
 
@@ -199,7 +202,7 @@ def test_tree_plans_greedy_lossless_onnx(family, onnx_export):
     # mistral's window of 24: first branches only; the test above verifies a tree inside it)
     windowed = any(map(decoder.config.window_of, range(decoder.config.num_layers)))
     accepted = check_tree_lossless(decoder, backend, [TREE, WIDE, LOOKAHEAD, LOOKAHEAD_TREE, LOOKAHEAD_BEHIND, LOGITSPEC,
-                                                      LOGITSPEC_TREE], trees_expected=None if windowed else True)
+                                                      LOGITSPEC_TREE, RECYCLING, RECYCLING_TREE], trees_expected=None if windowed else True)
     assert sum(accepted.values()) > 0
 
 
@@ -296,9 +299,11 @@ def test_lookahead_window_is_a_jacobi_step_and_fills_the_pool(tiny_decoder):
               lookup_branches=3, tree_nodes=6, lookahead_window=2),
     DraftPlan(name="ls", lookup=["logitspec", "ngram"], ngram_min=1, ngram_max=2, lookup_max_draft=2,
               lookup_branches=3, tree_nodes=6, logitspec_top_k=3),
-], ids=["lookahead", "logitspec"])
+    DraftPlan(name="rc", lookup=["recycling", "ngram"], ngram_min=1, ngram_max=2, lookup_max_draft=2,
+              lookup_branches=3, tree_nodes=6),
+], ids=["lookahead", "logitspec", "recycling"])
 def test_output_reading_sources_sample_the_target_distribution(small_vocab_llama, plan):
-    """Lookahead's window and LogitSpec's guesses come from earlier verifier outputs, never from this round's
+    """Lookahead's window, LogitSpec's guesses and the recycled tokens come from earlier verifier outputs, never from this round's
     random draws, so the tree rejection keeps the full model's distribution."""
     from test_drafters import chi_square_pvalue
 
@@ -346,9 +351,12 @@ def test_lookahead_build_tunes_by_running_and_stays_lossless(backend, tiny_model
     assert plan.measured["expected_speedup"] > 0 and plan.measured["drafted_per_round"] > 0
     if backend == "onnx":
         assert set(model.manifest.plans["lookup"].measured["trees"]) == {"chain", "tree"}
+    recycling = model.manifest.plans["recycling"]  # Token Recycling, tuned by running it too
+    assert "recycling" in recycling.lookup and recycling.measured["method"] == "recycling"
     prompt = model.tokenizer.encode("def read_lines(path):")
     plain = model.generate(prompt, max_new_tokens=24, speculate=False).token_ids
-    assert model.generate(prompt, max_new_tokens=24, plan="lookahead").token_ids == plain
+    for name in ("lookahead", "recycling"):
+        assert model.generate(prompt, max_new_tokens=24, plan=name).token_ids == plain
 
 
 def test_no_trees_builds_chains_only(tiny_model_dir, tmp_path):
@@ -365,3 +373,30 @@ def test_no_trees_builds_chains_only(tiny_model_dir, tmp_path):
     assert "trees" not in manifest.plans["lookup"].measured
     for plan in manifest.plans.values():
         assert plan.lookup_branches == 1 and plan.tree_nodes == 0 and plan.draft_branches == 1, plan.name
+
+
+def test_token_recycling_keeps_every_rows_top_tokens_and_drafts_them(tiny_decoder):
+    """After a round, each verify row's best tokens are its input token's successors (rejected rows too), best
+    first; the next round drafts the input token's best successors, each followed greedily through the table."""
+    from speccompile.runtime.drafters import Draft, RoundContext
+    from speccompile.runtime.recycling import RECYCLED, RecyclingDrafter
+
+    _, decoder = tiny_decoder("llama")
+    backend = TorchBackend(decoder)
+    prompt = [3, 4, 5, 3, 6]
+    drafter = RecyclingDrafter(branches=2)
+    drafter.start(prompt)
+    assert drafter.table[3] == [6, 4] and drafter.table[5] == [3]  # the prompt's successions, latest first
+    assert drafter.continuations(prompt[:4], limit=3, most=2) == [[6], [4, 5, 3]]  # after 3: 6 (no successor), 4 5 3
+    assert drafter.continuations(prompt, limit=3, most=2) == []  # nothing has followed 6 yet
+    backend.reserve(64)
+    backend.forward(prompt[:-1], 0)
+    draft = Draft(tokens=[9, 10], q=[None, None], sources=["recycling"] * 2)  # two wrong guesses
+    logits = backend.forward(prompt[-1:] + draft.tokens, len(prompt) - 1)
+    ctx = RoundContext(prompt, len(prompt) - 1, 8, SamplingParams(), None)
+    drafter.observe(draft, logits, [int(logits[0].argmax())], ctx)
+    for token, row in zip([6, 9, 10], logits):
+        best = np.argsort(-row, kind="stable")[:RECYCLED].tolist()
+        assert drafter.table[token] == best
+    first = drafter.table[6][:2]
+    assert [c[0] for c in drafter.continuations(prompt, limit=4, most=2)] == first
