@@ -292,6 +292,7 @@ def test_lookahead_window_is_a_jacobi_step_and_fills_the_pool(tiny_decoder):
     drafter.observe(draft, logits, committed)
     assert drafter.window[:2] == targets[3:5]  # the outputs after the committed ones: the next guesses
     assert drafter.pool[6][0] == (6, targets[4])  # the n-gram the last row made: its guess, then its output
+    assert (history[-1], targets[0]) in drafter.pool[history[-1]]  # every row's, the round's input row's too
 
 
 @pytest.mark.parametrize("plan", [
