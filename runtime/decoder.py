@@ -235,7 +235,7 @@ def apply_rotary(x: Tensor, rope: tuple[Tensor, Tensor]) -> Tensor:
     """Rotary embedding on the first ``rotary_dim`` dims of ``x``'s last axis. ``rope`` is (cos, signed sin)
     (``Decoder.rope_table``): ``x * cos + rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)`` is
     computed as ``x * cos + roll(x) * cat(-sin1, sin2)``, bitwise the same (a sign moves between the factors
-    exactly) in three calls instead of five."""
+    exactly), with one roll where there were two slices, a negation and a concatenation."""
     cos, signed_sin = rope  # [T, rotary_dim], or broadcastable to x
     rot = cos.shape[-1]
     if rot == x.shape[-1]:

@@ -10,8 +10,9 @@ successions, so the first rounds have something to draft.
 
 As a tree source (a plan with ``lookup_branches > 1``) it offers the input token's ``lookup_branches`` best
 successors, each continued greedily; as a chain source, the greedy path; as the extension of another source's
-draft, the greedy path from the draft's last token; each at most the plan's ``lookup_max_draft`` tokens. What it drafts comes from earlier verifier outputs only,
-never from this round's random draws, so the rejection rule keeps the full model's distribution when sampling.
+draft, the greedy path from the draft's last token; each at most the plan's ``lookup_max_draft`` tokens. What
+it drafts comes from earlier verifier outputs only, never from this round's random draws, so the rejection rule
+keeps the full model's distribution when sampling.
 """
 
 from __future__ import annotations
@@ -31,13 +32,13 @@ class RecyclingDrafter:
     name = "recycling"
     observes = True  # it reads every verify row: rounds stay on the host (``speculative.decode``)
 
-    def __init__(self, branches: int = 1, max_draft: int = 8):
-        self.branches, self.max_draft = max(1, branches), max_draft
+    def __init__(self, max_draft: int = 8):
+        self.max_draft = max_draft
         self.table: dict[int, list[int]] = {}
 
     @classmethod
     def from_plan(cls, plan: DraftPlan, root: Path | None = None) -> "RecyclingDrafter":
-        return cls(plan.lookup_branches, plan.lookup_max_draft)
+        return cls(plan.lookup_max_draft)
 
     def start(self, prompt: Sequence[int]) -> None:
         """A new table, seeded with the prompt's successions (the latest first)."""

@@ -385,7 +385,7 @@ def test_token_recycling_keeps_every_rows_top_tokens_and_drafts_them(tiny_decode
     _, decoder = tiny_decoder("llama")
     backend = TorchBackend(decoder)
     prompt = [3, 4, 5, 3, 6]
-    drafter = RecyclingDrafter(branches=2)
+    drafter = RecyclingDrafter()
     drafter.start(prompt)
     assert drafter.table[3] == [6, 4] and drafter.table[5] == [3]  # the prompt's successions, latest first
     assert drafter.continuations(prompt[:4], limit=3, most=2) == [[6], [4, 5, 3]]  # after 3: 6 (no successor), 4 5 3
