@@ -292,7 +292,26 @@ def test_lookahead_window_is_a_jacobi_step_and_fills_the_pool(tiny_decoder):
     drafter.observe(draft, logits, committed)
     assert drafter.window[:2] == targets[3:5]  # the outputs after the committed ones: the next guesses
     assert drafter.pool[6][0] == (6, targets[4])  # the n-gram the last row made: its guess, then its output
-    assert (history[-1], targets[0]) in drafter.pool[history[-1]]  # every row's, the round's input row's too
+
+
+def test_lookahead_pools_the_n_gram_of_every_row():
+    """Each verify row is a Jacobi step for its own input: the input token's row and a pooled branch's rows add
+    their n-grams to the pool, not only the window's rows."""
+    from speccompile.runtime.drafters import Draft, RoundContext
+    from speccompile.runtime.lookahead import LookaheadDrafter
+
+    drafter = LookaheadDrafter(window=2, ngram=2, branches=2)
+    history = [1, 2, 3]
+    drafter.start(history)
+    drafter.window, drafter.pool = [7, 8], {3: [(3, 9)]}
+    assert drafter.continuations(history, limit=4, most=2) == [[9], [7, 8]]  # the pooled branch, then the window
+    draft = Draft(tokens=[9, 7, 8], q=[None] * 3, sources=["lookahead"] * 3, parents=[-1, -1, 1])
+    logits = np.zeros((4, 20), dtype=np.float32)
+    for row, out in enumerate([11, 12, 13, 14]):  # the model's token after: 3, 9, 7, 8
+        logits[row, out] = 1.0
+    drafter.observe(draft, logits, [11], RoundContext(history, len(history) - 1, 8, SamplingParams(), None))
+    assert (3, 11) in drafter.pool[3] and drafter.pool[9] == [(9, 12)]  # rows outside the window
+    assert drafter.pool[7] == [(7, 13)] and drafter.pool[8] == [(8, 14)]  # the window's rows
 
 
 @pytest.mark.parametrize("plan", [
