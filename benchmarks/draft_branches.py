@@ -13,22 +13,18 @@ from __future__ import annotations
 
 import dataclasses
 
-from plan_turns import artifact_plan, plan_arguments, read_prompts, time_variants
+from plan_turns import plan_arguments, time_plan_variants
+
+
+def variants(plan) -> dict:
+    """name -> plan: 1 (a chain), 2 and 3 branches."""
+    return {f"{b} branch{'es' if b > 1 else ''}{' (as built)' if b == plan.draft_branches else ''}":
+            dataclasses.replace(plan, draft_branches=b, measured={}) for b in (1, 2, 3)}
 
 
 def main() -> None:
     args = plan_arguments(__doc__.splitlines()[0])
-
-    from speccompile.runtime import load
-
-    model = load(args.artifact, backend=args.backend)
-    name, plan = artifact_plan(model, args.plan, lambda p: p.has_model_draft, "a model draft")
-    plans = {f"{b} branch{'es' if b > 1 else ''}{' (as built)' if b == plan.draft_branches else ''}":
-             dataclasses.replace(plan, draft_branches=b, measured={}) for b in (1, 2, 3)}
-    prompts = read_prompts(model, args.prompts)
-    plain_seconds, timed = time_variants(model, plans, prompts, args.max_new_tokens)
-    print(f"{args.artifact} ({model.backend.__class__.__name__}), plan {name!r}: {len(prompts)} prompts, "
-          f"{args.max_new_tokens} new tokens, greedy")
+    prompts, plain_seconds, timed = time_plan_variants(args, lambda p: p.has_model_draft, "a model draft", variants)
     print("| variant | vs plain | rounds | leaves accepted / verified | identical |\n|---|---|---|---|---|")
     for key, t in timed.items():
         verified, accepted = t.per_source.get("branch", (0, 0))

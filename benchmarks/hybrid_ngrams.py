@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from plan_turns import artifact_plan, plan_arguments, read_prompts, time_variants
+from plan_turns import plan_arguments, time_plan_variants
 
 
 def variants(plan) -> dict:
@@ -32,19 +32,8 @@ def variants(plan) -> dict:
 
 def main() -> None:
     args = plan_arguments(__doc__.splitlines()[0])
-
-    from speccompile.runtime import load
-
-    model = load(args.artifact, backend=args.backend)
-    name, plan = artifact_plan(model, args.plan, lambda p: p.lookup and p.has_model_draft,
-                               "lookup in front of a model draft")
-    plans = variants(plan)
-    for each in plans.values():
-        each.validate(model.manifest.config.num_layers)
-    prompts = read_prompts(model, args.prompts)
-    plain_seconds, timed = time_variants(model, plans, prompts, args.max_new_tokens)
-    print(f"{args.artifact} ({model.backend.__class__.__name__}), plan {name!r}: {len(prompts)} prompts, "
-          f"{args.max_new_tokens} new tokens, greedy")
+    prompts, plain_seconds, timed = time_plan_variants(args, lambda p: p.lookup and p.has_model_draft,
+                                                       "lookup in front of a model draft", variants)
     print("| variant | vs plain | rounds | identical |\n|---|---|---|---|")
     for key, t in timed.items():
         print(f"| {key} | {plain_seconds / t.seconds:.3f}x | {t.rounds} | {t.identical}/{len(prompts)} |")

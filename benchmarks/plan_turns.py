@@ -83,3 +83,20 @@ def time_variants(model, variants: dict, prompts: list[list[int]], max_new_token
                 counts[0] += drafted
                 counts[1] += accepted
     return plain_seconds, timed
+
+
+def time_plan_variants(args: argparse.Namespace, wanted: Callable, what: str, variants_of: Callable):
+    """``plan_arguments``' artifact and plan (``artifact_plan``), its variants (``variants_of(plan)``: key -> plan,
+    each validated) timed in turns, and the table's header printed: (prompts, plain seconds, key -> ``Timed``)."""
+    from speccompile.runtime import load
+
+    model = load(args.artifact, backend=args.backend)
+    name, plan = artifact_plan(model, args.plan, wanted, what)
+    plans = variants_of(plan)
+    for each in plans.values():
+        each.validate(model.manifest.config.num_layers)
+    prompts = read_prompts(model, args.prompts)
+    plain_seconds, timed = time_variants(model, plans, prompts, args.max_new_tokens)
+    print(f"{args.artifact} ({model.backend.__class__.__name__}), plan {name!r}: {len(prompts)} prompts, "
+          f"{args.max_new_tokens} new tokens, greedy")
+    return prompts, plain_seconds, timed

@@ -108,16 +108,17 @@ class LookaheadTune(Pass):
         plan.target_acceptance = tuned_target(plan.measured)
         ir.add_plan(plan)
 
-    def _best(self, backend, plans, scale: float, required: bool):
-        """The plan of ``plans`` with the best expected speedup (a plan behind the lookup plan scaled by
-        ``scale``), within the pass's deadline; ``required``: score at least one whatever the time."""
+    def _best(self, backend, plans, behind: DraftPlan | None, scale: float, required: bool):
+        """The plan of ``plans`` with the best expected speedup (a plan behind the lookup plan ``behind``, whose
+        sources it drafts first, scaled by ``scale``), within the pass's deadline; ``required``: score at least
+        one whatever the time."""
         best = None
         for plan in plans:
             if (best is not None or not required) and (left := self.seconds_left()) is not None and left <= 0:
                 break
             rounds = self._rounds(backend, plan)
             estimate = estimate_rounds(rounds, plan, self.context.costs)
-            if plan.lookup not in (["lookahead"], ["recycling"]):
+            if behind is not None and behind.lookup and plan.lookup[: len(behind.lookup)] == behind.lookup:
                 estimate = replace(estimate, expected_speedup=estimate.expected_speedup * scale)
             if best is None or estimate.expected_speedup > best[1].expected_speedup:
                 best = (plan, estimate, rounds)
@@ -132,10 +133,11 @@ class LookaheadTune(Pass):
         if behind is not None and behind.measured.get("expected_speedup"):
             alone = estimate_rounds(self._rounds(backend, behind), behind, self.context.costs).expected_speedup
             scale = behind.measured["expected_speedup"] / alone
-        self._add(ir, self._best(backend, lookahead_grid(self.context.trees, behind, **grid), scale, required=True), start)
+        self._add(ir, self._best(backend, lookahead_grid(self.context.trees, behind, **grid), behind, scale,
+                                   required=True), start)
         if not self.quick:
             for grid in (logitspec_grid(self.context.trees, behind), recycling_grid(self.context.trees, behind)):
-                best = self._best(backend, grid, scale, required=False)
+                best = self._best(backend, grid, behind, scale, required=False)
                 if best is not None:
                     self._add(ir, best, start)
         return PassResult.after(ir, before)

@@ -143,6 +143,16 @@ class ObservesSources:
                 source.observe(draft, logits, committed, ctx)
 
 
+def remember(items: list, item, most: int) -> None:
+    """Put ``item`` first in ``items`` (moved there if it is already in), keeping the ``most`` most recent: the
+    bounded most-recent-first lists of the sources that learn from the verifier (lookahead's pool, Token
+    Recycling's successors)."""
+    if item in items:
+        items.remove(item)
+    items.insert(0, item)
+    del items[most:]
+
+
 class DraftStep(Protocol):
     def __call__(self, token: int, pos: int, ctx: RoundContext) -> tuple[int, float, np.ndarray | None]:
         """Draft the token after ``token`` (at ``pos``): (drafted token, confidence, q or None when greedy)."""
@@ -275,4 +285,4 @@ class ModelDrafter:
 
 
 __all__ = ["BRANCH_MIN_PROBABILITY", "BackendStep", "Draft", "DraftPolicy", "DraftStep", "Drafter", "ModelDrafter",
-           "ObservesSources", "RoundContext"]
+           "ObservesSources", "RoundContext", "remember"]

@@ -28,7 +28,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .drafters import Draft, RoundContext
+from .drafters import Draft, RoundContext, remember
 from .manifest import DraftPlan
 
 POOL_PER_KEY = 8  # pooled n-grams kept per first token, most recent first
@@ -89,10 +89,11 @@ class LookaheadDrafter:
         token, window = self._proposed if self._proposed is not None else (None, [])  # not asked: nothing verified
         self._proposed = None
         history = list(ctx.history) if ctx is not None else ([] if token is None else [token])
-        for tail, out in zip(self._row_tails(draft, history), np.argmax(logits[: len(draft.tokens) + 1], axis=-1)):
-            self._add(tuple(tail) + (int(out),))
-        rows = [node + 1 for node in draft.nodes_of(window)]  # the window's verify rows, as far as drafted
-        outputs = [int(np.argmax(logits[r])) for r in rows]  # outputs[j]: the model's token after window[j]
+        row_outputs = np.argmax(logits[: len(draft.tokens) + 1], axis=-1).tolist()  # every row's token, once
+        for tail, out in zip(self._row_tails(draft, history), row_outputs):
+            self._add(tuple(tail) + (out,))
+        # outputs[j]: the model's token after window[j] (its verify row), as far as the window was drafted
+        outputs = [row_outputs[node + 1] for node in draft.nodes_of(window)]
         # Jacobi: outputs[j] guesses the position after window[j]; the round moved len(committed) positions on,
         # so outputs[step - 1:] guess the positions after the new input token.
         step = len(committed)
@@ -120,11 +121,7 @@ class LookaheadDrafter:
         return tails
 
     def _add(self, gram: tuple[int, ...]) -> None:
-        grams = self.pool.setdefault(gram[0], [])
-        if gram in grams:
-            grams.remove(gram)
-        grams.insert(0, gram)
-        del grams[POOL_PER_KEY:]
+        remember(self.pool.setdefault(gram[0], []), gram, POOL_PER_KEY)
 
     def feedback(self, draft: Draft, accepted: int) -> None:
         pass

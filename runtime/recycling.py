@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .drafters import Draft, RoundContext
+from .drafters import Draft, RoundContext, remember
 from .manifest import DraftPlan
 
 RECYCLED = 8  # successors kept per token, best first (the paper's adjacency matrix keeps 8)
@@ -44,12 +44,7 @@ class RecyclingDrafter:
         """A new table, seeded with the prompt's successions (the latest first)."""
         self.table = {}
         for token, after in zip(prompt, prompt[1:]):
-            self._put(int(token), [int(after)])
-
-    def _put(self, token: int, best: list[int]) -> None:
-        """``best`` first, then the token's earlier successors, at most ``RECYCLED``."""
-        old = self.table.get(token, [])
-        self.table[token] = (best + [t for t in old if t not in best])[:RECYCLED]
+            remember(self.table.setdefault(int(token), []), int(after), RECYCLED)
 
     # -- what a round drafts ---------------------------------------------------------------------
     def _greedy(self, token: int, limit: int) -> list[int]:

@@ -104,25 +104,25 @@ class Backend(ABC):
 
         return kind_of(plan, self.config.num_layers).verify(self, tokens, pos, n_reuse)
 
-    def prepare_plans(self, plans: dict[str, DraftPlan]) -> None:
-        """``prepare`` every segment of ``plans`` that this backend can run (the rest are refused when used)."""
-        from ..draft_kinds import kind_of
-
-        for plan in plans.values():
-            for segment in kind_of(plan, self.config.num_layers).segments():
-                if self.unsupported(segment) is None:
-                    self.prepare(segment)
-
-    def check_plans(self, plans: dict[str, DraftPlan]) -> None:
-        """Refuse, before any work, a plan whose segments this backend cannot run (one line each)."""
+    def _plan_segments(self, plans: dict[str, DraftPlan]):
+        """(name, plan, segment, why this backend cannot run it or None) for every segment of ``plans``."""
         from ..draft_kinds import kind_of
 
         for name, plan in plans.items():
             for segment in kind_of(plan, self.config.num_layers).segments():
-                reason = self.unsupported(segment)
-                if reason is not None:
-                    raise ArtifactError(f"plan {name!r} ({plan.describe()}) cannot run on the {self.name} backend: "
-                                        f"{reason}")
+                yield name, plan, segment, self.unsupported(segment)
+
+    def prepare_plans(self, plans: dict[str, DraftPlan]) -> None:
+        """``prepare`` every segment of ``plans`` that this backend can run (the rest are refused when used)."""
+        for _, _, segment, reason in self._plan_segments(plans):
+            if reason is None:
+                self.prepare(segment)
+
+    def check_plans(self, plans: dict[str, DraftPlan]) -> None:
+        """Refuse, before any work, a plan whose segments this backend cannot run (one line each)."""
+        for name, plan, _, reason in self._plan_segments(plans):
+            if reason is not None:
+                raise ArtifactError(f"plan {name!r} ({plan.describe()}) cannot run on the {self.name} backend: {reason}")
 
 
 __all__ = ["Backend", "Segment"]
