@@ -42,7 +42,7 @@ def engines(model, args) -> dict:
     lookup = model.manifest.plans.get("lookup")
     if lookup is not None and trees_ok:
         chain = replace(lookup, lookup_branches=1, tree_nodes=0)
-        if lookup.lookup_branches > 1:  # the build chose a tree: time its chain next to it
+        if lookup.lookup_branches > 1 and "lookup-chain" not in model.manifest.plans:  # time a tree's chain next to it
             out[f"lookup as a chain: {chain.describe()}"] = chain
         else:
             tree = replace(chain, lookup_branches=args.branches, lookup_max_draft=max(chain.lookup_max_draft, 4),

@@ -36,6 +36,7 @@ DATASTORE_FILE = "retrieval/datastore.safetensors"
 HELD_OUT_DATASTORE_FILE = "retrieval/confirm-held-out.safetensors"  # tuning only, never in the artifact
 NGRAM_SIZES = ((1, 3), (2, 3), (2, 5), (3, 5), (1, 5))
 LOOKUP_DRAFTS = (2, 4, 6, 8, LOOKUP_MAX_DRAFT)
+CHAIN_PLAN = "lookup-chain"  # the best chain, kept beside a tree that was priced above it
 
 
 def lookup_grid(retrieval: bool):
@@ -69,10 +70,16 @@ def _past(p: Pass) -> bool:
 
 
 class LookupAutotune(Pass):
-    """The best lookup plan over ``lookup_grid`` (then, with ``hybrid_with``, its hybrids: ``HybridAutotune``)."""
+    """The best lookup plan over ``lookup_grid`` (then, with ``hybrid_with``, its hybrids: ``HybridAutotune``).
+
+    Where a token tree of the best chain's sources is priced above the chain, the tree becomes ``lookup`` and the
+    chain stays beside it as ``lookup-chain``, so that confirmation times the two in turns and the default is
+    the one that ran faster. Why: a tree's estimate leans on the verify-cost curve (a few timed calls per size),
+    and on refcoder with torch the tree priced highest (2 branches, 8 nodes) ran 0.98-0.99x of its chain
+    (``benchmarks/auto_compare.py`` and ``benchmarks/trees.py``, 2026-12-03)."""
 
     name = "lookup_autotune"
-    adds = ("lookup", "hybrid")
+    adds = ("lookup", CHAIN_PLAN, "hybrid")
 
     def __init__(self, context: TuningContext, retrieval: bool = False, hybrid_with: tuple[str, ...] = (),
                  show_progress: bool = True):
@@ -97,7 +104,9 @@ class LookupAutotune(Pass):
         Datastore.build(held_out).save(self.context.workdir / HELD_OUT_DATASTORE_FILE)
         self.context.confirm_datastore = HELD_OUT_DATASTORE_FILE
 
-    def _best_lookup(self) -> tuple[DraftPlan, object, list]:
+    def _best_lookup(self) -> tuple[tuple[DraftPlan, object, list], tuple[DraftPlan, object, list] | None]:
+        """The best plan (a chain, or a tree priced above it) with its estimate and rounds, and the chain when
+        the best is a tree."""
         best = None
         for plan in lookup_grid(self.retrieval):  # in full, budget or not: the cheapest pass, and the first plan
             estimate, rounds = self._score(plan)
@@ -117,21 +126,28 @@ class LookupAutotune(Pass):
                                      "expected_speedup": round(e.expected_speedup, 4)}
                               for name, (p, e, _) in (("chain", chain), ("tree", tree))}
                 if tree[1].expected_speedup > chain[1].expected_speedup:
-                    best = tree
-        return best
+                    return tree, chain
+        return best, None
 
     # -- the pass ----------------------------------------------------------------------------------
     def call(self, ir: DecoderIR) -> PassResult:
         start, before = time.perf_counter(), dict(ir.plans)
         if self.retrieval:
             self._build_datastores(ir)
-        lookup, estimate, rounds = self._best_lookup()
+        (lookup, estimate, rounds), chain = self._best_lookup()
         extra = {"trees": self.trees} if self.trees else {}
         lookup.measured = self.context.record("lookup", estimate, tuning_seconds=round(time.perf_counter() - start, 2),
                                               round_mix=round_mix(rounds),
                                               drafted_per_round=round(estimate.drafted_per_round, 4), **extra)
         lookup.target_acceptance = tuned_target(lookup.measured)
         ir.add_plan(lookup)
+        if chain is not None:
+            plan, chain_estimate, chain_rounds = chain
+            plan = replace(plan, name=CHAIN_PLAN)
+            plan.measured = self.context.record("lookup", chain_estimate, round_mix=round_mix(chain_rounds),
+                                                drafted_per_round=round(chain_estimate.drafted_per_round, 4))
+            plan.target_acceptance = tuned_target(plan.measured)
+            ir.add_plan(plan)
         self.context.signals["lookup_rounds"] = (rounds, lookup)
         if any("retrieval" in p.lookup for p in ir.plans.values()):
             ir.extra_files[DATASTORE_FILE] = self.context.workdir / DATASTORE_FILE

@@ -420,3 +420,40 @@ def test_token_recycling_keeps_every_rows_top_tokens_and_drafts_them(tiny_decode
         assert drafter.table[token] == best
     first = drafter.table[6][:2]
     assert [c[0] for c in drafter.continuations(prompt, limit=4, most=2)] == first
+
+
+def test_a_tree_priced_above_its_chain_races_the_chain_in_confirmation(tiny_model_dir, tmp_path, monkeypatch):
+    """When the tuner prices a token tree above the best chain, the chain stays beside it (``lookup-chain``), both
+    are confirmed by timed runs, and the default is the one that ran faster: a tree's price leans on a verify-cost
+    curve timed in a few calls (on refcoder with torch the tree priced highest ran 0.98-0.99x of its chain). Here
+    the tree is over-priced on purpose; both plans still decode exactly what plain decoding does."""
+    import dataclasses
+
+    from speccompile.build import BuildOptions, build
+    from speccompile.passes import lookup_autotune
+    from speccompile.runtime.model import load
+
+    real_score = lookup_autotune.score_lookup
+
+    def tree_priced_high(context, plan, profile=None):
+        estimate, rounds = real_score(context, plan, profile)
+        if plan.lookup_branches > 1:
+            estimate = dataclasses.replace(estimate, expected_speedup=estimate.expected_speedup * 3)
+        return estimate, rounds
+
+    monkeypatch.setattr(lookup_autotune, "score_lookup", tree_priced_high)
+    out = build(BuildOptions(model=str(tiny_model_dir("llama")), out=tmp_path / "race", method="lookup",
+                             backends=("torch",), max_draft=4, calibration_tokens=16, confirm_prompts=2,
+                             confirm_tokens=16, show_progress=False), log=lambda message: None)
+    model = load(out)
+    tree, chain = model.manifest.plans["lookup"], model.manifest.plans[lookup_autotune.CHAIN_PLAN]
+    assert tree.lookup_branches > 1 and tree.tree_nodes > 0
+    assert chain.lookup_branches == 1 and chain.tree_nodes == 0 and chain.lookup == tree.lookup
+    assert tree.measured["confirmed_speedup"] and chain.measured["confirmed_speedup"]
+    faster = max((tree, chain), key=lambda plan: plan.measured["confirmed_speedup"])
+    if faster.measured["confirmed_speedup"] > 1.0:
+        assert model.manifest.default_plan == faster.name
+    prompt = model.tokenizer.encode("def read_lines(path):")
+    plain = model.generate(prompt, max_new_tokens=24, speculate=False).token_ids
+    for name in ("lookup", lookup_autotune.CHAIN_PLAN):
+        assert model.generate(prompt, max_new_tokens=24, plan=name).token_ids == plain
