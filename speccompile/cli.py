@@ -465,6 +465,9 @@ def inspect(artifact, as_json):
                 click.echo(f"      {what}: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in m[key].items()))
         if m.get("chosen_over"):
             click.echo("      chosen over: " + ", ".join(f"{k} {v:.2f}x" for k, v in m["chosen_over"].items() if v is not None))
+        by_estimate = manifest.tuning.get("default_by_estimate") or {}
+        if by_estimate.get("chosen") == name:
+            click.echo(f"      default by its expected speedup: timed runs could not tell it from {by_estimate['over']}")
     if manifest.default_plan is None:
         click.echo(f"  no default plan: none beat plain decoding (best confirmed "
                    f"{manifest.tuning.get('best_confirmed_speedup', 0):.2f}x); generate decodes plainly unless --plan is given")

@@ -145,6 +145,34 @@ def test_confirmation_drops_the_slower_plan_and_stops_at_the_deadline():
     assert figures["tie"]["confirmation_turns"] == 3
 
 
+def test_the_race_records_each_plan_against_the_fastest():
+    """Every plan but the fastest carries its paired interval against the fastest: surely slower here."""
+    figures, _ = race({"fast": 1 / 1.5, "slower": 1 / 1.2})
+    versus = figures["slower"]["confirmed_vs_best"]
+    assert versus["plan"] == "fast" and versus["interval"][1] < 1.0
+    assert "confirmed_vs_best" not in figures["fast"]
+
+
+def test_an_undecided_race_is_settled_by_the_estimate(ir):
+    """When timed runs cannot tell the fastest plan from another, the higher expected speedup wins; a plan surely
+    slower in the race, or not faster than plain decoding, never does."""
+    from speccompile.passes.confirm import ChooseDefaultPlan
+
+    def plans(interval, other_confirmed=1.62):
+        return {"alone": DraftPlan(name="alone", measured={"expected_speedup": 1.71, "confirmed_speedup": 1.63}),
+                "behind": DraftPlan(name="behind", measured={
+                    "expected_speedup": 1.87, "confirmed_speedup": other_confirmed,
+                    "confirmed_vs_best": {"plan": "alone", "interval": interval}})}
+
+    ir.plans = plans([0.93, 1.06])
+    ir = ChooseDefaultPlan().run(ir)
+    assert ir.default_plan == "behind" and ir.tuning["default_by_estimate"]["over"] == "alone"
+    ir.plans, ir.tuning = plans([0.93, 0.99]), {}
+    assert ChooseDefaultPlan().run(ir).default_plan == "alone"
+    ir.plans, ir.tuning = plans([0.5, 1.2], other_confirmed=0.99), {}
+    assert ChooseDefaultPlan().run(ir).default_plan == "alone"
+
+
 def build_tiny(model_dir, out, *args) -> dict:
     """Build the tiny model with a small calibration; its manifest."""
     result = CliRunner().invoke(main, ["build", str(model_dir), "-o", str(out), "--max-draft", "3",
