@@ -154,14 +154,16 @@ def test_the_race_records_each_plan_against_the_fastest():
 
 
 def test_an_undecided_race_is_settled_by_the_estimate(ir):
-    """When timed runs cannot tell the fastest plan from another, the higher expected speedup wins; a plan surely
-    slower in the race, or not faster than plain decoding, never does."""
+    """When timed runs cannot tell the fastest plan from another priced by the same estimator, the higher expected
+    speedup wins; a plan surely slower in the race, not faster than plain decoding, or priced by another
+    estimator (whose bias would not cancel) never does."""
     from speccompile.passes.confirm import ChooseDefaultPlan
 
-    def plans(interval, other_confirmed=1.62):
-        return {"alone": DraftPlan(name="alone", measured={"expected_speedup": 1.71, "confirmed_speedup": 1.63}),
+    def plans(interval, other_confirmed=1.62, other_method="precision"):
+        return {"alone": DraftPlan(name="alone", measured={"method": "precision", "expected_speedup": 1.71,
+                                                           "confirmed_speedup": 1.63}),
                 "behind": DraftPlan(name="behind", measured={
-                    "expected_speedup": 1.87, "confirmed_speedup": other_confirmed,
+                    "method": other_method, "expected_speedup": 1.87, "confirmed_speedup": other_confirmed,
                     "confirmed_vs_best": {"plan": "alone", "interval": interval}})}
 
     ir.plans = plans([0.93, 1.06])
@@ -170,6 +172,8 @@ def test_an_undecided_race_is_settled_by_the_estimate(ir):
     ir.plans, ir.tuning = plans([0.93, 0.99]), {}
     assert ChooseDefaultPlan().run(ir).default_plan == "alone"
     ir.plans, ir.tuning = plans([0.5, 1.2], other_confirmed=0.99), {}
+    assert ChooseDefaultPlan().run(ir).default_plan == "alone"
+    ir.plans, ir.tuning = plans([0.93, 1.06], other_method="lookahead"), {}  # priced by another estimator
     assert ChooseDefaultPlan().run(ir).default_plan == "alone"
 
 
