@@ -279,10 +279,11 @@ class ChooseDefaultPlan(Pass):
     keeps only the winner, recording the others' figures).
 
     When the race could not tell the fastest plan from another priced by the same estimator (``tied_with_best``),
-    the one with the higher expected speedup wins: the estimate replays every calibration sequence, a budgeted race times three or four
-    prompts. Why: SmolLM2's int8 draft behind lookup (expected 1.87x) and alone (1.71x) confirmed 1.62x and 1.63x
-    in a 4-turn race that a build then settled by those 1%, shipping the draft alone, which the benchmark prompts
-    ran at 1.60-1.66x against 1.72-1.79x behind lookup (``benchmarks/precision_draft.py``, 2026-12-03)."""
+    the one with the higher expected speedup wins: the estimate replays every calibration sequence, a budgeted
+    race times three or four prompts. Why: SmolLM2's int8 draft behind lookup (expected 1.87x) and alone
+    (1.71x) confirmed 1.62x and 1.63x in a 4-turn race that a build then settled by those 1%, shipping the
+    draft alone, which the benchmark prompts ran at 1.60-1.66x against 1.72-1.79x behind lookup
+    (``benchmarks/precision_draft.py``, 2026-12-03)."""
 
     name = "choose_default_plan"
 

@@ -27,6 +27,8 @@ MEASURED_FIELDS: dict[str, tuple[tuple[type, ...], str]] = {
     "round_mix": ((dict,), "share of estimated rounds drafted by each source"),
     "confirmed_speedup": (OPTIONAL_NUMBER, "timed speedup over plain decoding in confirmation (None: not timed)"),
     "confirmed_interval": ((list,), "95% interval of that speedup [low, high] (None where unbounded)"),
+    "confirmed_vs_best": ((dict,), "in a race of several plans: the fastest plan's name and the 95% interval of this "
+                                   "plan's speedup over it, paired per turn ({plan, interval})"),
     "confirmation_turns": ((int,), "turns timed in confirmation"),
     "confirmation_stopped": ((str,), "why confirmation stopped (sure, budget, max turns, slower than plain, ...)"),
     "confirmed_mean_accepted": (NUMBER, "tokens per round in confirmation"),
