@@ -74,7 +74,8 @@ class LookupAutotune(Pass):
 
     Where a token tree of the best chain's sources is priced above the chain, the tree becomes ``lookup`` and the
     chain stays beside it as ``lookup-chain``, so that confirmation times the two in turns and the default is
-    the one that ran faster. Why: a tree's estimate leans on the verify-cost curve (a few timed calls per size),
+    the one that ran faster (where the turns cannot tell them apart, the tree: ``ChooseDefaultPlan`` settles a
+    tie between plans priced alike by the higher price). Why: a tree's estimate leans on the verify-cost curve (a few timed calls per size),
     and on refcoder with torch the tree priced highest (2 branches, 8 nodes) ran 0.98-0.99x of its chain
     (``benchmarks/auto_compare.py`` and ``benchmarks/trees.py``, 2026-12-03)."""
 
@@ -129,6 +130,13 @@ class LookupAutotune(Pass):
                     return tree, chain
         return best, None
 
+    def _keep(self, ir: DecoderIR, plan: DraftPlan, estimate, rounds: list, **extra) -> None:
+        """Add ``plan`` to ``ir`` with its figures (``measured``) and the acceptance target they imply."""
+        plan.measured = self.context.record("lookup", estimate, round_mix=round_mix(rounds),
+                                            drafted_per_round=round(estimate.drafted_per_round, 4), **extra)
+        plan.target_acceptance = tuned_target(plan.measured)
+        ir.add_plan(plan)
+
     # -- the pass ----------------------------------------------------------------------------------
     def call(self, ir: DecoderIR) -> PassResult:
         start, before = time.perf_counter(), dict(ir.plans)
@@ -136,18 +144,9 @@ class LookupAutotune(Pass):
             self._build_datastores(ir)
         (lookup, estimate, rounds), chain = self._best_lookup()
         extra = {"trees": self.trees} if self.trees else {}
-        lookup.measured = self.context.record("lookup", estimate, tuning_seconds=round(time.perf_counter() - start, 2),
-                                              round_mix=round_mix(rounds),
-                                              drafted_per_round=round(estimate.drafted_per_round, 4), **extra)
-        lookup.target_acceptance = tuned_target(lookup.measured)
-        ir.add_plan(lookup)
+        self._keep(ir, lookup, estimate, rounds, tuning_seconds=round(time.perf_counter() - start, 2), **extra)
         if chain is not None:
-            plan, chain_estimate, chain_rounds = chain
-            plan = replace(plan, name=CHAIN_PLAN)
-            plan.measured = self.context.record("lookup", chain_estimate, round_mix=round_mix(chain_rounds),
-                                                drafted_per_round=round(chain_estimate.drafted_per_round, 4))
-            plan.target_acceptance = tuned_target(plan.measured)
-            ir.add_plan(plan)
+            self._keep(ir, replace(chain[0], name=CHAIN_PLAN), *chain[1:])
         self.context.signals["lookup_rounds"] = (rounds, lookup)
         if any("retrieval" in p.lookup for p in ir.plans.values()):
             ir.extra_files[DATASTORE_FILE] = self.context.workdir / DATASTORE_FILE

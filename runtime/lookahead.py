@@ -88,7 +88,7 @@ class LookaheadDrafter:
         n-grams; ``committed`` are the tokens the round kept (its accepted path, then the verifier's)."""
         token, window = self._proposed if self._proposed is not None else (None, [])  # not asked: nothing verified
         self._proposed = None
-        history = list(ctx.history) if ctx is not None else ([] if token is None else [token])
+        history = ctx.history if ctx is not None else ([] if token is None else [token])
         row_outputs = np.argmax(logits[: len(draft.tokens) + 1], axis=-1).tolist()  # every row's token, once
         for tail, out in zip(self._row_tails(draft, history), row_outputs):
             self._add(tuple(tail) + (out,))
@@ -116,7 +116,7 @@ class LookaheadDrafter:
         and the other branches' alike: each output, after those tokens, is an n-gram the model produced."""
         keep = self.ngram - 1
         tails = [list(history[-keep:])]
-        for node, (token, parent) in enumerate(zip(draft.tokens, draft.tree_parents)):
+        for token, parent in zip(draft.tokens, draft.tree_parents):
             tails.append((tails[parent + 1] + [int(token)])[-keep:])
         return tails
 
