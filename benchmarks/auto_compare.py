@@ -17,6 +17,8 @@ import math
 import sys
 from pathlib import Path
 
+from speccompile.runtime.drafting import describe
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -36,9 +38,11 @@ def main() -> None:
     models = {"first": load(args.first), "second": load(args.second)}
     texts, _ = load_prompts(args.prompts, models["first"].manifest)
     prompts = [models["first"].encode_prompt(t) for t in texts]
-    runs = {"plain": lambda ids: models["first"].generate(ids, max_new_tokens=args.max_new_tokens, speculate=False),
-            "first": lambda ids: models["first"].generate(ids, max_new_tokens=args.max_new_tokens),
-            "second": lambda ids: models["second"].generate(ids, max_new_tokens=args.max_new_tokens)}
+    runs = {
+        "plain": lambda ids: models["first"].generate(ids, max_new_tokens=args.max_new_tokens, speculate=False),
+        "first": lambda ids: models["first"].generate(ids, max_new_tokens=args.max_new_tokens),
+        "second": lambda ids: models["second"].generate(ids, max_new_tokens=args.max_new_tokens),
+    }
     for run in runs.values():  # warm-up
         run(prompts[0])
     seconds = {name: 0.0 for name in runs}
@@ -56,10 +60,14 @@ def main() -> None:
             turn += 1
     for name, path in (("first", args.first), ("second", args.second)):
         plan = models[name].draft_plan(None)
-        label = plan.describe() if plan is not None else "plain decoding (no default plan)"
-        print(f"{name:6s} {path}: {seconds['plain'] / seconds[name]:.3f}x plain   identical {identical[name]}   {label}")
+        label = describe(plan) if plan is not None else "plain decoding (no default plan)"
+        print(
+            f"{name:6s} {path}: {seconds['plain'] / seconds[name]:.3f}x plain   identical {identical[name]}   {label}"
+        )
     mean, lo, hi = interval(log_ratio)
-    print(f"second vs first: {math.exp(mean):.3f}x (95% interval {math.exp(lo):.3f}x..{math.exp(hi):.3f}x over {turn} turns)")
+    print(
+        f"second vs first: {math.exp(mean):.3f}x (95% interval {math.exp(lo):.3f}x..{math.exp(hi):.3f}x over {turn} turns)"
+    )
     sys.exit(0 if all(identical.values()) else 1)
 
 

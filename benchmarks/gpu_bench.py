@@ -31,9 +31,14 @@ ENGINES = {  # name -> (runtime backend, CUDA graphs, device round); transformer
     "onnx": ("onnx", "0", "0"),
     "tensorrt": ("tensorrt", "0", "0"),
 }
-LABELS = {"transformers": "transformers generate()", "torch-graphs": "torch-cuda graphs",
-          "torch-graphs-host": "torch-cuda graphs, host round", "torch": "torch-cuda eager", "onnx": "ORT-CUDA",
-          "tensorrt": "TensorRT"}
+LABELS = {
+    "transformers": "transformers generate()",
+    "torch-graphs": "torch-cuda graphs",
+    "torch-graphs-host": "torch-cuda graphs, host round",
+    "torch": "torch-cuda eager",
+    "onnx": "ORT-CUDA",
+    "tensorrt": "TensorRT",
+}
 PROMPT_LOOKUP_TOKENS = 10  # as speccompile bench's prompt-lookup baseline
 
 
@@ -71,6 +76,7 @@ def runtime_row(artifact: str, engine: str, prompts: list[list[int]], new_tokens
             if speculate:
                 stats.append(result.stats)
             return result.token_ids
+
         return decode
 
     longest = max(prompts, key=len)  # warm-up on the longest prompt: the cache reserved at its final size,
@@ -81,13 +87,19 @@ def runtime_row(artifact: str, engine: str, prompts: list[list[int]], new_tokens
     spec, spec_s = timed(run(True), prompts)
     rounds, accepted = sum(s.rounds or 0 for s in stats), sum(s.accepted for s in stats)
     tokens = sum(map(len, spec))
-    return {"plain_tps": sum(map(len, plain)) / plain_s, "spec_tps": tokens / spec_s,
-            "mean_accepted": (accepted + rounds) / max(rounds, 1), "identical": plain == spec, "outputs": plain,
-            "plan": model.manifest.default_plan}
+    return {
+        "plain_tps": sum(map(len, plain)) / plain_s,
+        "spec_tps": tokens / spec_s,
+        "mean_accepted": (accepted + rounds) / max(rounds, 1),
+        "identical": plain == spec,
+        "outputs": plain,
+        "plan": model.manifest.default_plan,
+    }
 
 
-def transformers_row(source: str, dtype: str, prompts: list[list[int]], new_tokens: int, eos: list[int],
-                     device: str) -> dict:
+def transformers_row(
+    source: str, dtype: str, prompts: list[list[int]], new_tokens: int, eos: list[int], device: str
+) -> dict:
     """transformers ``generate()`` (greedy) on the source model, on the GPU; its prompt lookup as "speculative"."""
     import torch
     from transformers import AutoModelForCausalLM, GenerationConfig
@@ -96,14 +108,16 @@ def transformers_row(source: str, dtype: str, prompts: list[list[int]], new_toke
     pad = eos[0] if eos else 0
 
     def run(**extra):
-        config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, num_beams=1, eos_token_id=eos or None,
-                                  pad_token_id=pad, **extra)
+        config = GenerationConfig(
+            max_new_tokens=new_tokens, do_sample=False, num_beams=1, eos_token_id=eos or None, pad_token_id=pad, **extra
+        )
 
         @torch.inference_mode()
         def decode(ids):
             tokens = torch.tensor([ids], device=device)
             out = model.generate(tokens, attention_mask=torch.ones_like(tokens), generation_config=config)
-            return out[0, len(ids):].tolist()
+            return out[0, len(ids) :].tolist()
+
         return decode
 
     lookup = {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS}
@@ -111,8 +125,13 @@ def transformers_row(source: str, dtype: str, prompts: list[list[int]], new_toke
         warm_up(prompts[0][:16])
     plain, plain_s = timed(run(), prompts)
     spec, spec_s = timed(run(**lookup), prompts)
-    return {"plain_tps": sum(map(len, plain)) / plain_s, "spec_tps": sum(map(len, spec)) / spec_s,
-            "mean_accepted": None, "identical": plain == spec, "outputs": plain}
+    return {
+        "plain_tps": sum(map(len, plain)) / plain_s,
+        "spec_tps": sum(map(len, spec)) / spec_s,
+        "mean_accepted": None,
+        "identical": plain == spec,
+        "outputs": plain,
+    }
 
 
 def rows(args) -> None:
@@ -139,8 +158,18 @@ def rows(args) -> None:
         print(json.dumps(row), flush=True)
 
 
-COLUMNS = (("model", 9), ("dtype", 8), ("engine", 30), ("plain tok/s", 11), ("spec tok/s", 10), ("spec/plain", 10),
-           ("vs generate()", 13), ("mean acc", 8), ("spec==plain", 11), ("plain==generate()", 17))
+COLUMNS = (
+    ("model", 9),
+    ("dtype", 8),
+    ("engine", 30),
+    ("plain tok/s", 11),
+    ("spec tok/s", 10),
+    ("spec/plain", 10),
+    ("vs generate()", 13),
+    ("mean acc", 8),
+    ("spec==plain", 11),
+    ("plain==generate()", 17),
+)
 
 
 def table(rows_file: str | None) -> str:
@@ -159,11 +188,15 @@ def table(rows_file: str | None) -> str:
         versus = f"{r['spec_tps'] / ref['plain_tps']:12.2f}x" if ref else f"{'-':>13}"
         same = "-" if ref is None else ("yes" if r["outputs"] == ref["outputs"] else "no")
         accepted = "-" if r["mean_accepted"] is None else f"{r['mean_accepted']:.2f}"
-        lines.append(f"{head}  {r['plain_tps']:11.1f}  {r['spec_tps']:10.1f}  {r['spec_tps'] / r['plain_tps']:9.2f}x  "
-                     f"{versus}  {accepted:>8}  {('yes' if r['identical'] else 'NO'):>11}  {same:>17}")
+        lines.append(
+            f"{head}  {r['plain_tps']:11.1f}  {r['spec_tps']:10.1f}  {r['spec_tps'] / r['plain_tps']:9.2f}x  "
+            f"{versus}  {accepted:>8}  {('yes' if r['identical'] else 'NO'):>11}  {same:>17}"
+        )
     if not rows:
-        lines.append("(no rows yet: one line per model x dtype x engine; transformers' speculative column is its "
-                     f"prompt lookup, {PROMPT_LOOKUP_TOKENS} tokens)")
+        lines.append(
+            "(no rows yet: one line per model x dtype x engine; transformers' speculative column is its "
+            f"prompt lookup, {PROMPT_LOOKUP_TOKENS} tokens)"
+        )
     return "\n".join(lines)
 
 

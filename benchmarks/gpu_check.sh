@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One prepared GPU check (issue 25), sized for one short lease: under 8 minutes on one data-centre GPU.
+# One prepared GPU check, sized for one short lease: under 8 minutes on one data-centre GPU.
 #
 #   bash benchmarks/gpu_check.sh [WORKDIR]        (default WORKDIR: /tmp/speccompile-gpu-check)
 #

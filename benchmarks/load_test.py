@@ -50,14 +50,16 @@ def load_prompts(artifact: Path, path: str | None, count: int) -> list[str]:
     return [row.get("prompt") or row["text"] for row in rows][:count]
 
 
-def expected_answers(artifact: Path, prompts: list[str], max_tokens: int, backend: str | None,
-                     cache: Path | None = None) -> dict[str, str]:
+def expected_answers(
+    artifact: Path, prompts: list[str], max_tokens: int, backend: str | None, cache: Path | None = None
+) -> dict[str, str]:
     """Each prompt's greedy text from the runtime itself (what every server answer must equal). With
     ``cache``, answers computed for the same manifest, backend, prompts and length are reused."""
     from speccompile.runtime import load
 
-    key = hashlib.sha256(json.dumps([(artifact / "manifest.json").read_text(), backend, prompts, max_tokens])
-                         .encode()).hexdigest()
+    key = hashlib.sha256(
+        json.dumps([(artifact / "manifest.json").read_text(), backend, prompts, max_tokens]).encode()
+    ).hexdigest()
     if cache is not None and cache.is_file():
         stored = json.loads(cache.read_text())
         if stored.get("key") == key:
@@ -76,8 +78,21 @@ def free_port() -> int:
 
 
 def start_server(args, port: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "speccompile.cli", "serve", str(args.artifact), "--host", "127.0.0.1",
-               "--port", str(port), "--slots", str(args.slots), "--max-queue", str(args.max_queue)]
+    command = [
+        sys.executable,
+        "-m",
+        "speccompile.cli",
+        "serve",
+        str(args.artifact),
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--slots",
+        str(args.slots),
+        "--max-queue",
+        str(args.max_queue),
+    ]
     if args.backend:
         command += ["--backend", args.backend]
     process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -94,15 +109,22 @@ def start_server(args, port: int) -> subprocess.Popen:
         time.sleep(0.3)
 
 
-async def one_request(client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int, stream: bool) -> tuple[str, int]:
+async def one_request(
+    client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int, stream: bool
+) -> tuple[str, int]:
     """The answer's text and completion tokens, streamed or not."""
     if not stream:
-        response = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
-                                                   temperature=0)
+        response = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
         return response.choices[0].text, response.usage.completion_tokens
     text, tokens = "", 0
-    chunks = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens,
-                                             temperature=0, stream=True, stream_options={"include_usage": True})
+    chunks = await client.completions.create(
+        model=model,
+        prompt=prompt,
+        max_tokens=max_tokens,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
     async for chunk in chunks:
         if chunk.choices:
             text += chunk.choices[0].text
@@ -160,8 +182,12 @@ def main() -> int:
     parser.add_argument("--prompts", default=None, help=".jsonl with 'prompt' or 'text' per line")
     parser.add_argument("--backend", default=None)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
-    parser.add_argument("--expected-cache", type=Path, default=None,
-                        help="JSON file to keep the expected answers in between runs (recomputed when stale)")
+    parser.add_argument(
+        "--expected-cache",
+        type=Path,
+        default=None,
+        help="JSON file to keep the expected answers in between runs (recomputed when stale)",
+    )
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     args = parser.parse_args()
 
@@ -196,22 +222,43 @@ def main() -> int:
     accounted = result["completed"] + result["wrong"] + result["failed"] + result["rejected_429"]
     growth = (rss_after - rss_before) / rss_before
     figures = {
-        "slots": args.slots, "requests": args.requests, "concurrency": args.concurrency, "max_tokens": args.max_tokens,
-        "completed": result["completed"], "wrong": result["wrong"], "failed": result["failed"],
-        "rejected_429": result["rejected_429"], "lost": args.requests - accounted,
-        "p50_s": percentile(lat, 50), "p95_s": percentile(lat, 95), "wall_s": result["seconds"],
-        "tokens": result["tokens"], "tokens_per_s": result["tokens"] / result["seconds"],
-        "rss_idle_mib": rss_idle, "rss_before_mib": rss_before, "rss_after_mib": rss_after, "rss_growth": growth,
-        "warmup_ok": warmup["completed"] == args.slots, "health_after": health["status"],
+        "slots": args.slots,
+        "requests": args.requests,
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "completed": result["completed"],
+        "wrong": result["wrong"],
+        "failed": result["failed"],
+        "rejected_429": result["rejected_429"],
+        "lost": args.requests - accounted,
+        "p50_s": percentile(lat, 50),
+        "p95_s": percentile(lat, 95),
+        "wall_s": result["seconds"],
+        "tokens": result["tokens"],
+        "tokens_per_s": result["tokens"] / result["seconds"],
+        "rss_idle_mib": rss_idle,
+        "rss_before_mib": rss_before,
+        "rss_after_mib": rss_after,
+        "rss_growth": growth,
+        "warmup_ok": warmup["completed"] == args.slots,
+        "health_after": health["status"],
     }
-    print(f"{args.artifact} on {args.slots} slot(s), {args.requests} requests, {args.concurrency} concurrent, "
-          f"{args.max_tokens} tokens each (half streamed)")
-    print(f"  completed {figures['completed']} (answers equal to their own expected text), wrong {figures['wrong']}, "
-          f"failed {figures['failed']}, 429 {figures['rejected_429']}, lost {figures['lost']}")
-    print(f"  latency p50 {figures['p50_s']:.2f}s, p95 {figures['p95_s']:.2f}s; {figures['tokens']} tokens in "
-          f"{figures['wall_s']:.1f}s = {figures['tokens_per_s']:.1f} tokens/s")
-    print(f"  server RSS: idle {rss_idle:.0f} MiB, after warm-up {rss_before:.0f} MiB, after the run "
-          f"{rss_after:.0f} MiB ({100 * growth:+.1f}%)")
+    print(
+        f"{args.artifact} on {args.slots} slot(s), {args.requests} requests, {args.concurrency} concurrent, "
+        f"{args.max_tokens} tokens each (half streamed)"
+    )
+    print(
+        f"  completed {figures['completed']} (answers equal to their own expected text), wrong {figures['wrong']}, "
+        f"failed {figures['failed']}, 429 {figures['rejected_429']}, lost {figures['lost']}"
+    )
+    print(
+        f"  latency p50 {figures['p50_s']:.2f}s, p95 {figures['p95_s']:.2f}s; {figures['tokens']} tokens in "
+        f"{figures['wall_s']:.1f}s = {figures['tokens_per_s']:.1f} tokens/s"
+    )
+    print(
+        f"  server RSS: idle {rss_idle:.0f} MiB, after warm-up {rss_before:.0f} MiB, after the run "
+        f"{rss_after:.0f} MiB ({100 * growth:+.1f}%)"
+    )
     for line in result["errors"][:5]:
         print("  " + line)
     if args.json:

@@ -21,8 +21,8 @@ def rss():
         if line.startswith('VmRSS:'):
             return int(line.split()[1]) * 1024
 import numpy, onnxruntime
-from speccompile.runtime.manifest import read_manifest
-from speccompile.runtime.onnx_backend import OnnxBackend
+from speccompile.runtime.artifact.manifest import read_manifest
+from speccompile.runtime.backends.onnx import OnnxBackend
 root, roles, prepack, threads = sys.argv[1], sys.argv[2], sys.argv[3] == 'on', int(sys.argv[4])
 manifest = read_manifest(root, verify_files=False)
 base = rss()
@@ -42,8 +42,13 @@ print(json.dumps({'bytes': rss() - base, 'sessions': sorted(b.sessions)}))
 def measure(root, roles: str, prepack: bool, threads: int = 0) -> dict:
     """RSS (bytes above the interpreter with onnxruntime imported) after loading ``root`` with the
     sessions ``roles`` ("verify", or "all" for what its plans need) and running each once."""
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(root), roles, "on" if prepack else "off", str(threads)],
-                         capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"), timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(root), roles, "on" if prepack else "off", str(threads)],
+        capture_output=True,
+        text=True,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        timeout=300,
+    )
     if out.returncode != 0:
         raise RuntimeError(out.stderr[-2000:])
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -52,9 +57,11 @@ def measure(root, roles: str, prepack: bool, threads: int = 0) -> dict:
 def main(root: str) -> None:
     for prepack in (True, False):
         plain, spec = measure(root, "verify", prepack), measure(root, "all", prepack)
-        print(f"prepack {'on' if prepack else 'off'}: plain decoding (verify) {plain['bytes'] / 2**20:.1f} MiB; "
-              f"speculative ({', '.join(spec['sessions'])}) {spec['bytes'] / 2**20:.1f} MiB; "
-              f"ratio {spec['bytes'] / plain['bytes']:.3f}x")
+        print(
+            f"prepack {'on' if prepack else 'off'}: plain decoding (verify) {plain['bytes'] / 2**20:.1f} MiB; "
+            f"speculative ({', '.join(spec['sessions'])}) {spec['bytes'] / 2**20:.1f} MiB; "
+            f"ratio {spec['bytes'] / plain['bytes']:.3f}x"
+        )
 
 
 if __name__ == "__main__":

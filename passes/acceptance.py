@@ -1,4 +1,4 @@
-"""Acceptance of a draft plan without a generation loop (DESIGN.md section 5).
+"""Acceptance of a draft plan without a generation loop (docs/design.md section 5).
 
 1. The target (full model) greedily continues each calibration prompt: these are the tokens a real
    run would verify.
@@ -20,11 +20,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from speccompile.runtime.decoder import Decoder, KVCache
-from speccompile.runtime.draft_kinds import kind_of
-from speccompile.runtime.manifest import DraftPlan
-from speccompile.runtime.speculative import DecodeRequest, decode_all
-from speccompile.runtime.torch_backend import TorchBackend
+from speccompile.runtime.artifact.manifest import DraftPlan
+from speccompile.runtime.backends.torch.backend import TorchBackend
+from speccompile.runtime.backends.torch.decoder import Decoder, KVCache
+from speccompile.runtime.decoding.speculative import DecodeRequest, decode_all
+from speccompile.runtime.drafting.kinds import kind_of
 
 
 @dataclass
@@ -56,8 +56,13 @@ class Profile:
     def subset(self, indices: list[int]) -> "Profile":
         """The profile of the sequences ``indices`` (a fold of the calibration set)."""
         pick = lambda values: None if values is None else [values[i] for i in indices]  # noqa: E731
-        return Profile(pick(self.matches), pick(self.confidences), pick(self.tops), pick(self.runner_ups),
-                       pick(self.runner_up_probs))
+        return Profile(
+            pick(self.matches),
+            pick(self.confidences),
+            pick(self.tops),
+            pick(self.runner_ups),
+            pick(self.runner_up_probs),
+        )
 
     @property
     def match_rate(self) -> float:
@@ -65,8 +70,14 @@ class Profile:
         return float(sum(m.sum() for m in self.matches) / total) if total else 0.0
 
 
-def greedy_continuations(decoder: Decoder, prompts: list[list[int]], new_tokens: int, progress=None,
-                         eos: frozenset[int] = frozenset(), batch: int = 16) -> list[list[int]]:
+def greedy_continuations(
+    decoder: Decoder,
+    prompts: list[list[int]],
+    new_tokens: int,
+    progress=None,
+    eos: frozenset[int] = frozenset(),
+    batch: int = 16,
+) -> list[list[int]]:
     """The target's own greedy continuation of each prompt, up to and including an ``eos`` token.
 
     Batched when the decoder allows it (``batches_left_padded``): a calibration build spends most of its
@@ -75,7 +86,7 @@ def greedy_continuations(decoder: Decoder, prompts: list[list[int]], new_tokens:
     if batch > 1 and len(prompts) > 1 and batches_left_padded(decoder):
         outputs = []
         for first in range(0, len(prompts), batch):
-            group = prompts[first: first + batch]
+            group = prompts[first : first + batch]
             outputs += _batched_greedy(decoder, group, new_tokens, eos)
             if progress is not None:
                 progress.update(len(group))
@@ -97,7 +108,9 @@ def batches_left_padded(decoder) -> bool:
 
 
 @torch.inference_mode()
-def _batched_greedy(decoder: Decoder, prompts: list[list[int]], new_tokens: int, eos: frozenset[int]) -> list[list[int]]:
+def _batched_greedy(
+    decoder: Decoder, prompts: list[list[int]], new_tokens: int, eos: frozenset[int]
+) -> list[list[int]]:
     """Greedy continuations of several prompts at once, each left-padded to the longest. Padding keys are
     masked out through the decoder's ``keys_values`` hook, which also builds the causal (and window) mask
     over the whole cache (a padding query sees only itself, so no row of attention is empty); the cache is
@@ -111,7 +124,7 @@ def _batched_greedy(decoder: Decoder, prompts: list[list[int]], new_tokens: int,
 
     def padded_keys_values(i, k, v, mask):
         pos, t = state["pos"], k.shape[2]
-        cache.k[i, :, :, pos: pos + t], cache.v[i, :, :, pos: pos + t] = k, v
+        cache.k[i, :, :, pos : pos + t], cache.v[i, :, :, pos : pos + t] = k, v
         keys = torch.arange(pos + t, device=k.device)
         queries = torch.arange(pos, pos + t, device=k.device)
         causal = keys[None, :] <= queries[:, None]
@@ -126,8 +139,9 @@ def _batched_greedy(decoder: Decoder, prompts: list[list[int]], new_tokens: int,
     done = [False] * len(prompts)
     tokens = ids
     for _ in range(new_tokens):
-        h = decoder.run_blocks(decoder.embed_tokens(tokens, state["pos"]), state["pos"], None,
-                               keys_values=padded_keys_values)
+        h = decoder.run_blocks(
+            decoder.embed_tokens(tokens, state["pos"]), state["pos"], None, keys_values=padded_keys_values
+        )
         state["pos"] += tokens.shape[1]
         tokens = decoder.head(h[:, -1:]).argmax(-1)
         for row, token in enumerate(tokens[:, 0].tolist()):
@@ -153,8 +167,10 @@ def reference_pass(decoder: Decoder, tokens: list[int], prompt_len: int, cosine:
     if cosine is not None and getattr(decoder, "whole_blocks", False):  # the generic path: one cosine per block
         inputs: dict = {}
         for i, block in enumerate(decoder.layers):
-            hooks += [block.register_forward_pre_hook(_keep_block_input(inputs, i), with_kwargs=True),
-                      block.register_forward_hook(_add_block_cosine(inputs, cosine, i))]
+            hooks += [
+                block.register_forward_pre_hook(_keep_block_input(inputs, i), with_kwargs=True),
+                block.register_forward_hook(_add_block_cosine(inputs, cosine, i)),
+            ]
     elif cosine is not None:
         observe = _sublayer_cosine(cosine)
     exits = [None]
@@ -173,15 +189,18 @@ def reference_pass(decoder: Decoder, tokens: list[int], prompt_len: int, cosine:
 
 def _sublayer_cosine(cosine: np.ndarray):
     """``run_blocks``' observer adding each sublayer's mean cos(h_in, h_in + branch) to ``cosine``."""
+
     def observe(kind, i, h_in, branch):
         similarity = torch.nn.functional.cosine_similarity(h_in, h_in + branch, dim=-1).mean().item()
         cosine[0 if kind == "attn" else 1, i] += similarity
+
     return observe
 
 
 def _keep_block_input(inputs: dict, layer: int):
     def hook(module, args, kwargs):
         inputs[("block", layer)] = args[0] if args else kwargs["hidden_states"]
+
     return hook
 
 
@@ -191,13 +210,14 @@ def _add_block_cosine(inputs: dict, cosine: np.ndarray, layer: int):
         out = out[0] if isinstance(out, (tuple, list)) else out
         value = torch.nn.functional.cosine_similarity(inputs[("block", layer)], out, dim=-1).mean().item()
         cosine[:, layer] += value
+
     return hook
 
 
 def _mixed_keys_values(decoder: Decoder, ref: Reference):
     """The decoder's ``keys_values`` hook for a draft's parallel pass: each query sees the reference's
     (the verifier's) K/V at earlier positions and its own K/V on the diagonal, what the first token of
-    a real round sees (DESIGN.md section 5). The attention itself is the decoder's."""
+    a real round sees (docs/design.md section 5). The attention itself is the decoder's."""
     config = decoder.config
 
     def keys_values(i, k_own, v_own, mask):
@@ -230,12 +250,20 @@ class DraftEstimator:
 
     def mixed(self, segment) -> torch.Tensor:
         """``segment``'s blocks over the sequence with mixed attention. The generic path has no attention
-        of its own to mix: its draft reads its own K/V at every position (DESIGN.md section 5's plain
+        of its own to mix: its draft reads its own K/V at every position (docs/design.md section 5's plain
         parallel estimate)."""
         d = self.decoder
         hook = None if getattr(d, "whole_blocks", False) else _mixed_keys_values(d, self.ref)
-        h = d.run_blocks(d.embed_tokens(self.ref.tokens, 0), 0, None, segment.start, segment.stop, segment.skip_attn,
-                         segment.skip_mlp, keys_values=hook)
+        h = d.run_blocks(
+            d.embed_tokens(self.ref.tokens, 0),
+            0,
+            None,
+            segment.start,
+            segment.stop,
+            segment.skip_attn,
+            segment.skip_mlp,
+            keys_values=hook,
+        )
         return h[:, self.ref.prompt_len : -1]
 
 
@@ -263,7 +291,9 @@ def profile_plan(decoder: Decoder, plan: DraftPlan, references: list[Reference],
         tops.append(top.cpu().numpy())
         runners.append(order[:, 1:].cpu().numpy())
         runner_probs.append(best[:, 1:].cpu().numpy())
-    return Profile(matches=matches, confidences=confidences, tops=tops, runner_ups=runners, runner_up_probs=runner_probs)
+    return Profile(
+        matches=matches, confidences=confidences, tops=tops, runner_ups=runners, runner_up_probs=runner_probs
+    )
 
 
 @dataclass
@@ -319,9 +349,12 @@ def estimate(profile: Profile, plan: DraftPlan, cost, max_draft: int, threshold:
     tokens = accepted + 1
     speedup = tokens.sum() / round_cost.sum() * cost.plain_step()
     return RoundEstimate(
-        tokens_per_round=float(tokens.mean()), drafted_per_round=float(drafted.mean()),
-        acceptance_rate=float(accepted.sum() / max(drafted.sum(), 1)), expected_speedup=float(speedup),
-        max_draft=max_draft, threshold=threshold,
+        tokens_per_round=float(tokens.mean()),
+        drafted_per_round=float(drafted.mean()),
+        acceptance_rate=float(accepted.sum() / max(drafted.sum(), 1)),
+        expected_speedup=float(speedup),
+        max_draft=max_draft,
+        threshold=threshold,
     )
 
 

@@ -1,7 +1,7 @@
 """Trained exit adapters and reduced-vocabulary draft heads (Kangaroo / EESD style; the target stays frozen).
 
 An early exit through the shared final norm and lm_head drafts poorly on a model never trained for it.
-This pass trains only a small *draft head* on the hidden state after block E (``runtime/adapter.py``:
+This pass trains only a small *draft head* on the hidden state after block E (``runtime/drafting/kinds/adapter.py``:
 a gated MLP of the model's width, added to the residual stream, then the model's own final norm and
 lm_head), and picks the draft vocabulary:
 
@@ -40,10 +40,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from speccompile.runtime.adapter import DraftHead
+from speccompile.runtime.artifact.manifest import DraftPlan
+from speccompile.runtime.backends.torch.backend import TorchDraftHead
+from speccompile.runtime.drafting import has_model_part
+from speccompile.runtime.drafting.kinds.adapter import DraftHead
 from speccompile.runtime.errors import SpeccompileError
-from speccompile.runtime.manifest import DraftPlan
-from speccompile.runtime.torch_backend import TorchDraftHead
 
 from .base import Pass, PassResult
 from .budget import ADAPTER_GAIN, RATE_SLACK, exit_agreements, model_draft_bound
@@ -73,8 +74,11 @@ VOCAB_CANDIDATES = (512, 1024, 2048, 4096, 8192, 16384)
 def stdlib_corpus(max_chars: int) -> list[str]:
     """Python standard library sources (code and docstrings), spread over the library, in a fixed order."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(p for p in root.rglob("*.py")
-                   if not {"test", "tests", "idle_test", "site-packages", "__pycache__"} & set(p.relative_to(root).parts))
+    files = sorted(
+        p
+        for p in root.rglob("*.py")
+        if not {"test", "tests", "idle_test", "site-packages", "__pycache__"} & set(p.relative_to(root).parts)
+    )
     texts, total = [], 0
     if not files:
         return texts
@@ -121,8 +125,14 @@ class TeacherData:
 
 
 @torch.no_grad()
-def teacher_data(decoder, chunks: list[list[int]], exits: list[int], holdout: set[int], top_k: int = TEACHER_TOP_K,
-                 show_progress: bool = True) -> TeacherData:
+def teacher_data(
+    decoder,
+    chunks: list[list[int]],
+    exits: list[int],
+    holdout: set[int],
+    top_k: int = TEACHER_TOP_K,
+    show_progress: bool = True,
+) -> TeacherData:
     """One full-model forward per chunk, keeping the hidden state at each exit and the teacher's top-k."""
     start = time.perf_counter()
     device = decoder.embed.weight.device
@@ -139,15 +149,22 @@ def teacher_data(decoder, chunks: list[list[int]], exits: list[int], holdout: se
         ids.append(top.indices)
         logprobs.append(top.values - torch.logsumexp(logits, dim=-1, keepdim=True))
         train.append(torch.full((len(chunk),), c not in holdout, dtype=torch.bool))
-    return TeacherData(hidden={e: torch.cat(v) for e, v in hidden.items()}, top_ids=torch.cat(ids),
-                       top_logprobs=torch.cat(logprobs), train=torch.cat(train), seconds=time.perf_counter() - start)
+    return TeacherData(
+        hidden={e: torch.cat(v) for e, v in hidden.items()},
+        top_ids=torch.cat(ids),
+        top_logprobs=torch.cat(logprobs),
+        train=torch.cat(train),
+        seconds=time.perf_counter() - start,
+    )
 
 
 def vocab_ranking(counts_first: list[list[int]], counts_then: torch.Tensor, vocab_size: int) -> np.ndarray:
     """Token ids by how often the target produces them: its calibration continuations first (what a real run
     verifies), ties and the rest ordered by its argmax over the training text; tokens it never produced last."""
-    first = np.bincount(np.concatenate([np.asarray(s, dtype=np.int64) for s in counts_first] or [np.zeros(0, np.int64)]),
-                        minlength=vocab_size)[:vocab_size]
+    first = np.bincount(
+        np.concatenate([np.asarray(s, dtype=np.int64) for s in counts_first] or [np.zeros(0, np.int64)]),
+        minlength=vocab_size,
+    )[:vocab_size]
     then = np.bincount(counts_then.cpu().numpy(), minlength=vocab_size)[:vocab_size]
     score = first.astype(np.float64) * (then.sum() + 1) + then
     order = np.argsort(-score, kind="stable")
@@ -170,8 +187,16 @@ class AdapterTrainer:
     """Trains one exit adapter at ``exit_layer`` against the teacher data; resumable (``train`` again with
     more time continues from the current weights and optimizer state)."""
 
-    def __init__(self, decoder, data: TeacherData, exit_layer: int, train_vocab: np.ndarray | None,
-                 loss: str = DEFAULT_LOSS, width: int | None = None, seed: int = 0):
+    def __init__(
+        self,
+        decoder,
+        data: TeacherData,
+        exit_layer: int,
+        train_vocab: np.ndarray | None,
+        loss: str = DEFAULT_LOSS,
+        width: int | None = None,
+        seed: int = 0,
+    ):
         if loss not in LOSSES:
             raise ValueError(f"unknown adapter loss {loss!r}; choose one of {LOSSES}")
         torch.manual_seed(seed)
@@ -182,11 +207,13 @@ class AdapterTrainer:
         V = decoder.config.vocab_size
         index = torch.full((V,), -1, dtype=torch.long)
         index[torch.as_tensor(train_vocab if train_vocab is not None else np.arange(V))] = torch.arange(
-            len(train_vocab) if train_vocab is not None else V)
+            len(train_vocab) if train_vocab is not None else V
+        )
         self.target_index = index[data.top_ids]  # [N, k]: the teacher's top-k in training-vocabulary rows (-1: absent)
         self.positions = torch.nonzero(data.train).flatten()
-        self.optimizer = torch.optim.AdamW([p for p in self.kernel.parameters() if p.requires_grad], lr=LEARNING_RATE,
-                                           weight_decay=0.0)
+        self.optimizer = torch.optim.AdamW(
+            [p for p in self.kernel.parameters() if p.requires_grad], lr=LEARNING_RATE, weight_decay=0.0
+        )
         self.generator = torch.Generator().manual_seed(seed)
         self.log = TrainLog()
 
@@ -201,8 +228,14 @@ class AdapterTrainer:
         p = p / p.sum(-1, keepdim=True).clamp(min=1e-9)  # the teacher's top-k, renormalised over the training rows
         return (torch.special.xlogy(p, p) - p * logq.gather(1, index.clamp(min=0))).sum(-1).mean()  # KL(p || q)
 
-    def train(self, seconds: float, max_epochs: float = MAX_EPOCHS, batch: int = BATCH, show_progress: bool = True,
-              desc: str = "adapter: training") -> TrainLog:
+    def train(
+        self,
+        seconds: float,
+        max_epochs: float = MAX_EPOCHS,
+        batch: int = BATCH,
+        show_progress: bool = True,
+        desc: str = "adapter: training",
+    ) -> TrainLog:
         """Train for at most ``seconds`` (ends cleanly between steps) or ``max_epochs`` passes over the data."""
         log, n = self.log, len(self.positions)
         if n == 0:
@@ -234,7 +267,7 @@ class AdapterTrainer:
             else:
                 log.stopped_by = "epochs"
         log.seconds += time.perf_counter() - start
-        recent = log.losses[-max(1, min(20, len(log.losses) // 5)):]
+        recent = log.losses[-max(1, min(20, len(log.losses) // 5)) :]
         log.final_loss = float(np.mean(recent)) if recent else None
         self.kernel.eval()
         return log
@@ -265,7 +298,9 @@ def exit_agreement(decoder, data: TeacherData, exit_layer: int, head: DraftHead 
 
 def time_heads(decoder, vocab: int, repeats: int = 30) -> float:
     """Measured cost ratio full head / reduced head of ``vocab`` rows for one token (min over repeats)."""
-    h = torch.randn(1, 1, decoder.config.hidden_size, dtype=decoder.embed.weight.dtype, device=decoder.embed.weight.device)
+    h = torch.randn(
+        1, 1, decoder.config.hidden_size, dtype=decoder.embed.weight.dtype, device=decoder.embed.weight.device
+    )
     reduced = TorchDraftHead(decoder, None, np.arange(vocab))
 
     def best(fn) -> float:
@@ -300,10 +335,18 @@ class AdapterAutotune(Pass):
 
     name = "adapter_autotune"
 
-    def __init__(self, context: TuningContext, encode: Callable[[str], list[int]] | None = None,
-                 exit_layer: int | None = None, tokens: int | None = None, time_budget: float | None = None,
-                 loss: str = DEFAULT_LOSS, plan_name: str = "adapter", show_progress: bool = True,
-                 corpus: list[str] | None = None):
+    def __init__(
+        self,
+        context: TuningContext,
+        encode: Callable[[str], list[int]] | None = None,
+        exit_layer: int | None = None,
+        tokens: int | None = None,
+        time_budget: float | None = None,
+        loss: str = DEFAULT_LOSS,
+        plan_name: str = "adapter",
+        show_progress: bool = True,
+        corpus: list[str] | None = None,
+    ):
         self.context, self.encode, self.exit_layer, self.tokens = context, encode, exit_layer, tokens
         self.time_budget = time_budget or DEFAULT_TIME_BUDGET
         self.loss, self.plan_name, self.show_progress, self.corpus = loss, plan_name, show_progress, corpus
@@ -354,8 +397,10 @@ class AdapterAutotune(Pass):
             self.time_budget = max(min(self.time_budget, left), 1.0)
         context, decoder, L = self.context, ir.decoder(), ir.config.num_layers
         if self.exit_layer is not None and not 1 <= self.exit_layer < L:
-            raise SpeccompileError(f"--exit-layer {self.exit_layer} is outside 1..{L - 1} for this {L}-block model; "
-                                   "pick an exit inside the model or pass auto")
+            raise SpeccompileError(
+                f"--exit-layer {self.exit_layer} is outside 1..{L - 1} for this {L}-block model; "
+                "pick an exit inside the model or pass auto"
+            )
         exits = self.exits(L)
         length = min(CHUNK, ir.config.max_position_embeddings)
         chunks, holdout = self._chunks(length)
@@ -370,9 +415,14 @@ class AdapterAutotune(Pass):
             share = max(remaining(), 1.0) * 0.4 / len(exits)
             for e in exits:
                 trainers[e] = AdapterTrainer(decoder, data, e, train_vocab, self.loss)
-                trainers[e].train(share, max_epochs=1, show_progress=self.show_progress, desc=f"adapter: trying exit {e}")
-                plan = self._plan(e, write_head(context, f"candidate-{e}", trainers[e].draft_head(train_vocab)),
-                                  len(train_vocab) if train_vocab is not None else None)
+                trainers[e].train(
+                    share, max_epochs=1, show_progress=self.show_progress, desc=f"adapter: trying exit {e}"
+                )
+                plan = self._plan(
+                    e,
+                    write_head(context, f"candidate-{e}", trainers[e].draft_head(train_vocab)),
+                    len(train_vocab) if train_vocab is not None else None,
+                )
                 exit_scores[e] = context.score(plan).expected_speedup
             exit_layer = max(exit_scores, key=exit_scores.get)
         else:
@@ -381,7 +431,9 @@ class AdapterAutotune(Pass):
         trainer = trainers[exit_layer]
         held = torch.nonzero(~data.train).flatten()  # empty without a corpus: held-out figures are then None
         loss_before = AdapterTrainer(decoder, data, exit_layer, train_vocab, self.loss).distillation_loss(held)
-        trainer.train(max(remaining() * 0.85, 1.0), show_progress=self.show_progress, desc=f"adapter: training exit {exit_layer}")
+        trainer.train(
+            max(remaining() * 0.85, 1.0), show_progress=self.show_progress, desc=f"adapter: training exit {exit_layer}"
+        )
         log = trainer.log
 
         # The draft vocabulary, by the objective; the chosen file is the plan's draft head.
@@ -400,16 +452,26 @@ class AdapterAutotune(Pass):
         relative = write_head(context, self.plan_name, final)
         shared_plan = DraftPlan(name="shared", exit_layer=exit_layer)
         measured = context.record(
-            "adapter", estimate, tuning_seconds=round(time.perf_counter() - start, 2),
+            "adapter",
+            estimate,
+            tuning_seconds=round(time.perf_counter() - start, 2),
             adapter={
-                "exit_layer": exit_layer, "width": trainer.kernel.gate.out_features,
-                "parameters": int(sum(a.size for a in final.adapter.values())), "loss": self.loss,
-                "tokens": int(data.train.sum()), "held_out_tokens": int((~data.train).sum()),
+                "exit_layer": exit_layer,
+                "width": trainer.kernel.gate.out_features,
+                "parameters": int(sum(a.size for a in final.adapter.values())),
+                "loss": self.loss,
+                "tokens": int(data.train.sum()),
+                "held_out_tokens": int((~data.train).sum()),
                 "confirmation_held_out": context.confirmation_held_out,
-                "teacher_seconds": round(data.seconds, 2), "train_seconds": round(log.seconds, 2),
-                "steps": log.steps, "epochs": round(log.samples / max(int(data.train.sum()), 1), 2),
-                "stopped_by": log.stopped_by, "first_loss": _round(log.first_loss), "final_loss": _round(log.final_loss),
-                "held_out_loss_before": _round(loss_before), "held_out_loss_after": _round(trainer.distillation_loss()),
+                "teacher_seconds": round(data.seconds, 2),
+                "train_seconds": round(log.seconds, 2),
+                "steps": log.steps,
+                "epochs": round(log.samples / max(int(data.train.sum()), 1), 2),
+                "stopped_by": log.stopped_by,
+                "first_loss": _round(log.first_loss),
+                "final_loss": _round(log.final_loss),
+                "held_out_loss_before": _round(loss_before),
+                "held_out_loss_after": _round(trainer.distillation_loss()),
                 "held_out_agreement_before": _round(exit_agreement(decoder, data, exit_layer, None, held)),
                 "held_out_agreement_after": _round(exit_agreement(decoder, data, exit_layer, final, held)),
                 "exit_agreement_before": round(context.profile(shared_plan).match_rate, 4),
@@ -419,16 +481,25 @@ class AdapterAutotune(Pass):
             draft_vocab_scores=vocab_scores,
             **head_cost_figures(context, decoder, plan.draft_vocab),
         )
-        plan = replace(plan, name=self.plan_name, draft_head_file=relative, max_draft=estimate.max_draft,
-                       threshold=estimate.threshold, measured=measured)
-        plan.target_acceptance = tuned_target(measured)
+        plan = replace(
+            plan.with_options(model={"max_draft": estimate.max_draft, "threshold": estimate.threshold}),
+            name=self.plan_name,
+            draft_head_file=relative,
+            measured=measured,
+        )
+        plan.set_option("model", "target_acceptance", tuned_target(measured))
         ir.add_plan(plan)
         ir.extra_files[relative] = context.workdir / relative
         return PassResult.after(ir, before, seconds_budget=round(self.time_budget, 1))
 
     def _plan(self, exit_layer: int, relative: str, vocab: int | None) -> DraftPlan:
-        return DraftPlan(name="candidate", exit_layer=exit_layer, head=f"adapter:{exit_layer}", draft_vocab=vocab,
-                         draft_head_file=relative)
+        return DraftPlan(
+            name="candidate",
+            exit_layer=exit_layer,
+            head=f"adapter:{exit_layer}",
+            draft_vocab=vocab,
+            draft_head_file=relative,
+        )
 
 
 def head_cost_figures(context: TuningContext, decoder, vocab: int | None) -> dict:
@@ -436,8 +507,10 @@ def head_cost_figures(context: TuningContext, decoder, vocab: int | None) -> dic
     if vocab is None:
         return {}
     cost = context.cost
-    modeled = cost.head[0] / max(cost.head[0] + cost.draft_head_extra(DraftPlan(name="x", exit_layer=1, draft_vocab=vocab,
-                                                                                draft_head_file="x")), 1e-12)
+    modeled = cost.head[0] / max(
+        cost.head[0] + cost.draft_head_extra(DraftPlan(name="x", exit_layer=1, draft_vocab=vocab, draft_head_file="x")),
+        1e-12,
+    )
     return {"head_cost_ratio": round(modeled, 2), "head_cost_ratio_timed": round(time_heads(decoder, vocab), 2)}
 
 
@@ -456,15 +529,26 @@ class DraftVocabTune(Pass):
         self.adds = self.needs = tuple(plan_names)
 
     def _plans(self, ir: DecoderIR) -> list[DraftPlan]:
-        return [p for p in (ir.plans.get(name) for name in self.plan_names)
-                if p is not None and p.has_model_draft and p.draft_head_file is None]
+        return [
+            p
+            for p in (ir.plans.get(name) for name in self.plan_names)
+            if p is not None and has_model_part(p) and p.draft_head_file is None
+        ]
 
     def bound(self, ir: DecoderIR) -> float:
         """Each model plan's measured acceptance (plus slack) at the draft step of the smallest vocabulary."""
         vocab = VOCAB_CANDIDATES[0] if ir.config.vocab_size > VOCAB_CANDIDATES[0] else None
-        return max([model_draft_bound(self.context, dataclasses.replace(p, draft_vocab=vocab, draft_head_file="x"),
-                                      p.measured.get("acceptance_rate", 1.0) + RATE_SLACK) for p in self._plans(ir)],
-                   default=0.0)
+        return max(
+            [
+                model_draft_bound(
+                    self.context,
+                    dataclasses.replace(p, draft_vocab=vocab, draft_head_file="x"),
+                    p.measured.get("acceptance_rate", 1.0) + RATE_SLACK,
+                )
+                for p in self._plans(ir)
+            ],
+            default=0.0,
+        )
 
     def call(self, ir: DecoderIR) -> PassResult:
         before = dict(ir.plans)
@@ -479,7 +563,9 @@ class DraftVocabTune(Pass):
             base = context.score(plan)
             best, scores = None, {}
             for n in vocab_candidates(ranking, ir.config.vocab_size)[:-1]:
-                relative = write_head(context, f"{name}-vocab-{n}", DraftHead(vocab=ranking[:n], exit_layer=plan.exit_layer))
+                relative = write_head(
+                    context, f"{name}-vocab-{n}", DraftHead(vocab=ranking[:n], exit_layer=plan.exit_layer)
+                )
                 candidate = dataclasses.replace(plan, draft_vocab=n, draft_head_file=relative)
                 estimate = context.score(candidate)
                 scores[str(n)] = round(estimate.expected_speedup, 4)
@@ -489,16 +575,31 @@ class DraftVocabTune(Pass):
             if best is None:
                 continue
             candidate, estimate = best
-            relative = write_head(context, name, DraftHead(vocab=ranking[: candidate.draft_vocab], exit_layer=plan.exit_layer))
-            candidate = dataclasses.replace(candidate, draft_head_file=relative, max_draft=estimate.max_draft,
-                                            threshold=estimate.threshold)
-            candidate.measured = {**plan.measured, **context.record(plan.measured.get("method", name), estimate),
-                                  "draft_vocab_seconds": round(time.perf_counter() - start, 2),
-                                  **head_cost_figures(context, ir.decoder(), candidate.draft_vocab)}
+            relative = write_head(
+                context, name, DraftHead(vocab=ranking[: candidate.draft_vocab], exit_layer=plan.exit_layer)
+            )
+            candidate = dataclasses.replace(
+                candidate.with_options(model={"max_draft": estimate.max_draft, "threshold": estimate.threshold}),
+                draft_head_file=relative,
+            )
+            candidate.measured = {
+                **plan.measured,
+                **context.record(plan.measured.get("method", name), estimate),
+                "draft_vocab_seconds": round(time.perf_counter() - start, 2),
+                **head_cost_figures(context, ir.decoder(), candidate.draft_vocab),
+            }
             ir.plans[name] = candidate
             ir.extra_files[relative] = context.workdir / relative
         return PassResult.after(ir, before)
 
 
-__all__ = ["AdapterAutotune", "AdapterTrainer", "DraftVocabTune", "TeacherData", "exit_agreement", "stdlib_corpus",
-           "teacher_data", "vocab_ranking"]
+__all__ = [
+    "AdapterAutotune",
+    "AdapterTrainer",
+    "DraftVocabTune",
+    "TeacherData",
+    "exit_agreement",
+    "stdlib_corpus",
+    "teacher_data",
+    "vocab_ranking",
+]

@@ -1,4 +1,4 @@
-"""Autotuning passes: choose a draft plan by the expected-speedup objective (DESIGN.md section 5).
+"""Autotuning passes: choose a draft plan by the expected-speedup objective (docs/design.md section 5).
 
 ``CosineAutotune`` ranks sublayers by cos(h_in, h_out) on calibration text (a sublayer that barely
 turns the residual stream is cheap to drop) and scores "skip the n most similar" for every n.
@@ -12,7 +12,7 @@ import time
 
 from tqdm.auto import tqdm
 
-from speccompile.runtime.manifest import DraftPlan
+from speccompile.runtime.artifact.manifest import DraftPlan
 
 from .acceptance import best_policy
 from .base import Pass, PassResult
@@ -41,7 +41,8 @@ def skip_plan(ranking: list[tuple[str, int, float]], n: int, name: str = "layer-
     """Skip the first ``n`` units of ``ranking`` (a skipped block drops both of its sublayers)."""
     chosen = ranking[:n]
     return DraftPlan(
-        name=name, skip_attn=sorted(i for kind, i, _ in chosen if kind in ("attn", "block")),
+        name=name,
+        skip_attn=sorted(i for kind, i, _ in chosen if kind in ("attn", "block")),
         skip_mlp=sorted(i for kind, i, _ in chosen if kind in ("mlp", "block")),
     )
 
@@ -81,8 +82,9 @@ class CosineAutotune(Pass):
 
     name = "cosine_autotune"
 
-    def __init__(self, context: TuningContext, plan_name: str = "layer-skip", show_progress: bool = True,
-                 full: bool = True):
+    def __init__(
+        self, context: TuningContext, plan_name: str = "layer-skip", show_progress: bool = True, full: bool = True
+    ):
         self.context, self.plan_name, self.show_progress, self.full = context, plan_name, show_progress, full
         self.adds = (plan_name,)
 
@@ -98,7 +100,10 @@ class CosineAutotune(Pass):
             plan = skip_plan(ranking, n)
             profile = self.context.profile(plan, sample)
             estimate = best_policy(profile, plan, self.context.costs, self.context.max_draft).expected_speedup
-            bounds += [model_draft_bound(self.context, plan, profile.match_rate + RATE_SLACK), estimate * (1 + PROBE_MARGIN)]
+            bounds += [
+                model_draft_bound(self.context, plan, profile.match_rate + RATE_SLACK),
+                estimate * (1 + PROBE_MARGIN),
+            ]
         return max(bounds)
 
     def call(self, ir: DecoderIR) -> PassResult:
@@ -123,8 +128,11 @@ class CosineAutotune(Pass):
         best = scores[best_n]
         plan = skip_plan(ranking, best_n, self.plan_name)
         measured = self.context.record(
-            "cosine", best, tuning_seconds=round(time.perf_counter() - start, 2),
-            cosine_ranking=[[kind, i, round(c, 5)] for kind, i, c in ranking], skip_counts_scored=len(scores),
+            "cosine",
+            best,
+            tuning_seconds=round(time.perf_counter() - start, 2),
+            cosine_ranking=[[kind, i, round(c, 5)] for kind, i, c in ranking],
+            skip_counts_scored=len(scores),
         )
         LayerSkip(plan.skip_attn, plan.skip_mlp, best.max_draft, best.threshold, self.plan_name, measured).run(ir)
         return PassResult.after(ir, before, stopped_by=stopped)
@@ -136,14 +144,17 @@ class ExitLayerAutotune(Pass):
 
     name = "exit_autotune"
 
-    def __init__(self, context: TuningContext, plan_name: str = "early-exit", show_progress: bool = True,
-                 full: bool = True):
+    def __init__(
+        self, context: TuningContext, plan_name: str = "early-exit", show_progress: bool = True, full: bool = True
+    ):
         self.context, self.plan_name, self.show_progress, self.full = context, plan_name, show_progress, full
         self.adds = (plan_name,)
 
     def exit_bounds(self) -> dict[int, float]:
-        return {e: model_draft_bound(self.context, DraftPlan(name="candidate", exit_layer=e), m + RATE_SLACK)
-                for e, m in exit_agreements(self.context).items()}
+        return {
+            e: model_draft_bound(self.context, DraftPlan(name="candidate", exit_layer=e), m + RATE_SLACK)
+            for e, m in exit_agreements(self.context).items()
+        }
 
     def bound(self, ir: DecoderIR) -> float:
         return max(self.exit_bounds().values())
@@ -164,9 +175,16 @@ class ExitLayerAutotune(Pass):
         ir.tuning["best_exit_layer"] = exit_layer
         agreement = exit_agreements(self.context) if not self.full else {}
         measured = self.context.record(
-            "early-exit", best, tuning_seconds=round(time.perf_counter() - start, 2),
-            per_exit_layer={str(e): {"acceptance_rate": round(s.acceptance_rate, 4),
-                                     "expected_speedup": round(s.expected_speedup, 4)} for e, s in scores.items()},
+            "early-exit",
+            best,
+            tuning_seconds=round(time.perf_counter() - start, 2),
+            per_exit_layer={
+                str(e): {
+                    "acceptance_rate": round(s.acceptance_rate, 4),
+                    "expected_speedup": round(s.expected_speedup, 4),
+                }
+                for e, s in scores.items()
+            },
             **({"exit_agreement": {str(e): round(m, 4) for e, m in agreement.items()}} if agreement else {}),
         )
         EarlyExitHeads(exit_layer, best.max_draft, best.threshold, self.plan_name, measured).run(ir)

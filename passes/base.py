@@ -134,28 +134,45 @@ class PassManager:
         for p in self.passes:
             start = time.perf_counter()
             skipped, bound, best = self.decide(p, ir)
-            entry = {"pass": p.name, **({"bound": round(bound, 4)} if bound is not None else {}),
-                     "incumbent": round(best, 4)}
+            entry = {
+                "pass": p.name,
+                **({"bound": round(bound, 4)} if bound is not None else {}),
+                "incumbent": round(best, 4),
+            }
             if skipped:
                 history.append({**entry, "seconds": round(time.perf_counter() - start, 3), "skipped": skipped})
                 self.log(f"pass {p.name}: skipped, {skipped}{self._left()}")
                 continue
             if self.budget is not None:
-                p.deadline = self.budget.final_deadline() if p.name in self.budget.exempt else self.budget.tuning_deadline()
+                p.deadline = (
+                    self.budget.final_deadline() if p.name in self.budget.exempt else self.budget.tuning_deadline()
+                )
             shown = f" (bound {bound:.2f}x, incumbent {best:.2f}x)" if bound is not None else ""
             self.log(f"pass {p.name}{shown} ...{self._left()}")
             result = p(ir)
             ir = result.ir
             seconds = time.perf_counter() - start
-            history.append({**entry, "seconds": round(seconds, 3), "modified": result.modified, "added": result.added,
-                            **({"skipped": result.skipped} if result.skipped else {}), **result.notes})
+            history.append(
+                {
+                    **entry,
+                    "seconds": round(seconds, 3),
+                    "modified": result.modified,
+                    "added": result.added,
+                    **({"skipped": result.skipped} if result.skipped else {}),
+                    **result.notes,
+                }
+            )
             best_after = incumbent(ir)
             reached = [ir.plans[n].measured.get("expected_speedup") for n in result.added if n in ir.plans]
             if any(r is not None for r in reached):  # what the pass reached, next to its bound
                 history[-1]["reached"] = round(max(r for r in reached if r is not None), 4)
-            self.log(f"pass {p.name} done in {seconds:.1f}s" + (f": added {', '.join(result.added)}" if result.added else "")
-                     + (f", {result.skipped}" if result.skipped else "")
-                     + (f", incumbent {best_after:.2f}x" if self.budget is not None else "") + self._left())
+            self.log(
+                f"pass {p.name} done in {seconds:.1f}s"
+                + (f": added {', '.join(result.added)}" if result.added else "")
+                + (f", {result.skipped}" if result.skipped else "")
+                + (f", incumbent {best_after:.2f}x" if self.budget is not None else "")
+                + self._left()
+            )
         return ir
 
     def _left(self) -> str:

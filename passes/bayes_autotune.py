@@ -22,8 +22,9 @@ from pathlib import Path
 import optuna
 from tqdm.auto import tqdm
 
+from speccompile.runtime.artifact.manifest import DraftPlan
+from speccompile.runtime.drafting import options
 from speccompile.runtime.errors import SpeccompileError
-from speccompile.runtime.manifest import DraftPlan
 
 from .autotune import cosine_ranking, skip_plan, skip_units
 from .base import Pass, PassError, PassResult
@@ -42,17 +43,24 @@ def _params(plan: DraftPlan, units: list[tuple[str, int]]) -> dict[str, int]:
 
 def _plan(params: dict[str, int], units: list[tuple[str, int]], name: str = "bayes") -> DraftPlan:
     on = [(kind, i) for kind, i in units if params[f"{kind}_{i}"]]
-    return DraftPlan(name=name, skip_attn=sorted(i for kind, i in on if kind in ("attn", "block")),
-                     skip_mlp=sorted(i for kind, i in on if kind in ("mlp", "block")))
+    return DraftPlan(
+        name=name,
+        skip_attn=sorted(i for kind, i in on if kind in ("attn", "block")),
+        skip_mlp=sorted(i for kind, i in on if kind in ("mlp", "block")),
+    )
 
 
 def open_study(path: str | None, trials: int, seed: int, num_layers: int, model_type: str) -> optuna.Study:
-    sampler = (optuna.samplers.GPSampler(seed=seed) if trials <= GP_MAX_TRIALS
-               else optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True))
+    sampler = (
+        optuna.samplers.GPSampler(seed=seed)
+        if trials <= GP_MAX_TRIALS
+        else optuna.samplers.TPESampler(seed=seed, multivariate=True, group=True)
+    )
     storage = f"sqlite:///{Path(path).resolve()}" if path else None
     optuna.logging.set_verbosity(optuna.logging.WARNING)
-    study = optuna.create_study(storage=storage, sampler=sampler, study_name=STUDY_NAME, direction="maximize",
-                                load_if_exists=True)
+    study = optuna.create_study(
+        storage=storage, sampler=sampler, study_name=STUDY_NAME, direction="maximize", load_if_exists=True
+    )
     geometry = {"num_layers": num_layers, "model_type": model_type}
     stored = {k: study.user_attrs.get(k) for k in geometry}
     if any(v is not None for v in stored.values()) and stored != geometry:
@@ -76,9 +84,17 @@ class SearchTrace:
 class BayesAutotune(Pass):
     name = "bayes_autotune"
 
-    def __init__(self, context: TuningContext, trials: int = 200, time_budget: float | None = None,
-                 study_path: str | None = None, seed: int = 0, candidates: int = 3, plan_name: str = "bayes",
-                 show_progress: bool = True):
+    def __init__(
+        self,
+        context: TuningContext,
+        trials: int = 200,
+        time_budget: float | None = None,
+        study_path: str | None = None,
+        seed: int = 0,
+        candidates: int = 3,
+        plan_name: str = "bayes",
+        show_progress: bool = True,
+    ):
         self.context, self.trials, self.time_budget = context, trials, time_budget
         self.study_path, self.seed, self.candidates = study_path, seed, candidates
         self.plan_name, self.show_progress = plan_name, show_progress
@@ -110,7 +126,9 @@ class BayesAutotune(Pass):
         by_count = self.context.cosine_scores
         counts = sorted(range(1, len(ranking)), key=lambda n: -by_count.get(n, 0.0))[: max(1, self.trials // 2)]
         for n in counts:
-            study.enqueue_trial(_params(skip_plan(ranking, n), skip_units(self.context)), user_attrs={"seed": f"cosine-{n}"})
+            study.enqueue_trial(
+                _params(skip_plan(ranking, n), skip_units(self.context)), user_attrs={"seed": f"cosine-{n}"}
+            )
 
     def requires(self, ir: DecoderIR) -> None:
         if "layer-skip" not in ir.plans:
@@ -127,6 +145,7 @@ class BayesAutotune(Pass):
         remaining = max(self.trials - len(done), 0)
         best = max((t.value for t in done), default=float("-inf"))
         with tqdm(total=remaining, desc="bayes: searching", disable=not self.show_progress) as bar:
+
             def report(study_, trial):
                 nonlocal best
                 if trial.value is not None:
@@ -139,8 +158,11 @@ class BayesAutotune(Pass):
         complete = [t for t in study.trials if t.state == optuna.trial.TrialState.COMPLETE]
         if not complete:
             raise SpeccompileError("the Bayesian search ran no trial; raise --time-budget or --trials")
-        self.trace = SearchTrace(values=[t.value for t in complete], seeded=["seed" in t.user_attrs for t in complete],
-                                 seconds=time.perf_counter() - start)
+        self.trace = SearchTrace(
+            values=[t.value for t in complete],
+            seeded=["seed" in t.user_attrs for t in complete],
+            seconds=time.perf_counter() - start,
+        )
 
         # The few best distinct plans by prediction, and the cosine plan, are timed by one Confirmer (same
         # conditions for all); the best confirmed wins, so the search never ends below the cosine plan.
@@ -163,7 +185,8 @@ class BayesAutotune(Pass):
                 plan = cosine
             else:
                 plan = _plan(t.params, skip_units(self.context), f"{self.plan_name}-candidate-{n}")
-                plan.max_draft, plan.threshold = t.user_attrs["max_draft"], t.user_attrs["threshold"]
+                plan.set_option("model", "max_draft", t.user_attrs["max_draft"])
+                plan.set_option("model", "threshold", t.user_attrs["threshold"])
             candidates.append((t, plan))
         backend = self.context.runner.backend({**ir.plans, **{plan.name: plan for _, plan in candidates}})
         confirmer = Confirmer(backend, self.context.confirm_prompts, self.context.confirm_tokens, eos=self.context.eos)
@@ -171,18 +194,39 @@ class BayesAutotune(Pass):
         for t, plan in candidates:
             if plan is cosine:
                 cosine.measured.update(confirmer.measure(cosine))
-                scored.append((dict((k, v) for k, v in cosine.measured.items() if k.startswith("confirmed_")
-                                    or k == "plain_tokens_per_s"), t, plan))
+                scored.append(
+                    (
+                        dict(
+                            (k, v)
+                            for k, v in cosine.measured.items()
+                            if k.startswith("confirmed_") or k == "plain_tokens_per_s"
+                        ),
+                        t,
+                        plan,
+                    )
+                )
             else:
                 scored.append((confirmer.measure(plan), t, plan))
         confirmed, trial, plan = max(scored, key=lambda s: s[0]["confirmed_speedup"])
         measured = self.context.record(
-            "bayes", _estimate_from(trial), tuning_seconds=round(self.trace.seconds, 2), trials=len(complete),
+            "bayes",
+            _estimate_from(trial),
+            tuning_seconds=round(self.trace.seconds, 2),
+            trials=len(complete),
             sampler="GPSampler" if self.trials <= GP_MAX_TRIALS else "TPESampler(multivariate)",
-            best_trial=trial.number, seeded_from=trial.user_attrs.get("seed", "search"),
-            candidates_confirmed=len(scored), **confirmed,
+            best_trial=trial.number,
+            seeded_from=trial.user_attrs.get("seed", "search"),
+            candidates_confirmed=len(scored),
+            **confirmed,
         )
-        LayerSkip(plan.skip_attn, plan.skip_mlp, plan.max_draft, plan.threshold, self.plan_name, measured).run(ir)
+        LayerSkip(
+            plan.skip_attn,
+            plan.skip_mlp,
+            options(plan, "model").max_draft,
+            options(plan, "model").threshold,
+            self.plan_name,
+            measured,
+        ).run(ir)
         return PassResult.after(ir, before, trials=len(complete))
 
 
@@ -190,6 +234,11 @@ def _estimate_from(trial: optuna.trial.FrozenTrial):
     from .acceptance import RoundEstimate
 
     a = trial.user_attrs
-    return RoundEstimate(tokens_per_round=a["mean_accepted"], drafted_per_round=0.0,
-                         acceptance_rate=a["acceptance_rate"], expected_speedup=trial.value,
-                         max_draft=a["max_draft"], threshold=a["threshold"])
+    return RoundEstimate(
+        tokens_per_round=a["mean_accepted"],
+        drafted_per_round=0.0,
+        acceptance_rate=a["acceptance_rate"],
+        expected_speedup=trial.value,
+        max_draft=a["max_draft"],
+        threshold=a["threshold"],
+    )

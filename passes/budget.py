@@ -24,7 +24,7 @@ import time
 import numpy as np
 import torch
 
-from speccompile.runtime.manifest import DraftPlan
+from speccompile.runtime.artifact.manifest import DraftPlan
 
 RATE_SLACK = 0.1  # added to a measured agreement: the subset it was measured on, and correlated matches
 ADAPTER_GAIN = 0.5  # share of the shared-head exit's disagreements an adapter may fix (SmolLM2 measured 0.33)
@@ -72,8 +72,12 @@ class Budget:
         return time.perf_counter() + self.left() - self.write_reserve
 
     def as_dict(self) -> dict:
-        return {"seconds": round(self.total or 0.0, 1), "default": not self.user_set, "reserve": round(self.reserve, 1),
-                "used": round(self.elapsed(), 1)}
+        return {
+            "seconds": round(self.total or 0.0, 1),
+            "default": not self.user_set,
+            "reserve": round(self.reserve, 1),
+            "used": round(self.elapsed(), 1),
+        }
 
 
 def geometric_bound(rate: float, draft_cost: float, verify, max_draft: int) -> tuple[float, int]:
@@ -82,7 +86,7 @@ def geometric_bound(rate: float, draft_cost: float, verify, max_draft: int) -> t
     rate = min(max(rate, 0.0), 1.0)
     best = (0.0, 1)
     for k in range(1, max_draft + 1):
-        tokens = sum(rate ** i for i in range(k + 1))
+        tokens = sum(rate**i for i in range(k + 1))
         best = max(best, (tokens / (k * draft_cost + verify(k + 1)), k))
     return best
 
@@ -91,8 +95,9 @@ def model_draft_bound(context, plan: DraftPlan, rate: float) -> float:
     """``geometric_bound`` of ``plan`` (early exit: the verifier reuses its prefix) on the runner's costs."""
     costs = context.costs
     plain = costs.plain_step()
-    return geometric_bound(rate, costs.draft_step(plan) / plain, lambda t: costs.verify(plan, t) / plain,
-                           context.max_draft)[0]
+    return geometric_bound(
+        rate, costs.draft_step(plan) / plain, lambda t: costs.verify(plan, t) / plain, context.max_draft
+    )[0]
 
 
 @torch.inference_mode()

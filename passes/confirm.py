@@ -8,18 +8,16 @@ decoding in its own confirmation never becomes the default.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import time
 
 from tqdm.auto import tqdm
 
-from speccompile.runtime.manifest import DraftPlan
-from speccompile.runtime.speculative import DecodeRequest, Stats, decode_all
+from speccompile.runtime.artifact.manifest import DraftPlan
+from speccompile.runtime.decoding.speculative import DecodeRequest, Stats, decode_all
 
 from .base import Pass, PassResult
 from .ir import DecoderIR
-
 
 MIN_TURNS = 3  # a sequential confirmation times at least this many turns before it may stop
 MAX_TURNS_PER_PROMPT = 4  # and at most this many turns per confirmation prompt
@@ -44,7 +42,9 @@ def _versus(a: list[float], b: list[float]) -> tuple[float, float, float]:
     return interval([x - y for x, y in zip(a, b)])
 
 
-def timed_decode(backend, prompt, new_tokens, plan, root=None, eos: frozenset[int] = frozenset()) -> tuple[list[int], Stats]:
+def timed_decode(
+    backend, prompt, new_tokens, plan, root=None, eos: frozenset[int] = frozenset()
+) -> tuple[list[int], Stats]:
     return decode_all(backend, DecodeRequest(prompt, new_tokens, eos_ids=eos), plan, root)
 
 
@@ -58,16 +58,25 @@ class Confirmer:
     reference, so later plans need one plain run per prompt instead of ``repeats``.
     """
 
-    def __init__(self, backend, prompts: list[list[int]], new_tokens: int, repeats: int = 2, root=None,
-                 eos: frozenset[int] = frozenset(), decode=None):
+    def __init__(
+        self,
+        backend,
+        prompts: list[list[int]],
+        new_tokens: int,
+        repeats: int = 2,
+        root=None,
+        eos: frozenset[int] = frozenset(),
+        decode=None,
+    ):
         """``backend`` runs the plans (the runner's: torch or ONNX Runtime); ``root`` holds files plans
         read (a retrieval datastore); runs stop at an ``eos`` token, as generation does. ``decode(prompt,
         new_tokens, plan)`` -> (tokens, Stats) replaces the timed decode (tests give it a fake clock)."""
         self.backend, self.root, self.eos = backend, root, frozenset(eos)
         self.prompts, self.new_tokens, self.repeats = prompts, new_tokens, repeats
         self._plain: dict[int, tuple[list[int], Stats]] = {}  # prompt index -> fastest plain run so far
-        self.decode = decode or (lambda prompt, new_tokens, plan: timed_decode(self.backend, prompt, new_tokens, plan,
-                                                                               self.root, self.eos))
+        self.decode = decode or (
+            lambda prompt, new_tokens, plan: timed_decode(self.backend, prompt, new_tokens, plan, self.root, self.eos)
+        )
         self.decode(prompts[0], 8, None)  # warm-up
 
     def _fastest(self, prompt, plan, repeats: int) -> tuple[list[int], Stats]:
@@ -104,9 +113,15 @@ class Confirmer:
             "confirmed_identical": identical,
         }
 
-
-    def race(self, plans: list[DraftPlan], min_turns: int = MIN_TURNS, max_turns: int = 16,
-             deadline: float | None = None, clock=time.perf_counter, progress=None) -> tuple[dict, dict]:
+    def race(
+        self,
+        plans: list[DraftPlan],
+        min_turns: int = MIN_TURNS,
+        max_turns: int = 16,
+        deadline: float | None = None,
+        clock=time.perf_counter,
+        progress=None,
+    ) -> tuple[dict, dict]:
         """Time ``plans`` against plain decoding in turns until it is sure, not a fixed number of times.
 
         A turn decodes one prompt (the prompts in rotation) plainly and with every plan still racing, in an
@@ -155,8 +170,12 @@ class Confirmer:
             if not alive:
                 stopped = "every plan slower than plain"
                 break
-            ties = all(-TIE < _versus(samples[p.name], samples[leader.name])[1]
-                       and _versus(samples[p.name], samples[leader.name])[2] < TIE for p in alive if p is not leader)
+            ties = all(
+                -TIE < _versus(samples[p.name], samples[leader.name])[1]
+                and _versus(samples[p.name], samples[leader.name])[2] < TIE
+                for p in alive
+                if p is not leader
+            )
             if leader in alive and interval(samples[leader.name])[1] > 0 and ties:
                 stopped = "sure"
                 break
@@ -174,8 +193,10 @@ class Confirmer:
             figures[name] = {
                 "confirmed_round_mix": {label: round(c / max(rounds, 1), 4) for label, c in sorted(mix.items())},
                 "confirmed_speedup": round(plain_s / spec_s, 4),
-                "confirmed_interval": [round(math.exp(lo), 4) if lo > -math.inf else None,
-                                       round(math.exp(hi), 4) if hi < math.inf else None],
+                "confirmed_interval": [
+                    round(math.exp(lo), 4) if lo > -math.inf else None,
+                    round(math.exp(hi), 4) if hi < math.inf else None,
+                ],
                 "confirmation_turns": len(runs[name]),
                 "confirmation_stopped": left.get(name, stopped),
                 "confirmed_mean_accepted": round((sum(s.accepted for _, s in runs[name]) + rounds) / max(rounds, 1), 4),
@@ -189,8 +210,12 @@ class Confirmer:
                 if name != best:
                     _, lo, hi = _versus(samples[name], samples[best])
                     figures[name]["confirmed_vs_best"] = {
-                        "plan": best, "interval": [round(math.exp(lo), 4) if lo > -math.inf else None,
-                                                   round(math.exp(hi), 4) if hi < math.inf else None]}
+                        "plan": best,
+                        "interval": [
+                            round(math.exp(lo), 4) if lo > -math.inf else None,
+                            round(math.exp(hi), 4) if hi < math.inf else None,
+                        ],
+                    }
         return figures, {"confirmation_turns": turn, "confirmation_stopped": stopped}
 
 
@@ -219,8 +244,16 @@ class ConfirmPlans(Pass):
 
     name = "confirm_plans"
 
-    def __init__(self, context, show_progress: bool = True, top: int | None = None, sequential: bool = False,
-                 min_turns: int = MIN_TURNS, max_turns: int | None = None, close: float | None = None):
+    def __init__(
+        self,
+        context,
+        show_progress: bool = True,
+        top: int | None = None,
+        sequential: bool = False,
+        min_turns: int = MIN_TURNS,
+        max_turns: int | None = None,
+        close: float | None = None,
+    ):
         self.context, self.show_progress, self.top, self.close = context, show_progress, top, close
         self.sequential, self.min_turns, self.max_turns = sequential, min_turns, max_turns
 
@@ -229,24 +262,28 @@ class ConfirmPlans(Pass):
         c = self.context
         ranked = sorted(ir.plans.values(), key=lambda p: -(p.measured.get("expected_speedup") or 0.0))
         chosen = race_candidates(ranked, self.top, self.close)
-        for plan in ranked[len(chosen):]:
+        for plan in ranked[len(chosen) :]:
             plan.measured.setdefault("confirmed_speedup", None)
         todo = [plan for plan in chosen if plan.measured.get("confirmed_speedup") is None]
         timed = {}
         for plan in todo:
             timed[plan.name] = plan
-            if plan.datastore and c.confirm_datastore:  # never confirm on a datastore holding the prompts' answers
-                timed[plan.name] = dataclasses.replace(plan, datastore=c.confirm_datastore)
+            if (
+                plan.option("retrieval", "datastore") and c.confirm_datastore
+            ):  # never confirm on a datastore holding the prompts' answers
+                timed[plan.name] = plan.with_options(retrieval={"datastore": c.confirm_datastore})
         notes = {}
         if todo:
-            confirmer = Confirmer(c.runner.backend(ir.plans), c.confirm_prompts, c.confirm_tokens, root=c.workdir,
-                                  eos=c.eos)
+            confirmer = Confirmer(
+                c.runner.backend(ir.plans), c.confirm_prompts, c.confirm_tokens, root=c.workdir, eos=c.eos
+            )
             desc = f"confirming plans on {c.runner.name}"
             if self.sequential:
                 max_turns = self.max_turns or MAX_TURNS_PER_PROMPT * len(c.confirm_prompts)
                 with tqdm(total=max_turns, desc=desc, disable=not self.show_progress) as bar:
-                    figures, notes = confirmer.race(list(timed.values()), self.min_turns, max_turns, self.deadline,
-                                                    progress=bar)
+                    figures, notes = confirmer.race(
+                        list(timed.values()), self.min_turns, max_turns, self.deadline, progress=bar
+                    )
                 for plan in todo:
                     plan.measured.update(figures[timed[plan.name].name])
             else:
@@ -268,8 +305,11 @@ def tied_with_best(plan: DraftPlan, best: DraftPlan) -> bool:
     the lookup build)."""
     versus = plan.measured.get("confirmed_vs_best") or {}
     hi = (versus.get("interval") or [None, None])[1]
-    return (versus.get("plan") == best.name and (hi is None or hi >= 1.0)
-            and plan.measured.get("method") == best.measured.get("method"))
+    return (
+        versus.get("plan") == best.name
+        and (hi is None or hi >= 1.0)
+        and plan.measured.get("method") == best.measured.get("method")
+    )
 
 
 class ChooseDefaultPlan(Pass):
@@ -296,12 +336,19 @@ class ChooseDefaultPlan(Pass):
             ir.default_plan = None
             return PassResult(ir, notes={"default": None})
         fastest = max(ir.plans, key=lambda name: ir.plans[name].measured.get("confirmed_speedup") or 0.0)
-        tied = [name for name, plan in ir.plans.items() if tied_with_best(plan, ir.plans[fastest])
-                and (plan.measured.get("confirmed_speedup") or 0.0) > self.min_speedup]
+        tied = [
+            name
+            for name, plan in ir.plans.items()
+            if tied_with_best(plan, ir.plans[fastest])
+            and (plan.measured.get("confirmed_speedup") or 0.0) > self.min_speedup
+        ]
         best = max([fastest] + tied, key=lambda name: ir.plans[name].measured.get("expected_speedup") or 0.0)
         if best != fastest:
-            ir.tuning["default_by_estimate"] = {"chosen": best, "over": fastest,
-                                                "why": "timed runs could not tell them apart"}
+            ir.tuning["default_by_estimate"] = {
+                "chosen": best,
+                "over": fastest,
+                "why": "timed runs could not tell them apart",
+            }
         speedup = ir.plans[best].measured.get("confirmed_speedup") or 0.0
         ir.tuning["best_confirmed_speedup"] = speedup
         ir.default_plan = best if speedup > self.min_speedup else None

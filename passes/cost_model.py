@@ -15,9 +15,9 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from speccompile.runtime.decoder import Decoder, Positions
-from speccompile.runtime.draft_kinds import kind_of
-from speccompile.runtime.manifest import DraftPlan
+from speccompile.runtime.artifact.manifest import DraftPlan
+from speccompile.runtime.backends.torch.decoder import Decoder, Positions
+from speccompile.runtime.drafting.kinds import kind_of
 from speccompile.runtime.segments import Segment, full_model
 
 
@@ -44,8 +44,11 @@ class CostModel:
         it runs, the head when it has one."""
         n_attn = sum(1 for i in range(segment.start, segment.stop) if i not in segment.skip_attn)
         n_mlp = sum(1 for i in range(segment.start, segment.stop) if i not in segment.skip_mlp)
-        return ((self.embed[t - 1] if segment.from_tokens else 0.0) + self._blocks(t, n_attn, n_mlp)
-                + (self.head[t - 1] if segment.head is not None else 0.0))
+        return (
+            (self.embed[t - 1] if segment.from_tokens else 0.0)
+            + self._blocks(t, n_attn, n_mlp)
+            + (self.head[t - 1] if segment.head is not None else 0.0)
+        )
 
     def draft_step(self, plan: DraftPlan) -> float:
         kind = kind_of(plan, self.num_layers)
@@ -118,23 +121,28 @@ def measure_costs(decoder: Decoder, max_tokens: int, context: int = 128, rounds:
         h = decoder.embed_tokens(ids, context)
         if whole_blocks:
             h = decoder.run_blocks(h, context, cache, 0, 1)
-            jobs.append((
-                lambda: None,  # the embedding runs inside every call of the model's forward
-                lambda h=h: [decoder.run_blocks(h, context, cache, i, i + 1) for i in range(L)],
-                lambda: None,  # a block's cost is all booked to its first sublayer row (attn)
-                lambda h=h: decoder.head(h),
-            ))
+            jobs.append(
+                (
+                    lambda: None,  # the embedding runs inside every call of the model's forward
+                    lambda h=h: [decoder.run_blocks(h, context, cache, i, i + 1) for i in range(L)],
+                    lambda: None,  # a block's cost is all booked to its first sublayer row (attn)
+                    lambda h=h: decoder.head(h),
+                )
+            )
             continue
         where = Positions.of(context, t, device, cache)
         rope = decoder.rope_at(where)
         mask = decoder.attention_mask(where, config.sliding_window)  # timing only
-        jobs.append((
-            lambda ids=ids: decoder.embed_tokens(ids, context),
-            lambda h=h, rope=rope, mask=mask, where=where: [decoder.attention_sublayer(i, h, where, cache, rope, mask)
-                                                            for i in range(L)],
-            lambda h=h: [decoder.mlp_sublayer(i, h) for i in range(L)],
-            lambda h=h: decoder.head(h),
-        ))
+        jobs.append(
+            (
+                lambda ids=ids: decoder.embed_tokens(ids, context),
+                lambda h=h, rope=rope, mask=mask, where=where: [
+                    decoder.attention_sublayer(i, h, where, cache, rope, mask) for i in range(L)
+                ],
+                lambda h=h: [decoder.mlp_sublayer(i, h) for i in range(L)],
+                lambda h=h: decoder.head(h),
+            )
+        )
     for job in jobs:  # warm-up
         for fn in job:
             fn()
@@ -146,13 +154,14 @@ def measure_costs(decoder: Decoder, max_tokens: int, context: int = 128, rounds:
     best[:, 1:3] /= L  # attention and MLP were timed over all blocks
     best = np.maximum.accumulate(best, axis=0)
     embed, attn, mlp, head = (best[:, k].tolist() for k in range(4))
-    return CostModel(embed=embed, attn=attn, mlp=mlp, head=head, num_layers=L, device=str(device),
-                     vocab_size=config.vocab_size)
+    return CostModel(
+        embed=embed, attn=attn, mlp=mlp, head=head, num_layers=L, device=str(device), vocab_size=config.vocab_size
+    )
 
 
 @dataclass
 class StepCosts:
-    """What a round costs on the backend that will run the artifact (DESIGN.md section 5).
+    """What a round costs on the backend that will run the artifact (docs/design.md section 5).
 
     ``forward[t-1]`` is one timed ``Backend.forward`` of ``t`` tokens after a realistic context, on that
     backend (torch or ONNX Runtime): verify steps differ most between backends (an 8-token verify is
@@ -207,10 +216,18 @@ class StepCosts:
         return sum(self.full(n) * self._share(segment) for segment, n in calls if n > 0) * (after or 1.0)
 
     def as_dict(self) -> dict:
-        return {"backend": self.backend, "forward": self.forward, "draft_overhead": self.draft_overhead,
-                "lookup": self.lookup, "sublayers": self.sublayers.as_dict(),
-                **({"draft_steps": self.draft_steps, "verify_after_draft": self.verify_after_draft}
-                   if self.draft_steps else {})}
+        return {
+            "backend": self.backend,
+            "forward": self.forward,
+            "draft_overhead": self.draft_overhead,
+            "lookup": self.lookup,
+            "sublayers": self.sublayers.as_dict(),
+            **(
+                {"draft_steps": self.draft_steps, "verify_after_draft": self.verify_after_draft}
+                if self.draft_steps
+                else {}
+            ),
+        }
 
 
 def segment_key(segment: Segment) -> str:
@@ -218,8 +235,9 @@ def segment_key(segment: Segment) -> str:
     return repr(segment.blocks_key + (segment.head,))
 
 
-def measure_draft_rounds(backend, costs: StepCosts, plan: DraftPlan, draft_tokens: int, context: int = 128,
-                         rounds: int = 6) -> tuple[float, float]:
+def measure_draft_rounds(
+    backend, costs: StepCosts, plan: DraftPlan, draft_tokens: int, context: int = 128, rounds: int = 6
+) -> tuple[float, float]:
     """Time ``plan``'s draft steps and the verify after them, alternating as a round runs them (``draft_tokens``
     steps, then a verify of one more token), after ``context`` cached positions; record them in ``costs``.
     Returns (seconds of one draft step, the verify's cost relative to ``costs.full`` back-to-back), medians
@@ -247,12 +265,14 @@ def measure_draft_rounds(backend, costs: StepCosts, plan: DraftPlan, draft_token
     return draft, costs.verify_after_draft[key]
 
 
-def measure_step_costs(backend, sublayers: CostModel, max_tokens: int, context: int = 128, rounds: int = 7) -> StepCosts:
+def measure_step_costs(
+    backend, sublayers: CostModel, max_tokens: int, context: int = 128, rounds: int = 7
+) -> StepCosts:
     """Time ``backend.forward`` of 1..max_tokens tokens after ``context`` cached positions (minimum over
     interleaved repeats, made non-decreasing, as in ``measure_costs``), plus the draft-token overhead
     and one lookup, through the Backend protocol only."""
-    from speccompile.runtime.drafters import RoundContext
-    from speccompile.runtime.ngram import NgramDrafter
+    from speccompile.runtime.drafting.base import RoundContext
+    from speccompile.runtime.drafting.ngram import NgramDrafter
     from speccompile.runtime.sampling import SamplingParams, softmax
 
     config = backend.config
@@ -282,5 +302,10 @@ def measure_step_costs(backend, sublayers: CostModel, max_tokens: int, context: 
     ctx = RoundContext(history=history, pos=len(history) - 1, limit=8, params=SamplingParams(), rng=rng)
     drafter.propose(ctx)  # indexes the history once
     lookup = min(_best_seconds(lambda: drafter.propose(ctx)) for _ in range(20))
-    return StepCosts(forward=best.tolist(), sublayers=sublayers, draft_overhead=overhead, lookup=lookup,
-                     backend=getattr(backend, "name", type(backend).__name__))
+    return StepCosts(
+        forward=best.tolist(),
+        sublayers=sublayers,
+        draft_overhead=overhead,
+        lookup=lookup,
+        backend=getattr(backend, "name", type(backend).__name__),
+    )

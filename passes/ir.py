@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from speccompile.runtime.manifest import ArchConfig, DraftPlan
+from speccompile.runtime.artifact.manifest import ArchConfig, DraftPlan
 
 
 @dataclass
@@ -35,7 +35,7 @@ class DecoderIR:
         if self._decoder is None:
             import torch
 
-            from speccompile.runtime.decoder import build_decoder
+            from speccompile.runtime.backends.torch.decoder import build_decoder
 
             self._decoder = build_decoder(self.config, self.weights, getattr(torch, self.dtype), self.device)
         return self._decoder

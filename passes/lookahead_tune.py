@@ -1,4 +1,4 @@
-"""Tune lookahead decoding (``runtime/lookahead.py``) and LogitSpec (``runtime/logitspec.py``) by running them:
+"""Tune lookahead decoding (``runtime/drafting/lookahead.py``) and LogitSpec (``runtime/drafting/logitspec.py``) by running them:
 their drafts come from the verifier's own outputs, so no replay over the calibration continuations can
 stand in for the model (the lookup tuner's ``passes/replay.py`` can). Each candidate (window ``W``, pooled n-gram length ``N``, and, where the backend
 verifies token trees, pooled n-grams as more branches next to the window) decodes the first calibration
@@ -6,7 +6,7 @@ prompts with the runner's backend; its rounds, as the runtime ran them, are pric
 measured step costs, like every other plan (``replay.estimate_rounds``). The best becomes plan
 ``lookahead``. LogitSpec is tried behind the lookup plan (a chain: its best guess when the lookup finds
 nothing) and, where the backend verifies trees, in the lookup plan's tree; the best becomes plan
-``logitspec``. Token Recycling (``runtime/recycling.py``) is tried alone and behind the lookup plan, as chains
+``logitspec``. Token Recycling (``runtime/drafting/recycling.py``) is tried alone and behind the lookup plan, as chains
 and trees; the best becomes plan ``recycling``. Confirmation then times them against plain decoding like any
 plan.
 """
@@ -17,8 +17,9 @@ import itertools
 import time
 from dataclasses import replace
 
-from speccompile.runtime.manifest import DraftPlan
-from speccompile.runtime.speculative import DecodeRequest, decode_all
+from speccompile.runtime.artifact.manifest import DraftPlan
+from speccompile.runtime.decoding.speculative import DecodeRequest, decode_all
+from speccompile.runtime.drafting import has_model_part
 
 from .base import Pass, PassResult
 from .ir import DecoderIR
@@ -36,14 +37,20 @@ LOGITSPEC_TOP_K = (2, 4, 8)
 
 def logitspec_grid(trees: bool, behind: DraftPlan | None):
     """LogitSpec behind the lookup plan ``behind`` (a chain), and in its token tree where ``trees``."""
-    if behind is None or not behind.lookup or behind.has_model_draft or "logitspec" in behind.lookup:
+    if behind is None or not behind.lookup or has_model_part(behind) or "logitspec" in behind.lookup:
         return
     for k in LOGITSPEC_TOP_K:
-        chain = replace(behind, name="logitspec", lookup=behind.lookup + ["logitspec"], logitspec_top_k=k, measured={})
+        chain = replace(
+            behind.with_options(logitspec={"top_k": k}),
+            name="logitspec",
+            lookup=behind.lookup + ["logitspec"],
+            measured={},
+        )
         yield chain
         if trees:
-            yield replace(chain, lookup_branches=max(k, 2), lookup_max_draft=max(chain.lookup_max_draft, 4),
-                          tree_nodes=16)
+            yield replace(
+                chain, lookup_branches=max(k, 2), lookup_max_draft=max(chain.lookup_max_draft, 4), tree_nodes=16
+            )
 
 
 RECYCLING_TREE_NODES = (8, 16)
@@ -56,7 +63,7 @@ def recycling_grid(trees: bool, behind: DraftPlan | None):
     SmolLM2 lookup misses most rounds and recycling behind it ran 1.24x against the lookup chain's 1.18x."""
     alone = DraftPlan(name="recycling", lookup=["recycling"], lookup_max_draft=4)
     bases = [alone]
-    if behind is not None and behind.lookup and not behind.has_model_draft and "recycling" not in behind.lookup:
+    if behind is not None and behind.lookup and not has_model_part(behind) and "recycling" not in behind.lookup:
         bases.append(replace(behind, name="recycling", lookup=behind.lookup + ["recycling"], measured={}))
     for base in bases:
         yield base
@@ -69,13 +76,19 @@ def lookahead_grid(trees: bool, behind: DraftPlan | None = None, windows=WINDOWS
     """Lookahead alone (chains, and trees of pooled n-grams next to the window where ``trees``), and behind the
     lookup plan ``behind`` when given (its sources draft when they hit, lookahead otherwise)."""
     for window, ngram in itertools.product(windows, ngrams):
-        chain = DraftPlan(name="lookahead", lookup=["lookahead"], lookahead_window=window, lookahead_ngram=ngram)
+        chain = DraftPlan(
+            name="lookahead", lookup=["lookahead"], sources={"lookahead": {"window": window, "ngram": ngram}}
+        )
         yield chain
         if trees:
             yield replace(chain, lookup_branches=TREE_BRANCHES + 1, tree_nodes=window + TREE_BRANCHES * (ngram - 1))
-        if behind is not None and behind.lookup and not behind.has_model_draft and "lookahead" not in behind.lookup:
-            yield replace(behind, name="lookahead", lookup=behind.lookup + ["lookahead"], lookahead_window=window,
-                          lookahead_ngram=ngram, measured={})
+        if behind is not None and behind.lookup and not has_model_part(behind) and "lookahead" not in behind.lookup:
+            yield replace(
+                behind.with_options(lookahead={"window": window, "ngram": ngram}),
+                name="lookahead",
+                lookup=behind.lookup + ["lookahead"],
+                measured={},
+            )
 
 
 class LookaheadTune(Pass):
@@ -90,22 +103,30 @@ class LookaheadTune(Pass):
         return 4 * self.prompts * self.new_tokens * self.context.costs.plain_step()
 
     def _rounds(self, backend, plan: DraftPlan) -> list[ReplayedRound]:
-        if plan.datastore and self.context.confirm_datastore:  # not the datastore holding these prompts' answers
-            plan = replace(plan, datastore=self.context.confirm_datastore)
+        if (
+            plan.option("retrieval", "datastore") and self.context.confirm_datastore
+        ):  # not the datastore holding these prompts' answers
+            plan = plan.with_options(retrieval={"datastore": self.context.confirm_datastore})
         rounds = []
         for ref in self.context.references[: self.prompts]:
             prompt = ref.tokens[0, : ref.prompt_len].tolist()
             request = DecodeRequest(prompt, self.new_tokens, eos_ids=self.context.eos)
             _, stats = decode_all(backend, request, plan, self.context.workdir)
-            rounds += [ReplayedRound(d, a, 0, 1, 0, label) for (d, a), label in zip(stats.round_log, stats.round_sources)]
+            rounds += [
+                ReplayedRound(d, a, 0, 1, 0, label) for (d, a), label in zip(stats.round_log, stats.round_sources)
+            ]
         return rounds
 
     def _add(self, ir: DecoderIR, best, start: float) -> None:
         plan, estimate, rounds = best
-        plan.measured = self.context.record(plan.name, estimate, tuning_seconds=round(time.perf_counter() - start, 2),
-                                            round_mix=round_mix(rounds),
-                                            drafted_per_round=round(estimate.drafted_per_round, 4))
-        plan.target_acceptance = tuned_target(plan.measured)
+        plan.measured = self.context.record(
+            plan.name,
+            estimate,
+            tuning_seconds=round(time.perf_counter() - start, 2),
+            round_mix=round_mix(rounds),
+            drafted_per_round=round(estimate.drafted_per_round, 4),
+        )
+        plan.set_option("model", "target_acceptance", tuned_target(plan.measured))
         ir.add_plan(plan)
 
     def _best(self, backend, plans, behind: DraftPlan | None, scale: float, required: bool):
@@ -133,8 +154,11 @@ class LookaheadTune(Pass):
         if behind is not None and behind.measured.get("expected_speedup"):
             alone = estimate_rounds(self._rounds(backend, behind), behind, self.context.costs).expected_speedup
             scale = behind.measured["expected_speedup"] / alone
-        self._add(ir, self._best(backend, lookahead_grid(self.context.trees, behind, **grid), behind, scale,
-                                   required=True), start)
+        self._add(
+            ir,
+            self._best(backend, lookahead_grid(self.context.trees, behind, **grid), behind, scale, required=True),
+            start,
+        )
         if not self.quick:
             for grid in (logitspec_grid(self.context.trees, behind), recycling_grid(self.context.trees, behind)):
                 best = self._best(backend, grid, behind, scale, required=False)

@@ -1,7 +1,7 @@
 """Tune model-free and hybrid plans by replaying their drafters over the calibration continuations.
 
 Small real models are rarely redundant enough for a cheap subgraph draft; what pays there are drafts
-that cost nothing (DESIGN.md section 2). This pass scores, with the same objective as the subgraph
+that cost nothing (docs/design.md section 2). This pass scores, with the same objective as the subgraph
 tuners (expected speedup from replayed rounds and the runner's measured step costs):
 
 - ``lookup``: n-gram lookup over the prompt and output (and, with a datastore, retrieval from the
@@ -21,8 +21,9 @@ import itertools
 import time
 from dataclasses import replace
 
-from speccompile.runtime.manifest import DraftPlan
-from speccompile.runtime.retrieval import Datastore
+from speccompile.runtime.artifact.manifest import DraftPlan
+from speccompile.runtime.drafting import describe, has_model_part, options
+from speccompile.runtime.drafting.retrieval import Datastore
 
 from .acceptance import THRESHOLDS
 from .base import Pass, PassResult
@@ -47,15 +48,22 @@ def lookup_grid(retrieval: bool):
     for lookup, (lo, hi), k in itertools.product(sources, NGRAM_SIZES, LOOKUP_DRAFTS):
         shorts = [0] + ([s for s in (1, 2) if lo <= s < hi] if "ngram" in lookup else [])
         for short in shorts:
-            yield DraftPlan(name="lookup", lookup=lookup, ngram_min=lo, ngram_max=hi, lookup_max_draft=k,
-                            short_ngram=short, datastore=DATASTORE_FILE if "retrieval" in lookup else None)
+            yield DraftPlan(
+                name="lookup",
+                lookup=lookup,
+                lookup_max_draft=k,
+                sources={
+                    "ngram": {"min": lo, "max": hi, "short": short},
+                    "retrieval": {"datastore": DATASTORE_FILE if "retrieval" in lookup else None},
+                },
+            )
 
 
 TREE_BRANCHES = (2, 3, 4)
 
 
 def tree_grid(chain: DraftPlan, most_tokens: int):
-    """Token-tree variants of the best chain plan (``runtime/tree_lookup.py``): its sources and n-gram sizes, up to
+    """Token-tree variants of the best chain plan (``runtime/drafting/tree_lookup.py``): its sources and n-gram sizes, up to
     ``TREE_BRANCHES`` continuations, each up to a draft length of ``LOOKUP_DRAFTS``, in a tree of at most
     ``most_tokens`` nodes (the verify sizes the backend's costs were timed at)."""
     for branches, k in itertools.product(TREE_BRANCHES, LOOKUP_DRAFTS):
@@ -82,8 +90,13 @@ class LookupAutotune(Pass):
     name = "lookup_autotune"
     adds = ("lookup", CHAIN_PLAN, "hybrid")
 
-    def __init__(self, context: TuningContext, retrieval: bool = False, hybrid_with: tuple[str, ...] = (),
-                 show_progress: bool = True):
+    def __init__(
+        self,
+        context: TuningContext,
+        retrieval: bool = False,
+        hybrid_with: tuple[str, ...] = (),
+        show_progress: bool = True,
+    ):
         self.context, self.retrieval, self.hybrid_with = context, retrieval, hybrid_with
         self.show_progress = show_progress
 
@@ -97,11 +110,13 @@ class LookupAutotune(Pass):
         folder = self.context.workdir / "retrieval"
         folder.mkdir(parents=True, exist_ok=True)
         for fold in (0, 1):
-            Datastore.build([s for i, s in enumerate(sequences) if i % 2 == fold]).save(folder / f"fold{fold}.safetensors")
+            Datastore.build([s for i, s in enumerate(sequences) if i % 2 == fold]).save(
+                folder / f"fold{fold}.safetensors"
+            )
         Datastore.build(sequences).save(self.context.workdir / DATASTORE_FILE)
         # Confirmation decodes the first calibration prompts: it must not find their own continuations in
         # the datastore (a leak that once "confirmed" 5x), so it reads one built from the other sequences.
-        held_out = sequences[len(self.context.confirm_prompts):] or [[]]
+        held_out = sequences[len(self.context.confirm_prompts) :] or [[]]
         Datastore.build(held_out).save(self.context.workdir / HELD_OUT_DATASTORE_FILE)
         self.context.confirm_datastore = HELD_OUT_DATASTORE_FILE
 
@@ -122,19 +137,29 @@ class LookupAutotune(Pass):
                 if tree is None or estimate.expected_speedup > tree[1].expected_speedup:
                     tree = (plan, estimate, rounds)
             if tree is not None:
-                self.trees = {name: {"plan": p.describe(), "mean_accepted": round(e.tokens_per_round, 4),
-                                     "drafted_per_round": round(e.drafted_per_round, 4),
-                                     "expected_speedup": round(e.expected_speedup, 4)}
-                              for name, (p, e, _) in (("chain", chain), ("tree", tree))}
+                self.trees = {
+                    name: {
+                        "plan": describe(p),
+                        "mean_accepted": round(e.tokens_per_round, 4),
+                        "drafted_per_round": round(e.drafted_per_round, 4),
+                        "expected_speedup": round(e.expected_speedup, 4),
+                    }
+                    for name, (p, e, _) in (("chain", chain), ("tree", tree))
+                }
                 if tree[1].expected_speedup > chain[1].expected_speedup:
                     return tree, chain
         return best, None
 
     def _keep(self, ir: DecoderIR, plan: DraftPlan, estimate, rounds: list, **extra) -> None:
         """Add ``plan`` to ``ir`` with its figures (``measured``) and the acceptance target they imply."""
-        plan.measured = self.context.record("lookup", estimate, round_mix=round_mix(rounds),
-                                            drafted_per_round=round(estimate.drafted_per_round, 4), **extra)
-        plan.target_acceptance = tuned_target(plan.measured)
+        plan.measured = self.context.record(
+            "lookup",
+            estimate,
+            round_mix=round_mix(rounds),
+            drafted_per_round=round(estimate.drafted_per_round, 4),
+            **extra,
+        )
+        plan.set_option("model", "target_acceptance", tuned_target(plan.measured))
         ir.add_plan(plan)
 
     # -- the pass ----------------------------------------------------------------------------------
@@ -167,7 +192,7 @@ def score_lookup(context: TuningContext, plan: DraftPlan, profile=None):
         rounds = []
         for fold in (0, 1):
             held = [i for i in range(len(refs)) if i % 2 == fold]
-            part = replace(plan, datastore=f"retrieval/fold{1 - fold}.safetensors")
+            part = plan.with_options(retrieval={"datastore": f"retrieval/fold{1 - fold}.safetensors"})
             sub_profile = profile.subset(held) if profile is not None else None
             rounds += replay(part, [refs[i] for i in held], sub_profile, context.workdir)
     return estimate_rounds(rounds, plan, context.costs), rounds
@@ -185,7 +210,7 @@ class HybridAutotune(Pass):
         self.needs = ("lookup", *self.hybrid_with)
 
     def _models(self, ir: DecoderIR) -> list[DraftPlan]:
-        return [p for p in (ir.plans.get(name) for name in self.hybrid_with) if p is not None and p.has_model_draft]
+        return [p for p in (ir.plans.get(name) for name in self.hybrid_with) if p is not None and has_model_part(p)]
 
     def requires(self, ir: DecoderIR) -> None:
         if "lookup" not in ir.plans:
@@ -196,8 +221,10 @@ class HybridAutotune(Pass):
     def bound(self, ir: DecoderIR) -> float:
         """The lookup's own rounds where it drafts, each model plan's expected speedup (plus 10%) on the tokens of
         the rounds where it found nothing (``passes/budget.py``)."""
-        return max([hybrid_bound(self.context, 1.1 * (p.measured.get("expected_speedup") or 0.0))
-                    for p in self._models(ir)], default=0.0)
+        return max(
+            [hybrid_bound(self.context, 1.1 * (p.measured.get("expected_speedup") or 0.0)) for p in self._models(ir)],
+            default=0.0,
+        )
 
     def _best_hybrid(self, lookup: DraftPlan, model: DraftPlan) -> tuple[DraftPlan, object, list]:
         """The model part's draft length and threshold, and the smallest n-gram size worth a lookup round
@@ -205,14 +232,21 @@ class HybridAutotune(Pass):
         together; the lookup's sources and draft length stay the lookup plan's."""
         profile = self.context.profile(model)
         best = None
-        sizes = sorted(set(NGRAM_SIZES) | {(lookup.ngram_min, lookup.ngram_max)})
+        sizes = sorted(set(NGRAM_SIZES) | {(options(lookup, "ngram").min, options(lookup, "ngram").max)})
         for (lo, hi), k, threshold in itertools.product(sizes, range(1, self.context.max_draft + 1), THRESHOLDS):
             if best is not None and _past(self):
                 break
-            plan = replace(model, name="hybrid", lookup=list(lookup.lookup), ngram_min=lo, ngram_max=hi,
-                           lookup_max_draft=lookup.lookup_max_draft, short_ngram=min(lookup.short_ngram, hi),
-                           datastore=lookup.datastore, max_draft=k,
-                           threshold=threshold, adaptive=False, measured={})
+            plan = replace(
+                model.with_options(
+                    ngram={"min": lo, "max": hi, "short": min(options(lookup, "ngram").short, hi)},
+                    retrieval={"datastore": lookup.option("retrieval", "datastore")},
+                    model={"max_draft": k, "threshold": threshold, "adaptive": False},
+                ),
+                name="hybrid",
+                lookup=list(lookup.lookup),
+                lookup_max_draft=lookup.lookup_max_draft,
+                measured={},
+            )
             estimate, rounds = score_lookup(self.context, plan, profile)
             if best is None or estimate.expected_speedup > best[1].expected_speedup:
                 best = (plan, estimate, rounds)
@@ -227,8 +261,11 @@ class HybridAutotune(Pass):
             hybrids.append(self._best_hybrid(lookup, model) + (model.name, time.perf_counter() - t0))
         if hybrids:
             plan, estimate, rounds, base, seconds = max(hybrids, key=lambda h: h[1].expected_speedup)
-            plan.measured = self.context.record("hybrid", estimate, tuning_seconds=round(seconds, 2),
-                                                model_plan=base, round_mix=round_mix(rounds))
-            plan.target_acceptance = tuned_target(plan.measured)  # adaptive stays off: the policy that was replayed
+            plan.measured = self.context.record(
+                "hybrid", estimate, tuning_seconds=round(seconds, 2), model_plan=base, round_mix=round_mix(rounds)
+            )
+            plan.set_option(
+                "model", "target_acceptance", tuned_target(plan.measured)
+            )  # adaptive stays off: the policy that was replayed
             ir.add_plan(plan)
         return PassResult.after(ir, before)

@@ -58,15 +58,20 @@ def _auto(i: PipelineInputs) -> list:
     passes = [LookupAutotune(c, retrieval=o.retrieval, show_progress=progress)]
     if not i.generic:  # the generic path has no precision draft (its model is transformers' own)
         passes.append(PrecisionTune(c, show_progress=progress, quick=True))
-    passes += [ExitLayerAutotune(c, show_progress=progress, full=False),
-               CosineAutotune(c, show_progress=progress, full=False)]
+    passes += [
+        ExitLayerAutotune(c, show_progress=progress, full=False),
+        CosineAutotune(c, show_progress=progress, full=False),
+    ]
     # Lookahead last: it runs the model to tune (seconds), and adds little behind lookup on the models measured
     lookahead = LookaheadTune(c, prompts=2, new_tokens=24, quick=True)
     if i.generic:  # no draft heads on the generic path
         return passes + [HybridAutotune(c, ("layer-skip", "early-exit"), show_progress=progress), lookahead]
-    return passes + [AdapterAutotune(c, i.encode, tokens=o.adapter_tokens, show_progress=progress),
-                     DraftVocabTune(c, ("layer-skip", "early-exit")),
-                     HybridAutotune(c, ("layer-skip", "early-exit", "adapter"), show_progress=progress), lookahead]
+    return passes + [
+        AdapterAutotune(c, i.encode, tokens=o.adapter_tokens, show_progress=progress),
+        DraftVocabTune(c, ("layer-skip", "early-exit")),
+        HybridAutotune(c, ("layer-skip", "early-exit", "adapter"), show_progress=progress),
+        lookahead,
+    ]
 
 
 def _cosine(i: PipelineInputs) -> list:
@@ -85,8 +90,11 @@ def _bayes(i: PipelineInputs) -> list:
     from .bayes_autotune import BayesAutotune
 
     o = i.options
-    return _cosine(i) + [BayesAutotune(i.context, trials=o.trials, time_budget=o.time_budget, study_path=o.study,
-                                       show_progress=i.progress)]
+    return _cosine(i) + [
+        BayesAutotune(
+            i.context, trials=o.trials, time_budget=o.time_budget, study_path=o.study, show_progress=i.progress
+        )
+    ]
 
 
 def _lookup(i: PipelineInputs) -> list:
@@ -111,29 +119,60 @@ def _adapter(i: PipelineInputs) -> list:
     from .adapter import AdapterAutotune
 
     o = i.options
-    return [AdapterAutotune(i.context, i.encode, exit_layer=o.exit_layer, tokens=o.adapter_tokens,
-                            time_budget=o.time_budget, show_progress=i.progress)]
+    return [
+        AdapterAutotune(
+            i.context,
+            i.encode,
+            exit_layer=o.exit_layer,
+            tokens=o.adapter_tokens,
+            time_budget=o.time_budget,
+            show_progress=i.progress,
+        )
+    ]
 
 
-METHODS: dict[str, Method] = {m.name: m for m in (
-    Method("auto", "lookup and retrieval (chains and token trees) first, then, within the time budget, only the passes whose bound can beat "
-           "the best plan so far (early exit, layer skip, precision self-drafts, exit adapter, reduced draft vocabularies, "
-           "hybrids of lookup with each model draft, lookahead); keeps the fastest by timed runs on the backend (plain decoding if none pays)",
-           _auto, budgeted=True, confirm_top=3, confirm_close=0.9, keep_only_default=True),
-    Method("cosine", "skip the sublayers whose input and output are most alike", _cosine),
-    Method("early-exit", "draft with the first E blocks and verify only the rest", _early_exit),
-    Method("bayes", "Bayesian search over skipped sublayers, seeded with the cosine plans (keeps both)", _bayes),
-    Method("lookup", "model-free drafts (n-gram lookup over prompt and output, retrieval from the calibration text)",
-           _lookup),
-    Method("lookahead", "the lookup plans, then lookahead decoding (a Jacobi window of guesses refined inside each "
-           "verify call and the n-grams it produced; no draft model) alone and behind the best lookup plan, then "
-           "LogitSpec and Token Recycling (the verifier's earlier top tokens), tuned by running them", _lookahead),
-    Method("precision", "the lookup plans, then the model drafting for itself with int8 / int4 products (ONNX Runtime: int8 "
-           "and int4; torch: int8), alone and behind the best lookup plan, timed in rounds and scored in the real loop",
-           _precision),
-    Method("adapter", "early exit through a small trained adapter (the model stays frozen) and a reduced draft "
-           "vocabulary", _adapter),
-)}
+METHODS: dict[str, Method] = {
+    m.name: m
+    for m in (
+        Method(
+            "auto",
+            "lookup and retrieval (chains and token trees) first, then, within the time budget, only the passes whose bound can beat "
+            "the best plan so far (early exit, layer skip, precision self-drafts, exit adapter, reduced draft vocabularies, "
+            "hybrids of lookup with each model draft, lookahead); keeps the fastest by timed runs on the backend (plain decoding if none pays)",
+            _auto,
+            budgeted=True,
+            confirm_top=3,
+            confirm_close=0.9,
+            keep_only_default=True,
+        ),
+        Method("cosine", "skip the sublayers whose input and output are most alike", _cosine),
+        Method("early-exit", "draft with the first E blocks and verify only the rest", _early_exit),
+        Method("bayes", "Bayesian search over skipped sublayers, seeded with the cosine plans (keeps both)", _bayes),
+        Method(
+            "lookup",
+            "model-free drafts (n-gram lookup over prompt and output, retrieval from the calibration text)",
+            _lookup,
+        ),
+        Method(
+            "lookahead",
+            "the lookup plans, then lookahead decoding (a Jacobi window of guesses refined inside each "
+            "verify call and the n-grams it produced; no draft model) alone and behind the best lookup plan, then "
+            "LogitSpec and Token Recycling (the verifier's earlier top tokens), tuned by running them",
+            _lookahead,
+        ),
+        Method(
+            "precision",
+            "the lookup plans, then the model drafting for itself with int8 / int4 products (ONNX Runtime: int8 "
+            "and int4; torch: int8), alone and behind the best lookup plan, timed in rounds and scored in the real loop",
+            _precision,
+        ),
+        Method(
+            "adapter",
+            "early exit through a small trained adapter (the model stays frozen) and a reduced draft vocabulary",
+            _adapter,
+        ),
+    )
+}
 
 
 def method_help() -> str:
@@ -152,40 +191,84 @@ def option(default, *flags: str, commands: tuple[str, ...] = ("build", "tune"), 
 @dataclass
 class TuningOptions:
     method: str = option("auto", "--method", choices=tuple(METHODS), show_default=True, help=method_help())
-    retrieval: bool = option(True, "--retrieval/--no-retrieval", show_default=True,
-                             help="Let lookup plans draft from a datastore of the calibration text and the model's "
-                                  "continuations of it (stored in the artifact; kept only if it pays).")
-    trees: bool = option(True, "--trees/--no-trees", show_default=True,
-                         help="Let plans draft token trees (several continuations verified in one call) where the backend "
-                              "verifies them and the objective expects them to pay; --no-trees keeps chains only.")
-    calibration: str | None = option(None, "--calibration", type="path",
-                                     help="Calibration text: .jsonl with a 'text' or 'prompt' field per line, or plain "
-                                          "text split on blank lines. Default: a small built-in set.")
-    max_draft: int = option(8, "--max-draft", type=("int", 1, 32), show_default=True,
-                            help="Most tokens drafted per round; the tuner picks the best value up to this.")
-    calibration_tokens: int = option(64, "--calibration-tokens", type=("int", 4, 1024), show_default=True,
-                                     help="Tokens the full model generates after each calibration prompt (what drafts "
-                                          "are scored on).")
-    trials: int = option(200, "--trials", type=("int", 1, None), show_default=True,
-                         help="Bayesian search: total trials in the study (a resumed study runs only the rest).")
-    time_budget: float | None = option(None, "--time-budget", type="seconds",
-                                       help="auto: seconds for the whole build from the loaded model to the written "
-                                            "artifact (default: 3000 plain decode steps of the model, timed here, at "
-                                            "least 15 s: ~90 s for SmolLM2-135M on 2 CPU cores); bayes: seconds of "
-                                            "search; adapter: seconds for its pass (default 300).")
-    study: str | None = option(None, "--study", type="path",
-                               help="Bayesian search: SQLite file for the optuna study; rerun with it to continue.")
-    plot: str | None = option(None, "--plot", type="path",
-                              help="Bayesian search: write the search trace and chosen skip pattern to this PNG.")
-    exit_layer: int | None = option(None, "--exit-layer", type="exit_layer", metavar="E|auto",
-                                    help="Adapter: train it on the hidden state after block E (auto: try a few, keep "
-                                         "the best).")
-    adapter_tokens: int | None = option(None, "--adapter-tokens", type=("int", 1, None),
-                                        help="Adapter: teacher-forced training tokens (calibration, the model's "
-                                             "continuations, then Python standard library sources) [default: 64 per "
-                                             "hidden unit, at most 32768, fewer in a short auto budget].")
-    device: str = option("cpu", "--device", type="device", show_default=True,
-                         help="Device to tune and time on (cpu, cuda, cuda:1).")
+    retrieval: bool = option(
+        True,
+        "--retrieval/--no-retrieval",
+        show_default=True,
+        help="Let lookup plans draft from a datastore of the calibration text and the model's "
+        "continuations of it (stored in the artifact; kept only if it pays).",
+    )
+    trees: bool = option(
+        True,
+        "--trees/--no-trees",
+        show_default=True,
+        help="Let plans draft token trees (several continuations verified in one call) where the backend "
+        "verifies them and the objective expects them to pay; --no-trees keeps chains only.",
+    )
+    calibration: str | None = option(
+        None,
+        "--calibration",
+        type="path",
+        help="Calibration text: .jsonl with a 'text' or 'prompt' field per line, or plain "
+        "text split on blank lines. Default: a small built-in set.",
+    )
+    max_draft: int = option(
+        8,
+        "--max-draft",
+        type=("int", 1, 32),
+        show_default=True,
+        help="Most tokens drafted per round; the tuner picks the best value up to this.",
+    )
+    calibration_tokens: int = option(
+        64,
+        "--calibration-tokens",
+        type=("int", 4, 1024),
+        show_default=True,
+        help="Tokens the full model generates after each calibration prompt (what drafts are scored on).",
+    )
+    trials: int = option(
+        200,
+        "--trials",
+        type=("int", 1, None),
+        show_default=True,
+        help="Bayesian search: total trials in the study (a resumed study runs only the rest).",
+    )
+    time_budget: float | None = option(
+        None,
+        "--time-budget",
+        type="seconds",
+        help="auto: seconds for the whole build from the loaded model to the written "
+        "artifact (default: 3000 plain decode steps of the model, timed here, at "
+        "least 15 s: ~90 s for SmolLM2-135M on 2 CPU cores); bayes: seconds of "
+        "search; adapter: seconds for its pass (default 300).",
+    )
+    study: str | None = option(
+        None,
+        "--study",
+        type="path",
+        help="Bayesian search: SQLite file for the optuna study; rerun with it to continue.",
+    )
+    plot: str | None = option(
+        None, "--plot", type="path", help="Bayesian search: write the search trace and chosen skip pattern to this PNG."
+    )
+    exit_layer: int | None = option(
+        None,
+        "--exit-layer",
+        type="exit_layer",
+        metavar="E|auto",
+        help="Adapter: train it on the hidden state after block E (auto: try a few, keep the best).",
+    )
+    adapter_tokens: int | None = option(
+        None,
+        "--adapter-tokens",
+        type=("int", 1, None),
+        help="Adapter: teacher-forced training tokens (calibration, the model's "
+        "continuations, then Python standard library sources) [default: 64 per "
+        "hidden unit, at most 32768, fewer in a short auto budget].",
+    )
+    device: str = option(
+        "cpu", "--device", type="device", show_default=True, help="Device to tune and time on (cpu, cuda, cuda:1)."
+    )
     show_progress: bool = option(True, "--quiet", is_flag=True, invert=True, help="No progress bars.")
     confirm_prompts: int = 4
     confirm_tokens: int | None = None  # None: calibration_tokens, the length the estimates were made on
@@ -194,21 +277,47 @@ class TuningOptions:
 @dataclass
 class BuildOptions(TuningOptions):
     model: str | None = None
-    out: Path = option(Path("artifact"), "-o", "--out", commands=("build",), type="out_path", required=True,
-                       help="Artifact folder to write.")
-    backends: tuple[str, ...] = option(("torch",), "--backend", commands=("build",), type="backends", show_default=True,
-                                       help="Backends to write, comma-separated: torch (safetensors), onnx (graphs + one "
-                                            "shared weights file, runs with numpy + onnxruntime + tokenizers only), or "
-                                            "torch,onnx. Plans are tuned and confirmed on the first.")
-    dtype: str = option("float32", "--dtype", commands=("build",), choices=("float32", "float16", "bfloat16"),
-                        show_default=True)
-    quantize: str | None = option(None, "--quantize", commands=("build",), choices=("int8", "int4"),
-                                  help="Weight-only quantize the ONNX graphs' linear layers and head (ONNX Runtime "
-                                       "MatMulNBits, blocks of 32); the quantized model is then the one drafts are "
-                                       "verified against.")
-    force: bool = option(False, "--force", commands=("build",), is_flag=True, help="Replace the output folder if it exists.")
-    trust_remote_code: bool = option(False, "--trust-remote-code", commands=("build",), is_flag=True,
-                                     help="Allow model code from the model folder (off by default).")
+    out: Path = option(
+        Path("artifact"),
+        "-o",
+        "--out",
+        commands=("build",),
+        type="out_path",
+        required=True,
+        help="Artifact folder to write.",
+    )
+    backends: tuple[str, ...] = option(
+        ("torch",),
+        "--backend",
+        commands=("build",),
+        type="backends",
+        show_default=True,
+        help="Backends to write, comma-separated: torch (safetensors), onnx (graphs + one "
+        "shared weights file, runs with numpy + onnxruntime + tokenizers only), or "
+        "torch,onnx. Plans are tuned and confirmed on the first.",
+    )
+    dtype: str = option(
+        "float32", "--dtype", commands=("build",), choices=("float32", "float16", "bfloat16"), show_default=True
+    )
+    quantize: str | None = option(
+        None,
+        "--quantize",
+        commands=("build",),
+        choices=("int8", "int4"),
+        help="Weight-only quantize the ONNX graphs' linear layers and head (ONNX Runtime "
+        "MatMulNBits, blocks of 32); the quantized model is then the one drafts are "
+        "verified against.",
+    )
+    force: bool = option(
+        False, "--force", commands=("build",), is_flag=True, help="Replace the output folder if it exists."
+    )
+    trust_remote_code: bool = option(
+        False,
+        "--trust-remote-code",
+        commands=("build",),
+        is_flag=True,
+        help="Allow model code from the model folder (off by default).",
+    )
 
 
 @dataclass

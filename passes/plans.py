@@ -6,7 +6,8 @@ layer-skip draft is the same blocks with some sublayers passed through.
 
 from __future__ import annotations
 
-from speccompile.runtime.manifest import DraftPlan
+from speccompile.runtime.artifact.manifest import DraftPlan
+from speccompile.runtime.drafting.model import ModelOptions
 
 from .base import Pass, PassResult
 from .ir import DecoderIR
@@ -16,7 +17,7 @@ def tuned_target(measured: dict) -> float:
     """Steer the adaptive threshold toward the acceptance rate the tuner measured at its chosen threshold,
     so that on traffic like the calibration set the runtime stays at the tuned operating point."""
     rate = measured.get("acceptance_rate")
-    return round(min(max(rate, 0.05), 0.95), 4) if rate is not None else DraftPlan.target_acceptance
+    return round(min(max(rate, 0.05), 0.95), 4) if rate is not None else ModelOptions.target_acceptance
 
 
 class EarlyExitHeads(Pass):
@@ -24,18 +25,34 @@ class EarlyExitHeads(Pass):
 
     name = "early_exit_heads"
 
-    def __init__(self, exit_layer: int, max_draft: int = 6, threshold: float = 0.0, plan_name: str | None = None,
-                 measured: dict | None = None):
+    def __init__(
+        self,
+        exit_layer: int,
+        max_draft: int = 6,
+        threshold: float = 0.0,
+        plan_name: str | None = None,
+        measured: dict | None = None,
+    ):
         self.exit_layer, self.max_draft, self.threshold = exit_layer, max_draft, threshold
         self.plan_name, self.measured = plan_name or f"exit-{exit_layer}", measured or {}
 
     def call(self, ir: DecoderIR) -> PassResult:
         before = dict(ir.plans)
-        ir.add_plan(DraftPlan(
-            name=self.plan_name, exit_layer=self.exit_layer, head=f"exit:{self.exit_layer}",
-            max_draft=self.max_draft, threshold=self.threshold, measured=dict(self.measured),
-            target_acceptance=tuned_target(self.measured),
-        ))
+        ir.add_plan(
+            DraftPlan(
+                name=self.plan_name,
+                exit_layer=self.exit_layer,
+                head=f"exit:{self.exit_layer}",
+                measured=dict(self.measured),
+                sources={
+                    "model": {
+                        "max_draft": self.max_draft,
+                        "threshold": self.threshold,
+                        "target_acceptance": tuned_target(self.measured),
+                    }
+                },
+            )
+        )
         return PassResult.after(ir, before)
 
 
@@ -44,16 +61,34 @@ class LayerSkip(Pass):
 
     name = "layer_skip"
 
-    def __init__(self, skip_attn, skip_mlp, max_draft: int = 6, threshold: float = 0.0, plan_name: str = "layer-skip",
-                 measured: dict | None = None):
+    def __init__(
+        self,
+        skip_attn,
+        skip_mlp,
+        max_draft: int = 6,
+        threshold: float = 0.0,
+        plan_name: str = "layer-skip",
+        measured: dict | None = None,
+    ):
         self.skip_attn, self.skip_mlp = sorted(set(skip_attn)), sorted(set(skip_mlp))
         self.max_draft, self.threshold, self.plan_name = max_draft, threshold, plan_name
         self.measured = measured or {}
 
     def call(self, ir: DecoderIR) -> PassResult:
         before = dict(ir.plans)
-        ir.add_plan(DraftPlan(
-            name=self.plan_name, skip_attn=self.skip_attn, skip_mlp=self.skip_mlp, max_draft=self.max_draft,
-            threshold=self.threshold, measured=dict(self.measured), target_acceptance=tuned_target(self.measured),
-        ))
+        ir.add_plan(
+            DraftPlan(
+                name=self.plan_name,
+                skip_attn=self.skip_attn,
+                skip_mlp=self.skip_mlp,
+                measured=dict(self.measured),
+                sources={
+                    "model": {
+                        "max_draft": self.max_draft,
+                        "threshold": self.threshold,
+                        "target_acceptance": tuned_target(self.measured),
+                    }
+                },
+            )
+        )
         return PassResult.after(ir, before)

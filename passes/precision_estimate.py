@@ -1,8 +1,8 @@
-"""The torch decoder that stands in for a precision self-draft (``runtime/draft_kinds/precision.py``) when the
+"""The torch decoder that stands in for a precision self-draft (``runtime/drafting/kinds/precision.py``) when the
 estimator scores it (``passes/acceptance.profile_plan``: the draft's logits over a calibration sequence in
 one parallel pass against the verifier's KV, which is what the first drafted token of a real round sees).
 
-- On torch the draft *is* a torch decoder, the int8 twin (``runtime/int8_twin.py``): the estimate runs the
+- On torch the draft *is* a torch decoder, the int8 twin (``runtime/backends/torch/int8_twin.py``): the estimate runs the
   very kernels the artifact runs.
 - On ONNX Runtime the draft is ``MatMulNBits`` with the plan's block grid. Its stand-in has the same grid,
   quantized and de-quantized in fp32 here (``block_quantized``), with fp32 activations where ONNX Runtime's
@@ -19,8 +19,14 @@ import weakref
 import torch
 from torch import nn
 
-from speccompile.runtime.draft_kinds.precision import parse_precision
-from speccompile.runtime.int8_twin import SMOOTHING_ALPHA, fold_points, input_scales_from, int8_twin, twin_with
+from speccompile.runtime.backends.torch.int8_twin import (
+    SMOOTHING_ALPHA,
+    fold_points,
+    input_scales_from,
+    int8_twin,
+    twin_with,
+)
+from speccompile.runtime.drafting.kinds.precision import parse_precision
 
 _GRID_TWINS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()  # decoder -> precision -> twin
 
@@ -33,7 +39,7 @@ def block_quantized(weight: torch.Tensor, bits: int, block: int, symmetric: bool
     w = torch.zeros(out, padded, dtype=torch.float32)
     w[:, :width] = weight.detach().float().cpu()
     w = w.view(out, padded // block, block)
-    levels = 2 ** bits - 1
+    levels = 2**bits - 1
     if symmetric:
         scale = (w.abs().amax(-1, keepdim=True) / (2 ** (bits - 1))).clamp(min=1e-12)
         q = (w / scale).round().clamp(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)

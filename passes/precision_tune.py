@@ -1,4 +1,4 @@
-"""Tune precision self-drafts (``runtime/draft_kinds/precision.py``): the model's own graph with int8 / int4
+"""Tune precision self-drafts (``runtime/drafting/kinds/precision.py``): the model's own graph with int8 / int4
 products drafts, the full-precision model verifies.
 
 A precision draft is priced and scored in three steps, each as close to what runs as it can be:
@@ -32,12 +32,13 @@ from dataclasses import replace
 import numpy as np
 import torch
 
-from speccompile.runtime.draft_kinds.precision import precision_of
+from speccompile.runtime.artifact.manifest import DraftPlan
+from speccompile.runtime.backends.torch.decoder import Decoder
+from speccompile.runtime.backends.torch.int8_twin import SCALES_FILE, int8_kernel_missing, set_input_scales
+from speccompile.runtime.decoding.speculative import DecodeRequest, decode_all
+from speccompile.runtime.drafting import has_model_part, options
+from speccompile.runtime.drafting.kinds.precision import precision_of
 from speccompile.runtime.errors import ArtifactError
-from speccompile.runtime.decoder import Decoder
-from speccompile.runtime.int8_twin import SCALES_FILE, int8_kernel_missing, set_input_scales
-from speccompile.runtime.manifest import DraftPlan
-from speccompile.runtime.speculative import DecodeRequest, decode_all
 
 from .acceptance import best_policy
 from .base import Pass, PassResult
@@ -50,11 +51,13 @@ from .precision_estimate import estimation_twin, int8_input_scales
 from .replay import ReplayedRound, estimate_rounds, round_mix
 from .tuning import TuningContext
 
-SCHEMES = {"torch": ({"precision": "int8"},),
-           "onnx": ({"precision": "int8"}, {"precision": "int4"})}
-LOOKUP_FIELDS = ("lookup", "ngram_min", "ngram_max", "lookup_max_draft", "short_ngram", "datastore", "extend")
-REAL_LOOP_CANDIDATES = 2  # plans that decode in the real loop: the best alone and the best behind lookup, by the parallel estimate
-TREE_BRANCHES = (2, 3)  # model-draft trees priced against each candidate's chain (DraftPlan.draft_branches)
+SCHEMES = {"torch": ({"precision": "int8"},), "onnx": ({"precision": "int8"}, {"precision": "int4"})}
+LOOKUP_FIELDS = ("lookup", "lookup_max_draft", "extend")
+LOOKUP_SOURCES = ("ngram", "retrieval")  # the lookup plan's options a precision draft behind it keeps
+REAL_LOOP_CANDIDATES = (
+    2  # plans that decode in the real loop: the best alone and the best behind lookup, by the parallel estimate
+)
+TREE_BRANCHES = (2, 3)  # model-draft trees priced against each candidate's chain (``sources.model.branches``)
 TREE_MARGIN = 1.03
 """How much higher than its chain the replay must price a model-draft tree for the tree to replace it. The replay
 prices neither a draft step's runner-up search nor the tree verify's mask and cache compaction, and on SmolLM2
@@ -65,7 +68,9 @@ leaves accepted). A replay that close cannot tell them apart, so the simpler cha
 
 
 def precision_plan(params: dict, max_draft: int) -> DraftPlan:
-    return DraftPlan(name="precision", kind="precision", params=dict(params), max_draft=max_draft)
+    return DraftPlan(
+        name="precision", kind="precision", params=dict(params), sources={"model": {"max_draft": max_draft}}
+    )
 
 
 def hybrid_ngram_sizes(lookup: DraftPlan) -> list[tuple[int, int]]:
@@ -74,12 +79,13 @@ def hybrid_ngram_sizes(lookup: DraftPlan) -> list[tuple[int, int]]:
     own, a lookup plan takes one-token matches, and behind a draft accepted at 0.93 a token those rounds cost
     more than they bring. On SmolLM2 with ONNX Runtime (benchmark prompts, int8 behind lookup) n-grams from 1
     token ran 1.64x, from 2 or 3 tokens 1.81-1.83x, the draft alone 1.72x."""
-    return sorted(set(NGRAM_SIZES) | {(lookup.ngram_min, lookup.ngram_max)})
+    return sorted(set(NGRAM_SIZES) | {(options(lookup, "ngram").min, options(lookup, "ngram").max)})
 
 
 def behind_lookup(plan: DraftPlan, lookup: DraftPlan) -> DraftPlan:
     """``plan`` behind ``lookup``'s sources (a lookup hit drafts the round, the precision draft otherwise)."""
-    return replace(plan, **{field: getattr(lookup, field) for field in LOOKUP_FIELDS}, measured={})
+    kept = {source: dict(lookup.sources[source]) for source in LOOKUP_SOURCES if source in lookup.sources}
+    return replace(plan.with_options(**kept), **{field: getattr(lookup, field) for field in LOOKUP_FIELDS}, measured={})
 
 
 def kept_compositions(scored: list) -> dict[str, tuple]:
@@ -105,15 +111,21 @@ class PrecisionTune(Pass):
     name = "precision_tune"
     adds = ("precision", "precision-alone", "precision-hybrid")
 
-    def __init__(self, context: TuningContext, prompts: int = 4, new_tokens: int = 48, show_progress: bool = True,
-                 quick: bool = False):
+    def __init__(
+        self,
+        context: TuningContext,
+        prompts: int = 4,
+        new_tokens: int = 48,
+        show_progress: bool = True,
+        quick: bool = False,
+    ):
         """``quick`` (the ``auto`` method, inside its time budget): int8 only (the scheme accepted best on every
         model measured) and no real-loop step: the plan keeps the parallel estimate over every calibration
         continuation. A real loop short enough for the budget (two prompts of 32 tokens) overestimated by
         20-50% on SmolLM2 and kept the lookup plan out of confirmation's race."""
         self.context, self.show_progress, self.quick = context, show_progress, quick
         self.prompts, self.new_tokens = prompts, new_tokens
-        self.schemes = SCHEMES.get(context.runner.name, SCHEMES["torch"])[:1 if quick else None]
+        self.schemes = SCHEMES.get(context.runner.name, SCHEMES["torch"])[: 1 if quick else None]
         self.real_loop = 0 if quick else REAL_LOOP_CANDIDATES
 
     def least_seconds(self) -> float:
@@ -125,11 +137,15 @@ class PrecisionTune(Pass):
     def _smooth(self, ir: DecoderIR) -> None:
         """On torch: the int8 twin's SmoothQuant scales from the calibration continuations (once per build), set on
         the decoder the estimates and timings run, and shipped in the artifact for the runtime's twin
-        (``runtime/int8_twin.py``). ONNX Runtime's ``MatMulNBits`` quantizes activations per block of 32: no
+        (``runtime/backends/torch/int8_twin.py``). ONNX Runtime's ``MatMulNBits`` quantizes activations per block of 32: no
         smoothing there."""
         c, decoder = self.context, self._decoder()
-        if (c.runner.name != "torch" or not isinstance(decoder, Decoder) or decoder.embed.weight.device.type != "cpu"
-                or int8_kernel_missing()):
+        if (
+            c.runner.name != "torch"
+            or not isinstance(decoder, Decoder)
+            or decoder.embed.weight.device.type != "cpu"
+            or int8_kernel_missing()
+        ):
             return
         if getattr(decoder, "int8_input_scales", None) is None:
             from safetensors.torch import save_file
@@ -176,7 +192,7 @@ class PrecisionTune(Pass):
         chain, _ = score_lookup(c, plan, profile)
         best = found
         for branches in TREE_BRANCHES:
-            tree_plan = replace(plan, draft_branches=branches)
+            tree_plan = plan.with_options(model={"branches": branches})
             tree, tree_rounds = score_lookup(c, tree_plan, profile)
             ratio = tree.expected_speedup / max(chain.expected_speedup, 1e-9)
             if ratio > TREE_MARGIN and ratio * estimate.expected_speedup > best[1].expected_speedup:
@@ -192,14 +208,25 @@ class PrecisionTune(Pass):
             plan = precision_plan(params, c.max_draft)
             profile = c.profile(plan)
             alone = best_policy(profile, plan, c.costs, c.max_draft)
-            found.append(self._as_tree((replace(plan, max_draft=alone.max_draft, threshold=alone.threshold,
-                                                adaptive=False), alone, None), profile))
-            if lookup is not None and lookup.lookup and not lookup.has_model_draft:  # a tree's sources, as a chain
+            found.append(
+                self._as_tree(
+                    (
+                        plan.with_options(
+                            model={"max_draft": alone.max_draft, "threshold": alone.threshold, "adaptive": False}
+                        ),
+                        alone,
+                        None,
+                    ),
+                    profile,
+                )
+            )
+            if lookup is not None and lookup.lookup and not has_model_part(lookup):  # a tree's sources, as a chain
                 best = None
                 for (lo, hi), k in itertools.product(hybrid_ngram_sizes(lookup), range(2, c.max_draft + 1, 2)):
-                    hybrid = replace(behind_lookup(plan, lookup), ngram_min=lo, ngram_max=hi,
-                                     short_ngram=min(lookup.short_ngram, hi), max_draft=k, threshold=alone.threshold,
-                                     adaptive=False)
+                    hybrid = behind_lookup(plan, lookup).with_options(
+                        ngram={"min": lo, "max": hi, "short": min(options(lookup, "ngram").short, hi)},
+                        model={"max_draft": k, "threshold": alone.threshold, "adaptive": False},
+                    )
                     estimate, rounds = score_lookup(c, hybrid, profile)
                     if best is None or estimate.expected_speedup > best[1].expected_speedup:
                         best = (hybrid, estimate, rounds)
@@ -211,15 +238,19 @@ class PrecisionTune(Pass):
     def _real_rounds(self, backend, plan: DraftPlan) -> list[ReplayedRound]:
         """``plan``'s rounds as the runtime runs them on the first calibration prompts."""
         c = self.context
-        if plan.datastore and c.confirm_datastore:  # not the datastore holding these prompts' answers
-            plan = replace(plan, datastore=c.confirm_datastore)
+        if (
+            plan.option("retrieval", "datastore") and c.confirm_datastore
+        ):  # not the datastore holding these prompts' answers
+            plan = plan.with_options(retrieval={"datastore": c.confirm_datastore})
         rounds = []
         for ref in c.references[: self.prompts]:
             prompt = ref.tokens[0, : ref.prompt_len].tolist()
             _, stats = decode_all(backend, DecodeRequest(prompt, self.new_tokens, eos_ids=c.eos), plan, c.workdir)
             # the model's drafted tokens per round: its rounds' tokens, less the lookup tokens that extended them
-            rows = [(d, a, label, d if label.startswith("model") else 0)
-                    for (d, a), label in zip(stats.round_log, stats.round_sources)]
+            rows = [
+                (d, a, label, d if label.startswith("model") else 0)
+                for (d, a), label in zip(stats.round_log, stats.round_sources)
+            ]
             scale = stats.per_source.get("model", [0])[0] / max(sum(m for *_, m in rows), 1)
             rounds += [ReplayedRound(d, a, m * scale, len(plan.lookup or ()), 0, label) for d, a, label, m in rows]
         return rounds
@@ -236,14 +267,19 @@ class PrecisionTune(Pass):
         timed = {}
         for plan in plans.values():
             draft, factor = measure_draft_rounds(backend, c.costs, plan, min(4, c.max_draft))
-            timed[precision_of(plan.params)] = {"draft_step_ms": round(draft * 1e3, 3), "verify_after_draft": round(factor, 3)}
+            timed[precision_of(plan.params)] = {
+                "draft_step_ms": round(draft * 1e3, 3),
+                "verify_after_draft": round(factor, 3),
+            }
         candidates = sorted(self._candidates(ir), key=lambda found: -found[1].expected_speedup)
         if self.real_loop:  # the best candidates by the parallel estimate, scored again in the real loop
             scored, firsts = [], {}
             for found in candidates:  # the best of each composition, then the next best
                 firsts.setdefault(bool(found[0].lookup), found)
             chosen = list(firsts.values())
-            chosen += [found for found in candidates if all(found is not f for f in chosen)][: max(self.real_loop - len(chosen), 0)]
+            chosen += [found for found in candidates if all(found is not f for f in chosen)][
+                : max(self.real_loop - len(chosen), 0)
+            ]
             for plan, parallel, _ in chosen:
                 rounds = self._real_rounds(backend, plan)
                 scored.append((plan, estimate_rounds(rounds, plan, c.costs), rounds, parallel))
@@ -252,12 +288,17 @@ class PrecisionTune(Pass):
         seconds = round(time.perf_counter() - start, 2)
         for name, (plan, estimate, rounds, parallel) in kept_compositions(scored).items():
             plan = replace(plan, name=name)
-            plan.measured = c.record("precision", estimate, tuning_seconds=seconds,
-                                     estimate_from="parallel pass" if not self.real_loop else "real loop",
-                                     parallel_estimate=round(parallel.expected_speedup, 4),
-                                     parallel_acceptance=round(parallel.acceptance_rate, 4),
-                                     **({"round_mix": round_mix(rounds)} if rounds else {}), draft_costs=timed)
-            plan.target_acceptance = tuned_target(plan.measured)
+            plan.measured = c.record(
+                "precision",
+                estimate,
+                tuning_seconds=seconds,
+                estimate_from="parallel pass" if not self.real_loop else "real loop",
+                parallel_estimate=round(parallel.expected_speedup, 4),
+                parallel_acceptance=round(parallel.acceptance_rate, 4),
+                **({"round_mix": round_mix(rounds)} if rounds else {}),
+                draft_costs=timed,
+            )
+            plan.set_option("model", "target_acceptance", tuned_target(plan.measured))
             ir.add_plan(plan)
         return PassResult.after(ir, before, draft_costs=timed)
 

@@ -1,4 +1,4 @@
-"""Replay the runtime's own drafter objects over the calibration continuations (DESIGN.md section 5).
+"""Replay the runtime's own drafter objects over the calibration continuations (docs/design.md section 5).
 
 The target's greedy continuation of each calibration prompt is what a real run verifies, so a round
 can be replayed without the model: the drafter (the same ``make_drafter`` object the runtime builds,
@@ -17,9 +17,10 @@ from pathlib import Path
 
 import numpy as np
 
-from speccompile.runtime.drafter_factory import make_drafter
-from speccompile.runtime.drafters import RoundContext
-from speccompile.runtime.manifest import DraftPlan
+from speccompile.runtime.artifact.manifest import DraftPlan
+from speccompile.runtime.drafting import has_model_part, options
+from speccompile.runtime.drafting.base import RoundContext
+from speccompile.runtime.drafting.factory import make_drafter
 from speccompile.runtime.sampling import SamplingParams
 
 from .acceptance import Profile, Reference, RoundEstimate
@@ -29,10 +30,15 @@ GREEDY = SamplingParams()
 
 class ProfileStep:
     """A model draft step read from one sequence's profile: what the plan's subgraph drafts after the
-    target's own prefix (exact for the first token of a round, DESIGN.md section 5)."""
+    target's own prefix (exact for the first token of a round, docs/design.md section 5)."""
 
-    def __init__(self, tops: np.ndarray, confidences: np.ndarray, prompt_len: int,
-                 runners: tuple[np.ndarray, np.ndarray] | None = None):
+    def __init__(
+        self,
+        tops: np.ndarray,
+        confidences: np.ndarray,
+        prompt_len: int,
+        runners: tuple[np.ndarray, np.ndarray] | None = None,
+    ):
         self.tops, self.confidences, self.prompt_len, self.runners = tops, confidences, prompt_len, runners
         self._last = -1
 
@@ -61,30 +67,43 @@ class ReplayedRound:
     label: str
 
 
-def replay(plan: DraftPlan, references: list[Reference], profile: Profile | None = None,
-           root: Path | None = None) -> list[ReplayedRound]:
+def replay(
+    plan: DraftPlan, references: list[Reference], profile: Profile | None = None, root: Path | None = None
+) -> list[ReplayedRound]:
     """Every round of ``plan``'s drafter over every calibration continuation, as ``runtime.speculative.decode``
     would run it (the last token of a sequence, with no room to draft, is a plain step and not a round)."""
-    if plan.has_model_draft and (profile is None or profile.tops is None):
+    if has_model_part(plan) and (profile is None or profile.tops is None):
         raise ValueError(f"plan {plan.name!r} has a model part: replay needs its profile")
     rounds: list[ReplayedRound] = []
     for s, ref in enumerate(references):
         tokens = ref.tokens[0].tolist()
         prompt, target = tokens[: ref.prompt_len], tokens[ref.prompt_len :]
         runners = (profile.runner_ups[s], profile.runner_up_probs[s]) if profile and profile.runner_ups else None
-        step = ProfileStep(profile.tops[s], profile.confidences[s], ref.prompt_len, runners) if plan.has_model_draft else None
+        step = (
+            ProfileStep(profile.tops[s], profile.confidences[s], ref.prompt_len, runners)
+            if has_model_part(plan)
+            else None
+        )
         drafter = make_drafter(plan, step, root)
         drafter.start(prompt)
         produced, n = 1, len(target)
         while n - produced > 1:
-            ctx = RoundContext(history=tokens[: ref.prompt_len + produced], pos=ref.prompt_len + produced - 1,
-                               limit=n - produced - 1, params=GREEDY, rng=None)
+            ctx = RoundContext(
+                history=tokens[: ref.prompt_len + produced],
+                pos=ref.prompt_len + produced - 1,
+                limit=n - produced - 1,
+                params=GREEDY,
+                rng=None,
+            )
             draft = drafter.propose(ctx)
             accepted = len(draft.nodes_of(target[produced:]))  # a chain's or a tree's path along the continuation
             drafter.feedback(draft, accepted)
             model = draft.sources.count("model")
-            rounds.append(ReplayedRound(len(draft.tokens), accepted, model, len(plan.lookup) if plan.lookup else 0,
-                                        draft.reuse, draft.label))
+            rounds.append(
+                ReplayedRound(
+                    len(draft.tokens), accepted, model, len(plan.lookup) if plan.lookup else 0, draft.reuse, draft.label
+                )
+            )
             produced += accepted + 1
     return rounds
 
@@ -92,8 +111,8 @@ def replay(plan: DraftPlan, references: list[Reference], profile: Profile | None
 def estimate_rounds(rounds: list[ReplayedRound], plan: DraftPlan, costs) -> RoundEstimate:
     """Expected speedup of replayed rounds: tokens per second of the rounds over plain decoding's."""
     if not rounds:
-        return RoundEstimate(1.0, 0.0, 0.0, 0.0, plan.max_draft, plan.threshold)
-    draft_step = costs.draft_step(plan) if plan.has_model_draft else 0.0
+        return RoundEstimate(1.0, 0.0, 0.0, 0.0, options(plan, "model").max_draft, options(plan, "model").threshold)
+    draft_step = costs.draft_step(plan) if has_model_part(plan) else 0.0
     total_cost = 0.0
     for r in rounds:
         total_cost += r.model_tokens * draft_step + r.lookups * costs.lookup
@@ -103,9 +122,12 @@ def estimate_rounds(rounds: list[ReplayedRound], plan: DraftPlan, costs) -> Roun
     tokens = sum(r.accepted + 1 for r in rounds)
     drafted = sum(r.drafted for r in rounds)
     return RoundEstimate(
-        tokens_per_round=tokens / len(rounds), drafted_per_round=drafted / len(rounds),
+        tokens_per_round=tokens / len(rounds),
+        drafted_per_round=drafted / len(rounds),
         acceptance_rate=sum(r.accepted for r in rounds) / max(drafted, 1),
-        expected_speedup=tokens / total_cost * costs.plain_step(), max_draft=plan.max_draft, threshold=plan.threshold,
+        expected_speedup=tokens / total_cost * costs.plain_step(),
+        max_draft=options(plan, "model").max_draft,
+        threshold=options(plan, "model").threshold,
     )
 
 

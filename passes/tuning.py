@@ -17,12 +17,11 @@ from typing import Protocol
 import numpy as np
 from tqdm.auto import tqdm
 
-from speccompile.runtime.manifest import DraftPlan
+from speccompile.runtime.artifact.manifest import DraftPlan
 
 from .acceptance import Reference, RoundEstimate, best_policy, greedy_continuations, profile_plan, reference_pass
 from .cost_model import CostModel, StepCosts, device_name, measure_costs, measure_step_costs
 from .ir import DecoderIR
-
 
 LOOKUP_MAX_DRAFT = 12  # longest lookup draft the tuner considers (the verify step costs are timed up to it)
 
@@ -43,7 +42,7 @@ class TorchRunner:
         self.ir = ir
 
     def backend(self, plans: dict[str, DraftPlan] | None = None):
-        from speccompile.runtime.torch_backend import TorchBackend
+        from speccompile.runtime.backends.torch.backend import TorchBackend
 
         return TorchBackend(self.ir.decoder(), device=self.ir.device)
 
@@ -64,15 +63,27 @@ class TuningContext:
     cosine_scores: dict[int, float] = field(default_factory=dict)  # skip count -> expected speedup
     confirm_datastore: str | None = None  # datastore for confirming retrieval plans, without the confirm prompts
     eos: frozenset[int] = frozenset()  # calibration continuations and confirmation runs stop here, as generation does
-    signals: dict = field(default_factory=dict)  # cheap signals shared by passes' bounds (exit agreements, lookup rounds)
+    signals: dict = field(
+        default_factory=dict
+    )  # cheap signals shared by passes' bounds (exit agreements, lookup rounds)
     timings: dict = field(default_factory=dict)  # seconds per calibration phase
     trees: bool = False  # whether the runner's backend verifies token trees (runtime/tree.py)
 
     @classmethod
-    def prepare(cls, ir: DecoderIR, prompts: list[list[int]], new_tokens: int, max_draft: int,
-                show_progress: bool = True, confirm_prompts: int = 4, confirm_tokens: int = 48,
-                runner: Runner | None = None, workdir: Path | None = None, eos: frozenset[int] = frozenset(),
-                trees: bool = True) -> "TuningContext":
+    def prepare(
+        cls,
+        ir: DecoderIR,
+        prompts: list[list[int]],
+        new_tokens: int,
+        max_draft: int,
+        show_progress: bool = True,
+        confirm_prompts: int = 4,
+        confirm_tokens: int = 48,
+        runner: Runner | None = None,
+        workdir: Path | None = None,
+        eos: frozenset[int] = frozenset(),
+        trees: bool = True,
+    ) -> "TuningContext":
         """Greedy-decode the calibration prompts with the full model, store its K/V, time the sublayers
         and the runner's backend. ``trees``: whether plans may draft token trees (``--no-trees``: chains
         only), where the runner's backend verifies them."""
@@ -89,8 +100,9 @@ class TuningContext:
         lap("continuations")
         cosine = np.zeros((2, ir.config.num_layers))
         references = []
-        for prompt, continuation in tqdm(list(zip(prompts, continuations)), desc="calibration: reference pass",
-                                         disable=not show_progress):
+        for prompt, continuation in tqdm(
+            list(zip(prompts, continuations)), desc="calibration: reference pass", disable=not show_progress
+        ):
             references.append(reference_pass(decoder, prompt + continuation, len(prompt), cosine))
         cosine /= max(len(references), 1)
         lap("reference_pass")
@@ -102,10 +114,22 @@ class TuningContext:
         lap("runner_backend")
         costs = measure_step_costs(backend, cost, max_draft + LOOKUP_MAX_DRAFT + 1)
         lap("step_costs")
-        return cls(ir=ir, references=references, cosine=cosine, cost=cost, costs=costs, max_draft=max_draft,
-                   device=f"{device_name(cost.device)}, {runner.name}", confirm_prompts=prompts[:confirm_prompts],
-                   confirm_tokens=confirm_tokens, runner=runner, workdir=workdir, eos=frozenset(eos), timings=timings,
-                   trees=trees and backend.tree_unsupported() is None)
+        return cls(
+            ir=ir,
+            references=references,
+            cosine=cosine,
+            cost=cost,
+            costs=costs,
+            max_draft=max_draft,
+            device=f"{device_name(cost.device)}, {runner.name}",
+            confirm_prompts=prompts[:confirm_prompts],
+            confirm_tokens=confirm_tokens,
+            runner=runner,
+            workdir=workdir,
+            eos=frozenset(eos),
+            timings=timings,
+            trees=trees and backend.tree_unsupported() is None,
+        )
 
     @property
     def training_references(self) -> list[Reference]:
@@ -113,7 +137,7 @@ class TuningContext:
         the confirmation prompts', so confirmation measures the draft on text it never saw (an adapter
         trained on them once confirmed 1.32x at build and ran 1.02x on the benchmark prompts). With no
         other sequences (a calibration of only the confirmation prompts), all of them."""
-        return self.references[len(self.confirm_prompts):] or self.references
+        return self.references[len(self.confirm_prompts) :] or self.references
 
     @property
     def confirmation_held_out(self) -> bool:
@@ -125,13 +149,14 @@ class TuningContext:
         return best_policy(self.profile(plan, references), plan, self.costs, self.max_draft)
 
     def profile(self, plan: DraftPlan, references: list[Reference] | None = None):
-        return profile_plan(self.draft_decoder(plan), plan, self.references if references is None else references,
-                            self.draft_head(plan))
+        return profile_plan(
+            self.draft_decoder(plan), plan, self.references if references is None else references, self.draft_head(plan)
+        )
 
     def draft_decoder(self, plan: DraftPlan):
         """The torch decoder whose blocks and head compute ``plan``'s draft: the model's, or for a precision
         draft its stand-in on the runner's backend (``passes/precision_estimate.py``)."""
-        from speccompile.runtime.draft_kinds import kind_of
+        from speccompile.runtime.drafting.kinds import kind_of
 
         decoder = self.ir.decoder()
         kind = kind_of(plan, self.ir.config.num_layers)
@@ -154,12 +179,13 @@ class TuningContext:
         read from this tuning run's files; None for the shared head."""
         if plan.draft_head_file is None:
             return None
-        from speccompile.runtime.adapter import load_draft_head
-        from speccompile.runtime.torch_backend import TorchDraftHead
+        from speccompile.runtime.backends.torch.backend import TorchDraftHead
+        from speccompile.runtime.drafting.kinds.adapter import load_draft_head
 
         c = self.ir.config
-        return TorchDraftHead.from_draft_head(self.ir.decoder(),
-                                              load_draft_head(self.workdir / plan.draft_head_file, c.hidden_size, c.vocab_size))
+        return TorchDraftHead.from_draft_head(
+            self.ir.decoder(), load_draft_head(self.workdir / plan.draft_head_file, c.hidden_size, c.vocab_size)
+        )
 
     def record(self, method: str, estimate: RoundEstimate, **extra) -> dict:
         """The 'measured' block of a plan in the manifest."""

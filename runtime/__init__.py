@@ -3,11 +3,22 @@
 Imports numpy and tokenizers only; torch is imported when a torch-backend artifact is opened.
 """
 
+from .artifact.manifest import SCHEMA_VERSION, ArchConfig, DraftPlan, Manifest, read_manifest
 from .errors import ArtifactError, BackendUnavailableError, InputError, SpeccompileError
-from .manifest import SCHEMA_VERSION, ArchConfig, DraftPlan, Manifest, read_manifest
-from .model import GenerationResult, SpeculativeModel, load
+from .model import GenerationResult, SpeculativeModel, load, read_artifact
 
 __all__ = [
-    "ArchConfig", "ArtifactError", "BackendUnavailableError", "DraftPlan", "GenerationResult", "InputError",
-    "Manifest", "SCHEMA_VERSION", "SpeccompileError", "SpeculativeModel", "load", "read_manifest",
+    "ArchConfig",
+    "ArtifactError",
+    "BackendUnavailableError",
+    "DraftPlan",
+    "GenerationResult",
+    "InputError",
+    "Manifest",
+    "SCHEMA_VERSION",
+    "SpeccompileError",
+    "SpeculativeModel",
+    "load",
+    "read_artifact",
+    "read_manifest",
 ]

@@ -24,7 +24,7 @@ def quote(value, limit: int = QUOTE_PREFIX) -> str:
     if isinstance(value, str):
         if len(value) <= limit:
             return ascii_safe(repr(value))
-        head, tail = value[: limit - limit // 3], value[-(limit // 3):]  # a path's file name is at its end
+        head, tail = value[: limit - limit // 3], value[-(limit // 3) :]  # a path's file name is at its end
         return f"{ascii_safe(repr(head))[:-1]}...{ascii_safe(repr(tail))[1:]} ({len(value)} characters)"
     if isinstance(value, int) and abs(value) >= 10**limit:  # (repr of an int over 4300 digits raises)
         return f"<{value.bit_length()}-bit integer>"

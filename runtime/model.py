@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from .artifact_check import check_after_open, check_before_open
+from .artifact.manifest import DraftPlan, Manifest, read_manifest
+from .artifact.tokenizer import TextTokenizer
+from .backends.weights_check import check_after_open, check_before_open
+from .decoding.speculative import DecodeRequest, Stats, backend_drafter, decode, reserve_cache
+from .drafting import check_plans
 from .errors import ArtifactError, BackendUnavailableError, InputError, opening_artifact
-from .manifest import DraftPlan, Manifest, read_manifest
 from .sampling import SamplingParams
-from .speculative import DecodeRequest, Stats, backend_drafter, decode, reserve_cache
-from .tokenizer import TextTokenizer
 
 TOKENIZER_FILE = "tokenizer/tokenizer.json"
 
@@ -81,24 +82,6 @@ def check_request(prompt, max_new_tokens, temperature, top_k, top_p, seed, max_d
         raise InputError(f"max_draft must be an integer >= 1, got {max_draft!r}")
 
 
-def _check_torch_device(device: str) -> None:
-    """A one-line error for a device PyTorch cannot use, instead of its AssertionError / RuntimeError."""
-    import torch
-
-    try:
-        parsed = torch.device(device)
-    except (RuntimeError, ValueError, TypeError):
-        raise BackendUnavailableError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
-    if parsed.type == "cuda":
-        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if (parsed.index or 0) >= count:
-            raise BackendUnavailableError(
-                f"device {device!r} needs a CUDA GPU that PyTorch can see (it sees {count}); use --device cpu"
-            )
-    elif parsed.type != "cpu":
-        raise BackendUnavailableError(f"device {device!r} is not supported by the torch backend; use cpu or cuda")
-
-
 def _open_backend(root: Path, manifest: Manifest, backend: str | None, device: str):
     available = list(manifest.backends)
     name = backend or available[0]
@@ -108,39 +91,46 @@ def _open_backend(root: Path, manifest: Manifest, backend: str | None, device: s
         )
     if name == "torch":
         try:
-            from .torch_backend import DTYPES, TorchBackend
+            from .backends.torch.backend import DTYPES, TorchBackend, check_device
         except ImportError:
             raise BackendUnavailableError(
                 "the torch backend needs PyTorch; install it (pip install torch) or use an ONNX artifact"
             ) from None
-        _check_torch_device(device)
+        check_device(device)
         if manifest.config.decoder == "generic":  # the model's own modules, through transformers
-            from .hf_decoder import HFDecoder
-
-            from .hf_decoder import HF_FOLDER
+            from .backends.torch.hf_decoder import HF_FOLDER, HFDecoder
 
             if manifest.backends["torch"].get("hf_folder") != HF_FOLDER:
-                raise ArtifactError(f"manifest backends['torch'] of a generic-path artifact must name its model folder "
-                                    f"{HF_FOLDER!r}; the manifest is damaged: rebuild the artifact")
+                raise ArtifactError(
+                    f"manifest backends['torch'] of a generic-path artifact must name its model folder "
+                    f"{HF_FOLDER!r}; the manifest is damaged: rebuild the artifact"
+                )
             decoder = HFDecoder.from_folder(root / HF_FOLDER, DTYPES[manifest.dtype], device)
             return TorchBackend(decoder, device=device)
         record = manifest.backends["torch"]
         scales = record.get("int8_scales_file")
-        return TorchBackend.from_files(root / record["weights"], manifest.config, dtype=manifest.dtype, device=device,
-                                       int8_scales=None if scales is None else root / scales)
+        return TorchBackend.from_files(
+            root / record["weights"],
+            manifest.config,
+            dtype=manifest.dtype,
+            device=device,
+            int8_scales=None if scales is None else root / scales,
+        )
     if name == "onnx":
         try:
-            from .onnx_backend import OnnxBackend
+            from .backends.onnx import OnnxBackend
         except ImportError:
             raise BackendUnavailableError(
                 "the onnx backend needs onnxruntime; install it (pip install onnxruntime, or onnxruntime-gpu)"
             ) from None
         return OnnxBackend.from_artifact(root, manifest, device=device)
     if name == "tensorrt":  # needs tensorrt + cuda-python, checked when the engines are opened
-        from .tensorrt_backend import TensorRTBackend
+        from .backends.tensorrt.backend import TensorRTBackend
 
         return TensorRTBackend.from_artifact(root, manifest, device=device)
-    raise BackendUnavailableError(f"backend '{name}' is not supported by this runtime (supported: torch, onnx, tensorrt)")
+    raise BackendUnavailableError(
+        f"backend '{name}' is not supported by this runtime (supported: torch, onnx, tensorrt)"
+    )
 
 
 class SpeculativeModel:
@@ -205,9 +195,11 @@ class SpeculativeModel:
         prompt_ids = self.encode_prompt(prompt)
         draft_plan = self.draft_plan(plan) if speculate else None
         request = DecodeRequest(
-            prompt_ids=prompt_ids, max_new_tokens=max_new_tokens,
+            prompt_ids=prompt_ids,
+            max_new_tokens=max_new_tokens,
             params=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p),
-            eos_ids=self.eos_ids, seed=seed,
+            eos_ids=self.eos_ids,
+            seed=seed,
         )
         reserve_cache(self.backend, request, draft_plan, max_draft)
         drafter = backend_drafter(self.backend, draft_plan, self.root, max_draft)
@@ -223,7 +215,7 @@ class SpeculativeModel:
                     produced.extend(new)
                     full = self.tokenizer.decode(produced)
                     # Hold back text that ends in an incomplete UTF-8 sequence until it completes.
-                    delta = full[len(text):] if not full.endswith("\ufffd") else ""
+                    delta = full[len(text) :] if not full.endswith("\ufffd") else ""
                     text += delta
                     yield Chunk(text=delta, token_ids=new)
             finally:
@@ -249,14 +241,29 @@ class SpeculativeModel:
         return stream.result
 
 
-def load(path: str | Path, backend: str | None = None, device: str = "cpu", verify: bool = True) -> SpeculativeModel:
-    """Open an artifact: check its manifest and file hashes, its geometry against the weights' headers,
-    then load tokenizer and backend. Whatever goes wrong is a SpeccompileError (one line)."""
+def read_artifact(path: str | Path, verify: bool = True, backends: list[str] | None = None) -> Manifest:
+    """Everything loading checks short of opening a backend: the manifest and its files' hashes, every plan's
+    draft kind and sources (``drafting.check_plans``), and the geometry against the headers of the weights of
+    ``backends`` (default: every backend the artifact lists; the torch decoder's tensor names only where torch is
+    installed). ``inspect`` reports through this, so an artifact it summarises is one ``load`` opens."""
     root = Path(path)
     with opening_artifact(root):
         manifest = read_manifest(root, verify_files=verify)
+        check_plans(manifest)
+        for name in manifest.backends if backends is None else backends:
+            if name in manifest.backends:  # (an unknown name: _open_backend's one-line error)
+                check_before_open(root, manifest, name)
+    return manifest
+
+
+def load(path: str | Path, backend: str | None = None, device: str = "cpu", verify: bool = True) -> SpeculativeModel:
+    """Open an artifact: check its manifest and file hashes, its plans, its geometry against the weights'
+    headers, then load tokenizer and backend. Whatever goes wrong is a SpeccompileError (one line)."""
+    root = Path(path)
+    with opening_artifact(root):
+        manifest = read_artifact(root, verify, backends=[])
         name = backend or next(iter(manifest.backends))
-        if name in manifest.backends:  # (an unknown name: _open_backend's one-line error)
+        if name in manifest.backends:  # (an unknown name: _open_backend's one-line error); only the one opened
             check_before_open(root, manifest, name)
         tokenizer = TextTokenizer(root / TOKENIZER_FILE)
         opened = _open_backend(root, manifest, backend, device)

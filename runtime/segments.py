@@ -1,7 +1,7 @@
 """Segments: the one vocabulary in which draft kinds ask backends for work.
 
-A backend never learns what a draft plan *is* (DESIGN.md section 2). A draft kind
-(``runtime/draft_kinds/``) expresses its draft step and its verify as segments, and every backend runs
+A backend never learns what a draft plan *is* (docs/design.md section 2). A draft kind
+(``runtime/drafting/kinds/``) expresses its draft step and its verify as segments, and every backend runs
 any segment it has the code or the exported graphs for:
 
 - blocks ``start .. stop-1``, less the attention / MLP sublayers in ``skip_attn`` / ``skip_mlp`` (the
@@ -12,7 +12,7 @@ any segment it has the code or the exported graphs for:
   segment that starts at ``stop`` (early-exit prefix reuse);
 - ``head``: ``None`` (no logits), ``"final"`` (the model's final norm and lm_head, shared by every
   exit) or the artifact-relative path of a draft head file (an exit adapter and/or a reduced draft
-  vocabulary, ``runtime/adapter.py``; logits come back over the whole vocabulary);
+  vocabulary, ``runtime/drafting/kinds/adapter.py``; logits come back over the whole vocabulary);
 - ``precision``: ``None`` (the model's own weights) or a weight-only quantization scheme of them
   (``"int4"``, ``"int8"``, optionally ``"int4/b128"`` or ``"int4/b32s"`` with a block size and ``s`` for
   symmetric): a precision self-draft (``draft_kinds/precision.py``), which writes its KV into the same cache.

@@ -90,8 +90,9 @@ def greedy_path(tokens: Sequence[int], parents: Sequence[int], logits: np.ndarra
         row = nxt + 1
 
 
-def sample_path(tokens: Sequence[int], parents: Sequence[int], logits: np.ndarray, params: SamplingParams,
-                rng: np.random.Generator) -> tuple[list[int], int]:
+def sample_path(
+    tokens: Sequence[int], parents: Sequence[int], logits: np.ndarray, params: SamplingParams, rng: np.random.Generator
+) -> tuple[list[int], int]:
     """(accepted nodes, the token sampled after them) by recursive rejection over one-hot candidates."""
     children = children_of(parents)
     path: list[int] = []
@@ -175,5 +176,15 @@ class TokenTrie:
         return added
 
 
-__all__ = ["TokenTrie", "attention_rows", "chain_parents", "children_of", "depths", "follow", "greedy_path", "is_chain",
-           "kv_moves", "sample_path"]
+__all__ = [
+    "TokenTrie",
+    "attention_rows",
+    "chain_parents",
+    "children_of",
+    "depths",
+    "follow",
+    "greedy_path",
+    "is_chain",
+    "kv_moves",
+    "sample_path",
+]

@@ -21,9 +21,16 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 import speccompile
+from speccompile.runtime.artifact.manifest import (
+    MANIFEST_NAME,
+    SCHEMA_VERSION,
+    Manifest,
+    file_record,
+    write_manifest,
+)
+from speccompile.runtime.drafting import has_model_part
 from speccompile.runtime.errors import SpeccompileError
-from speccompile.runtime.manifest import (MANIFEST_NAME, SCHEMA_VERSION, Manifest, file_record, read_manifest,
-                                          write_manifest)
+from speccompile.runtime.model import read_artifact
 
 try:
     import fcntl
@@ -76,19 +83,25 @@ def _shown(names: list[str]) -> str:
 def check_replaceable(out: Path, real: Path) -> None:
     """Refuse to replace ``real`` unless it is an artifact with no unlisted files, or an empty folder."""
     if not real.is_dir():
-        raise OutputError(f"'{out}' is a file, not a speccompile artifact; --force only replaces artifacts: "
-                          "remove it yourself or choose another -o")
+        raise OutputError(
+            f"'{out}' is a file, not a speccompile artifact; --force only replaces artifacts: "
+            "remove it yourself or choose another -o"
+        )
     if not any(real.iterdir()):
         return
     manifest = artifact_manifest(real)
     if manifest is None:
-        raise OutputError(f"'{out}' is not a speccompile artifact (no readable manifest.json; it holds "
-                          f"{_shown(_entries(real))}); --force only replaces artifacts: choose another -o or remove the "
-                          "folder yourself")
+        raise OutputError(
+            f"'{out}' is not a speccompile artifact (no readable manifest.json; it holds "
+            f"{_shown(_entries(real))}); --force only replaces artifacts: choose another -o or remove the "
+            "folder yourself"
+        )
     extra = [name for name in _entries(real) if name != MANIFEST_NAME and name not in manifest["files"]]
     if extra:
-        raise OutputError(f"'{out}' is an artifact but also holds files its manifest does not list ({_shown(extra)}); "
-                          "--force would delete them: move them out or choose another -o")
+        raise OutputError(
+            f"'{out}' is an artifact but also holds files its manifest does not list ({_shown(extra)}); "
+            "--force would delete them: move them out or choose another -o"
+        )
 
 
 def check_output(out: Path, force: bool, source: Path | None = None) -> Path:
@@ -100,19 +113,24 @@ def check_output(out: Path, force: bool, source: Path | None = None) -> Path:
     real = resolve_out(out)
     cwd = Path.cwd().resolve()
     if real == cwd or real in cwd.parents:
-        raise OutputError(f"-o '{out}' is the working folder or contains it; write the artifact to a new folder, "
-                          "e.g. -o artifacts/NAME")
+        raise OutputError(
+            f"-o '{out}' is the working folder or contains it; write the artifact to a new folder, "
+            "e.g. -o artifacts/NAME"
+        )
     if source is not None and (real == source or source in real.parents or real in source.parents):
-        raise OutputError(f"-o '{out}' is, contains or lies inside the source model at '{source}'; write the artifact "
-                          "somewhere else")
+        raise OutputError(
+            f"-o '{out}' is, contains or lies inside the source model at '{source}'; write the artifact somewhere else"
+        )
     above = real.parent
     while not above.exists() and above != above.parent:
         above = above.parent
     if not above.is_dir():
         raise OutputError(f"cannot create '{out}': '{above}' is a file, not a folder; choose another -o")
     if not os.access(above, os.W_OK | os.X_OK):
-        raise OutputError(f"cannot write '{out}': folder '{above}' is not writable by this user; choose another -o "
-                          "or fix its permissions")
+        raise OutputError(
+            f"cannot write '{out}': folder '{above}' is not writable by this user; choose another -o "
+            "or fix its permissions"
+        )
     if real.exists() or real.is_symlink():
         if not force:
             raise OutputError(f"output folder '{out}' already exists; pass --force to replace it or choose another -o")
@@ -163,8 +181,10 @@ def _acquire(lock_path: Path, real: Path) -> int:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
             os.close(fd)
-            raise OutputError(f"another speccompile build or tune is writing '{real}' (it holds {lock_path.name}); "
-                              "wait for it to finish or choose another -o") from None
+            raise OutputError(
+                f"another speccompile build or tune is writing '{real}' (it holds {lock_path.name}); "
+                "wait for it to finish or choose another -o"
+            ) from None
         try:
             if os.stat(lock_path).st_ino == os.fstat(fd).st_ino:
                 return fd
@@ -205,8 +225,10 @@ def atomic_folder(out: Path, replace: bool = False):
             yield tmp
             if real.exists() or real.is_symlink():
                 if not replace:
-                    raise OutputError(f"'{out}' appeared while this build ran (written by another process); nothing "
-                                      "was replaced: rerun with --force or choose another -o")
+                    raise OutputError(
+                        f"'{out}' appeared while this build ran (written by another process); nothing "
+                        "was replaced: rerun with --force or choose another -o"
+                    )
                 check_replaceable(Path(out), real)
                 old = _sibling(real, "old")
                 real.rename(old)
@@ -229,7 +251,7 @@ def write_backend_files(root: Path, ir, backends: list[str]) -> dict:
     records = {}
     if "torch" in backends and ir.config.decoder == "generic":
         # The model's own files (config.json + safetensors), loaded by transformers at run time; never remote code.
-        from speccompile.runtime.hf_decoder import HF_FOLDER
+        from speccompile.runtime.backends.torch.hf_decoder import HF_FOLDER
 
         ir.decoder().model.save_pretrained(root / HF_FOLDER, safe_serialization=True, max_shard_size="1000GB")
         records["torch"] = {"weights": WEIGHTS_FILE, "hf_folder": HF_FOLDER}
@@ -239,7 +261,7 @@ def write_backend_files(root: Path, ir, backends: list[str]) -> dict:
         weights = {k: (v if k == "rope_inv_freq" else v.to(dtype)).contiguous() for k, v in ir.weights.items()}
         save_file(weights, str(root / WEIGHTS_FILE), metadata={"format": "pt", "producer": "speccompile"})
         records["torch"] = {"weights": WEIGHTS_FILE}
-        from speccompile.runtime.int8_twin import SCALES_FILE
+        from speccompile.runtime.backends.torch.int8_twin import SCALES_FILE
 
         if SCALES_FILE in getattr(ir, "extra_files", {}):  # the int8 twin's smoothing (passes/precision_tune.py)
             records["torch"]["int8_scales_file"] = SCALES_FILE
@@ -248,8 +270,15 @@ def write_backend_files(root: Path, ir, backends: list[str]) -> dict:
 
         onnx_dtype = "float16" if ir.dtype == "float16" else "float32"
         export = ir.tuning.get("onnx_export", {})  # graph variant, weight-only quantization (build --quantize)
-        records["onnx"] = export_onnx_weights(ir.config, ir.weights, model_plans(ir.plans), root / "onnx", onnx_dtype, **export,
-                                              draft_heads=getattr(ir, "extra_files", {}))
+        records["onnx"] = export_onnx_weights(
+            ir.config,
+            ir.weights,
+            model_plans(ir.plans),
+            root / "onnx",
+            onnx_dtype,
+            **export,
+            draft_heads=getattr(ir, "extra_files", {}),
+        )
     for relative, source in getattr(ir, "extra_files", {}).items():  # plan resources, e.g. a retrieval datastore
         (root / relative).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, root / relative)
@@ -264,7 +293,7 @@ def write_backend_files(root: Path, ir, backends: list[str]) -> dict:
 def model_plans(plans: dict) -> dict:
     """The plans with a model subgraph: the only ones that need graphs of their own (lookup-only plans
     verify with the full model)."""
-    return {name: plan for name, plan in plans.items() if plan.has_model_draft}
+    return {name: plan for name, plan in plans.items() if has_model_part(plan)}
 
 
 def hash_files(root: Path) -> dict:
@@ -273,8 +302,9 @@ def hash_files(root: Path) -> dict:
     return {name: file_record(root, name) for name in names}
 
 
-def write_artifact(out: Path, ir, tokenizer, source: dict, tokens: dict, force: bool = False,
-                   backends: list[str] = ("torch",)) -> Path:
+def write_artifact(
+    out: Path, ir, tokenizer, source: dict, tokens: dict, force: bool = False, backends: list[str] = ("torch",)
+) -> Path:
     """Write the backends' files, tokenizer and manifest for ``ir`` to ``out`` (atomically)."""
     out = Path(out)
     check_output(out, force)
@@ -284,8 +314,15 @@ def write_artifact(out: Path, ir, tokenizer, source: dict, tokens: dict, force: 
         if not (tmp / "tokenizer" / "tokenizer.json").is_file():
             raise SpeccompileError("the tokenizer did not save a tokenizer.json; the runtime needs a fast tokenizer")
         manifest = Manifest(
-            config=ir.config, plans=ir.plans, default_plan=ir.default_plan, files=hash_files(tmp),
-            backends=records, dtype=ir.dtype, source=source, tokens=tokens, tuning=ir.tuning,
+            config=ir.config,
+            plans=ir.plans,
+            default_plan=ir.default_plan,
+            files=hash_files(tmp),
+            backends=records,
+            dtype=ir.dtype,
+            source=source,
+            tokens=tokens,
+            tuning=ir.tuning,
             toolkit_version=speccompile.__version__,
         )
         write_manifest(tmp, manifest)
@@ -302,8 +339,10 @@ def read_canonical_weights(root: Path, manifest) -> dict:
         return load_file(str(root / manifest.backends["torch"]["weights"]))
     record = manifest.backends["onnx"]
     if record.get("quantization"):
-        raise SpeccompileError("this artifact's ONNX weights are quantized and it has no torch weights to tune from; "
-                               "rebuild it from the source model with --backend torch,onnx --quantize")
+        raise SpeccompileError(
+            "this artifact's ONNX weights are quantized and it has no torch weights to tune from; "
+            "rebuild it from the source model with --backend torch,onnx --quantize"
+        )
     from speccompile.exporters.onnx_quant import QUANTIZED_COPY
 
     data = np.memmap(root / record["weights"], dtype=np.uint8, mode="r")
@@ -323,8 +362,10 @@ def check_rewritable(root: Path) -> Path:
     does not list (the rewrite would drop them)."""
     real = resolve_out(root)
     if real.is_dir() and not os.access(real.parent, os.W_OK | os.X_OK):
-        raise OutputError(f"cannot rewrite '{root}': its folder '{real.parent}' is not writable by this user; copy "
-                          "the artifact somewhere writable and tune the copy")
+        raise OutputError(
+            f"cannot rewrite '{root}': its folder '{real.parent}' is not writable by this user; copy "
+            "the artifact somewhere writable and tune the copy"
+        )
     if real.is_dir() and artifact_manifest(real) is not None:
         check_replaceable(Path(root), real)  # files the manifest does not list would be lost by the rewrite
     return real
@@ -334,7 +375,7 @@ def rewrite_artifact(root: Path, ir, update) -> Path:
     """Apply ``update(manifest)`` and re-write the backends' files for ``ir`` (whose plans may have
     changed: ONNX draft graphs are per plan), atomically. Tokenizer files are hard-linked, not copied."""
     real = check_rewritable(root)  # through a symlink: rewrite the real artifact, the link keeps pointing at it
-    manifest = read_manifest(real)
+    manifest = read_artifact(real)
     with atomic_folder(real, replace=True) as tmp:
         shutil.copytree(real / "tokenizer", tmp / "tokenizer", copy_function=os.link)
         update(manifest)
@@ -344,5 +385,18 @@ def rewrite_artifact(root: Path, ir, update) -> Path:
     return root
 
 
-__all__ = ["BACKENDS", "MANIFEST_NAME", "WEIGHTS_FILE", "OutputError", "atomic_folder", "check_output", "source_folder",
-           "check_rewritable", "output_lock", "read_canonical_weights", "remove_stale", "rewrite_artifact", "write_artifact"]
+__all__ = [
+    "BACKENDS",
+    "MANIFEST_NAME",
+    "WEIGHTS_FILE",
+    "OutputError",
+    "atomic_folder",
+    "check_output",
+    "source_folder",
+    "check_rewritable",
+    "output_lock",
+    "read_canonical_weights",
+    "remove_stale",
+    "rewrite_artifact",
+    "write_artifact",
+]

@@ -12,6 +12,7 @@ from tqdm.auto import tqdm
 
 from speccompile.calibration import DEFAULT_CALIBRATION
 from speccompile.runtime import load
+from speccompile.runtime.drafting import describe
 from speccompile.runtime.errors import SpeccompileError
 
 
@@ -38,8 +39,9 @@ def _generate_all(model, prompt_ids, max_new_tokens, eos, pad, desc, progress, *
 
     hf_logging.set_verbosity_error()  # generate() chatters about generation-config defaults on every model
     pad = pad if pad is not None else (eos or [0])[0]
-    config = GenerationConfig(max_new_tokens=max_new_tokens, do_sample=False, num_beams=1,
-                              eos_token_id=eos or None, pad_token_id=pad, **extra)
+    config = GenerationConfig(
+        max_new_tokens=max_new_tokens, do_sample=False, num_beams=1, eos_token_id=eos or None, pad_token_id=pad, **extra
+    )
     warmup = GenerationConfig(max_new_tokens=4, do_sample=False, num_beams=1, pad_token_id=pad, **extra)
     outputs, seconds = [], 0.0
     with torch.inference_mode():
@@ -48,7 +50,7 @@ def _generate_all(model, prompt_ids, max_new_tokens, eos, pad, desc, progress, *
             start = time.perf_counter()
             out = model.generate(torch.tensor([ids]), generation_config=config)
             seconds += time.perf_counter() - start
-            outputs.append(out[0, len(ids):].tolist())
+            outputs.append(out[0, len(ids) :].tolist())
     return outputs, seconds
 
 
@@ -64,12 +66,21 @@ def _optimum_model(source_path: Path):
     try:
         from optimum.onnxruntime import ORTModelForCausalLM
     except ImportError:
-        raise SpeccompileError("the optimum baseline needs optimum-onnx; pip install 'optimum-onnx[onnxruntime]'") from None
+        raise SpeccompileError(
+            "the optimum baseline needs optimum-onnx; pip install 'optimum-onnx[onnxruntime]'"
+        ) from None
     return ORTModelForCausalLM.from_pretrained(source_path, export=True, use_cache=True)
 
 
-def run_bench(artifact: str, prompts_path: str | None = None, max_new_tokens: int = 128, plan: str | None = None,
-              with_transformers: bool = True, progress: bool = True, backend: str | None = None) -> dict:
+def run_bench(
+    artifact: str,
+    prompts_path: str | None = None,
+    max_new_tokens: int = 128,
+    plan: str | None = None,
+    with_transformers: bool = True,
+    progress: bool = True,
+    backend: str | None = None,
+) -> dict:
     model = load(artifact, backend=backend)
     texts, prompt_source = load_prompts(prompts_path, model.manifest)
     prompt_ids = [model.encode_prompt(text) for text in texts]
@@ -92,18 +103,22 @@ def run_bench(artifact: str, prompts_path: str | None = None, max_new_tokens: in
     report = {
         "artifact": str(artifact),
         "plan": draft_plan.name if draft_plan is not None else None,
-        "plan_description": draft_plan.describe() if draft_plan is not None else model.plain_reason,
+        "plan_description": describe(draft_plan) if draft_plan is not None else model.plain_reason,
         "prompts": len(prompt_ids),
         "prompt_source": prompt_source,
         "max_new_tokens": max_new_tokens,
-        "autoregressive": {"tokens_per_s": round(rate(plain), 2),
-                           "new_tokens": sum(r.stats.new_tokens for r in plain)},
-        "speculative": {"tokens_per_s": round(rate(spec), 2), "new_tokens": sum(r.stats.new_tokens for r in spec),
-                        "mean_accepted": round((accepted + rounds) / max(rounds, 1), 3),
-                        "acceptance_rate": round(accepted / max(drafted, 1), 3), "rounds": rounds,
-                        "drafted_per_round": round(drafted / max(rounds, 1), 3),
-                        "tree_rounds": sum(r.stats.tree_rounds for r in spec),
-                        "sources": _sources(spec), "round_mix": _mix(spec)},
+        "autoregressive": {"tokens_per_s": round(rate(plain), 2), "new_tokens": sum(r.stats.new_tokens for r in plain)},
+        "speculative": {
+            "tokens_per_s": round(rate(spec), 2),
+            "new_tokens": sum(r.stats.new_tokens for r in spec),
+            "mean_accepted": round((accepted + rounds) / max(rounds, 1), 3),
+            "acceptance_rate": round(accepted / max(drafted, 1), 3),
+            "rounds": rounds,
+            "drafted_per_round": round(drafted / max(rounds, 1), 3),
+            "tree_rounds": sum(r.stats.tree_rounds for r in spec),
+            "sources": _sources(spec),
+            "round_mix": _mix(spec),
+        },
         "backend": model.backend.name,
         "dtype": model.manifest.dtype,
         "transformers": None,
@@ -124,8 +139,16 @@ def run_bench(artifact: str, prompts_path: str | None = None, max_new_tokens: in
                 report[f"{key}_skipped"] = extra
                 continue
             try:
-                outputs, seconds = _generate_all(make(source_path), prompt_ids, max_new_tokens, sorted(model.eos_ids),
-                                                 model.manifest.tokens.get("pad_token_id"), desc, progress, **extra)
+                outputs, seconds = _generate_all(
+                    make(source_path),
+                    prompt_ids,
+                    max_new_tokens,
+                    sorted(model.eos_ids),
+                    model.manifest.tokens.get("pad_token_id"),
+                    desc,
+                    progress,
+                    **extra,
+                )
             except SpeccompileError:
                 raise
             except Exception as exc:  # an external baseline failing must not hide our own figures
@@ -145,7 +168,7 @@ def run_bench(artifact: str, prompts_path: str | None = None, max_new_tokens: in
     return report
 
 
-NEAR_TIE = 1e-4  # DESIGN.md section 6: a divergence where the top-2 logits are closer than this is rounding
+NEAR_TIE = 1e-4  # docs/design.md section 6: a divergence where the top-2 logits are closer than this is rounding
 
 
 HALF_MANTISSA_BITS = {"bfloat16": 7, "float16": 10}
@@ -155,7 +178,7 @@ NEAR_TIE_ULPS = 4  # half-precision artifacts: a top-2 gap of up to this many un
 def near_tie_limit(dtype: str, top: float) -> float:
     """The top-2 gap under which a divergence is rounding, for an artifact of ``dtype`` whose top logit is ``top``.
 
-    fp32: ``NEAR_TIE`` (DESIGN.md section 6). bf16 and fp16 artifacts compute and round every product in
+    fp32: ``NEAR_TIE`` (docs/design.md section 6). bf16 and fp16 artifacts compute and round every product in
     their own precision, so a k-token verify and the one-token steps it replaces (different kernels, different
     accumulation orders) differ by units in the last place of that precision, compounded over the blocks:
     on SmolLM2 in bf16, gaps of 0-0.25, within 4 ulps of the top logit. A gap of up to ``NEAR_TIE_ULPS`` such
@@ -171,7 +194,7 @@ def near_tie_limit(dtype: str, top: float) -> float:
 def _divergences(backend, prompt_ids, plain, spec, dtype: str = "float32") -> list[dict]:
     """Where speculative output leaves plain output: per such prompt, the first differing new token and the
     top-2 logit gap there of the backend's own logits (one call over prompt + plain output so far). A gap
-    under ``near_tie_limit`` is floating-point rounding between a verify and the steps it replaces (DESIGN.md
+    under ``near_tie_limit`` is floating-point rounding between a verify and the steps it replaces (docs/design.md
     section 6); a larger one means speculative decoding computed something else: a bug."""
     import numpy as np
 
@@ -179,8 +202,10 @@ def _divergences(backend, prompt_ids, plain, spec, dtype: str = "float32") -> li
     for p, (a, b) in enumerate(zip(plain, spec)):
         if a.token_ids == b.token_ids:
             continue
-        at = next((k for k, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
-                  min(len(a.token_ids), len(b.token_ids)))
+        at = next(
+            (k for k, (x, y) in enumerate(zip(a.token_ids, b.token_ids)) if x != y),
+            min(len(a.token_ids), len(b.token_ids)),
+        )
         tokens = list(prompt_ids[p]) + list(a.token_ids[:at])
         backend.reserve(len(tokens) + 1)
         top = np.sort(np.asarray(backend.forward(tokens, 0), dtype=np.float64)[-1])[-2:]
@@ -199,8 +224,10 @@ def _sources(results) -> dict:
             t = totals.setdefault(source, [0, 0])
             t[0] += d
             t[1] += a
-    return {k: {"drafted": d, "accepted": a, "acceptance_rate": round(a / d, 3) if d else None}
-            for k, (d, a) in sorted(totals.items())}
+    return {
+        k: {"drafted": d, "accepted": a, "acceptance_rate": round(a / d, 3) if d else None}
+        for k, (d, a) in sorted(totals.items())
+    }
 
 
 def _mix(results) -> dict:
@@ -218,13 +245,22 @@ PROMPT_LOOKUP_TOKENS = 10  # transformers' prompt lookup: tokens drafted per mat
 
 def _baselines(model, plan, max_new_tokens):
     """(key, model factory, generate() options or a reason to skip, progress label) for each peer."""
-    exit_layer = plan.exit_layer if plan is not None and plan.exit_layer else model.manifest.tuning.get("best_exit_layer")
-    early_exit = ({"assistant_early_exit": int(exit_layer)} if exit_layer
-                  else "no exit layer was tuned for this artifact (build with --method auto or early-exit)")
+    exit_layer = (
+        plan.exit_layer if plan is not None and plan.exit_layer else model.manifest.tuning.get("best_exit_layer")
+    )
+    early_exit = (
+        {"assistant_early_exit": int(exit_layer)}
+        if exit_layer
+        else "no exit layer was tuned for this artifact (build with --method auto or early-exit)"
+    )
     peers = [
         ("transformers", _transformers_model, {}, "bench: transformers generate"),
-        ("transformers_prompt_lookup", _transformers_model, {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS},
-         "bench: transformers prompt lookup"),
+        (
+            "transformers_prompt_lookup",
+            _transformers_model,
+            {"prompt_lookup_num_tokens": PROMPT_LOOKUP_TOKENS},
+            "bench: transformers prompt lookup",
+        ),
         ("transformers_early_exit", _transformers_model, early_exit, "bench: transformers assistant_early_exit"),
     ]
     if model.backend.name == "onnx":
@@ -232,41 +268,67 @@ def _baselines(model, plan, max_new_tokens):
     return peers
 
 
-LABELS = {"transformers": "transformers generate()", "transformers_prompt_lookup": "transformers prompt lookup",
-          "transformers_early_exit": "transformers assistant_early_exit", "optimum": "optimum ORTModelForCausalLM"}
+LABELS = {
+    "transformers": "transformers generate()",
+    "transformers_prompt_lookup": "transformers prompt lookup",
+    "transformers_early_exit": "transformers assistant_early_exit",
+    "optimum": "optimum ORTModelForCausalLM",
+}
 
 
 def format_report(report: dict) -> str:
     plan = report["plan"] or "none: plain decoding"
-    lines = [f"bench: {report['prompts']} prompts ({report['prompt_source']}), {report['max_new_tokens']} new tokens, "
-             f"plan '{plan}' ({report.get('plan_description')}), backend {report['backend']}"]
-    rows = [(f"runtime {report['backend']} plain (autoregressive)", report["autoregressive"]["tokens_per_s"]),
-            (f"runtime {report['backend']} speculative", report["speculative"]["tokens_per_s"])]
+    lines = [
+        f"bench: {report['prompts']} prompts ({report['prompt_source']}), {report['max_new_tokens']} new tokens, "
+        f"plan '{plan}' ({report.get('plan_description')}), backend {report['backend']}"
+    ]
+    rows = [
+        (f"runtime {report['backend']} plain (autoregressive)", report["autoregressive"]["tokens_per_s"]),
+        (f"runtime {report['backend']} speculative", report["speculative"]["tokens_per_s"]),
+    ]
     rows += [(label, report[key]["tokens_per_s"]) for key, label in LABELS.items() if report.get(key)]
     for name, value in rows:
         lines.append(f"  {name:36s} {value:9.1f} tokens/s")
     spec = report["speculative"]
-    lines.append(f"  mean accepted tokens per round {spec['mean_accepted']:.2f} "
-                 f"(acceptance rate {spec['acceptance_rate']:.2f}, {spec['rounds']} rounds)")
+    lines.append(
+        f"  mean accepted tokens per round {spec['mean_accepted']:.2f} "
+        f"(acceptance rate {spec['acceptance_rate']:.2f}, {spec['rounds']} rounds)"
+    )
     if spec.get("tree_rounds"):
-        lines.append(f"  token trees: {spec['tree_rounds']} of {spec['rounds']} rounds verified a tree; "
-                     f"{spec['drafted_per_round']:.2f} drafted tokens (tree nodes) per round")
+        lines.append(
+            f"  token trees: {spec['tree_rounds']} of {spec['rounds']} rounds verified a tree; "
+            f"{spec['drafted_per_round']:.2f} drafted tokens (tree nodes) per round"
+        )
     if spec.get("sources"):
-        lines.append("  per source: " + ", ".join(f"{k} {v['accepted']}/{v['drafted']} accepted"
-                                                for k, v in spec["sources"].items()))
+        lines.append(
+            "  per source: "
+            + ", ".join(f"{k} {v['accepted']}/{v['drafted']} accepted" for k, v in spec["sources"].items())
+        )
         lines.append("  rounds by source: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in spec["round_mix"].items()))
     lines.append("  speedup: " + ", ".join(f"{k.replace('_', ' ')} {v:.2f}x" for k, v in report["speedup"].items()))
-    lines.append("  identical outputs: " + ("yes" if report["identical"] else "NO") + " ("
-                 + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in report["identical_detail"].items()) + ")")
+    lines.append(
+        "  identical outputs: "
+        + ("yes" if report["identical"] else "NO")
+        + " ("
+        + ", ".join(f"{k.replace('_', ' ')} {v}" for k, v in report["identical_detail"].items())
+        + ")"
+    )
     divergences = report.get("divergences") or []
     if divergences:
         real = [d for d in divergences if not d["near_tie"]]
-        limit = (f"<= {NEAR_TIE_ULPS} units in the last place of {report['dtype']}"
-                 if report.get("dtype") in HALF_MANTISSA_BITS else f"< {NEAR_TIE:g}")
-        lines.append(f"  speculative vs plain: {len(divergences) - len(real)} near-tie divergence(s) (top-2 gap "
-                     f"{limit}: rounding), {len(real)} real" + (" (A BUG: " if real else ""))
+        limit = (
+            f"<= {NEAR_TIE_ULPS} units in the last place of {report['dtype']}"
+            if report.get("dtype") in HALF_MANTISSA_BITS
+            else f"< {NEAR_TIE:g}"
+        )
+        lines.append(
+            f"  speculative vs plain: {len(divergences) - len(real)} near-tie divergence(s) (top-2 gap "
+            f"{limit}: rounding), {len(real)} real" + (" (A BUG: " if real else "")
+        )
         if real:
-            lines[-1] += "; ".join(f"prompt {d['prompt']} token {d['token']}, gap {d['top2_gap']:.2e}" for d in real) + ")"
+            lines[-1] += (
+                "; ".join(f"prompt {d['prompt']} token {d['token']}, gap {d['top2_gap']:.2e}" for d in real) + ")"
+            )
     for key in LABELS:
         if f"{key}_skipped" in report:
             lines.append(f"  {key} baseline skipped: {report[key + '_skipped']}")

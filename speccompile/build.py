@@ -13,7 +13,6 @@ from speccompile.artifact import BACKENDS, check_output, output_lock, source_fol
 from speccompile.calibration import load_calibration
 from speccompile.convert import arch_config, canonical_weights, choose_path
 from speccompile.loading import SourceModel, load_source
-from speccompile.runners import make_runner
 from speccompile.passes.adapter import DRAFT_HEADS_DIR
 from speccompile.passes.base import PassManager
 from speccompile.passes.budget import Budget, default_seconds
@@ -21,6 +20,7 @@ from speccompile.passes.confirm import MIN_TURNS, ChooseDefaultPlan, ConfirmPlan
 from speccompile.passes.ir import DecoderIR
 from speccompile.passes.pipeline import METHODS, BuildOptions, PipelineInputs, TuneOptions, TuningOptions
 from speccompile.passes.tuning import TuningContext
+from speccompile.runners import make_runner
 from speccompile.runtime.errors import SpeccompileError
 
 __all__ = ["BuildOptions", "TuneOptions", "TuningOptions", "build", "tune", "tune_ir"]
@@ -30,8 +30,11 @@ CONVERSION_TOLERANCE = 1e-3  # fp32 logits; conversions that are right agree to 
 def eos_ids(source: SourceModel) -> list[int]:
     ids: set[int] = set()
     generation = getattr(source.model, "generation_config", None)
-    for value in (getattr(generation, "eos_token_id", None), source.model.config.eos_token_id,
-                  source.tokenizer.eos_token_id):
+    for value in (
+        getattr(generation, "eos_token_id", None),
+        source.model.config.eos_token_id,
+        source.tokenizer.eos_token_id,
+    ):
         if isinstance(value, int):
             ids.add(value)
         elif isinstance(value, (list, tuple)):
@@ -86,9 +89,17 @@ def plan_budget(budget: Budget, context: TuningContext, backends) -> None:
     budget.reserve = MIN_TURNS * turn + budget.write_reserve
 
 
-def tune_ir(ir: DecoderIR, prompts: list[list[int]], options, log: Callable[[str], None] = print,
-            backend: str = "torch", encode: Callable[[str], list[int]] | None = None, eos: frozenset[int] = frozenset(),
-            budget: Budget | None = None, backends=("torch",)):
+def tune_ir(
+    ir: DecoderIR,
+    prompts: list[list[int]],
+    options,
+    log: Callable[[str], None] = print,
+    backend: str = "torch",
+    encode: Callable[[str], list[int]] | None = None,
+    eos: frozenset[int] = frozenset(),
+    budget: Budget | None = None,
+    backends=("torch",),
+):
     """Calibrate, autotune by ``options.method`` (``METHODS``, ``passes/pipeline.py``), confirm by timed runs on
     ``backend``, pick the default plan.
 
@@ -106,29 +117,53 @@ def tune_ir(ir: DecoderIR, prompts: list[list[int]], options, log: Callable[[str
             (Path(workdir) / relative).parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(source, Path(workdir) / relative)
         runner = make_runner(backend, ir, Path(workdir))
-        context = TuningContext.prepare(ir, prompts, options.calibration_tokens, options.max_draft,
-                                        options.show_progress, options.confirm_prompts,
-                                        options.confirm_tokens or options.calibration_tokens,
-                                        runner=runner, workdir=Path(workdir), eos=eos, trees=options.trees)
+        context = TuningContext.prepare(
+            ir,
+            prompts,
+            options.calibration_tokens,
+            options.max_draft,
+            options.show_progress,
+            options.confirm_prompts,
+            options.confirm_tokens or options.calibration_tokens,
+            runner=runner,
+            workdir=Path(workdir),
+            eos=eos,
+            trees=options.trees,
+        )
         if method.budgeted:
             plan_budget(budget, context, backends)
-            log(f"calibration done in {sum(context.timings.values()):.1f}s; time budget {budget.total:.0f}s "
+            log(
+                f"calibration done in {sum(context.timings.values()):.1f}s; time budget {budget.total:.0f}s "
                 f"({'--time-budget' if budget.user_set else 'default, from the step time'}), "
-                f"{budget.tuning_left():.0f}s left for tuning passes")
+                f"{budget.tuning_left():.0f}s left for tuning passes"
+            )
         inputs = PipelineInputs(context, options, encode, generic=ir.config.decoder == "generic")
         passes = method.passes(inputs)
-        passes += [ConfirmPlans(context, options.show_progress, top=method.confirm_top, sequential=True,
-                                close=method.confirm_close),
-                   ChooseDefaultPlan(keep_only_default=method.keep_only_default)]
+        passes += [
+            ConfirmPlans(
+                context, options.show_progress, top=method.confirm_top, sequential=True, close=method.confirm_close
+            ),
+            ChooseDefaultPlan(keep_only_default=method.keep_only_default),
+        ]
         ir = PassManager(passes, log, budget if method.budgeted else None)(ir)
         if ir.default_plan is None:
-            log(f"warning: no draft plan beat plain decoding on {context.device} (best confirmed "
-                f"{ir.tuning['best_confirmed_speedup']:.2f}x); the artifact decodes plainly by default")
+            log(
+                f"warning: no draft plan beat plain decoding on {context.device} (best confirmed "
+                f"{ir.tuning['best_confirmed_speedup']:.2f}x); the artifact decodes plainly by default"
+            )
         ir.tuning.update(
-            method=options.method, device=context.device, backend=backend, token_trees=context.trees,
-            calibration={"source": options.calibration or "built-in", "prompts": len(prompts),
-                         "new_tokens": options.calibration_tokens, "seconds": context.timings},
-            cost_model=context.cost.as_dict(), step_costs=context.costs.as_dict(),
+            method=options.method,
+            device=context.device,
+            backend=backend,
+            token_trees=context.trees,
+            calibration={
+                "source": options.calibration or "built-in",
+                "prompts": len(prompts),
+                "new_tokens": options.calibration_tokens,
+                "seconds": context.timings,
+            },
+            cost_model=context.cost.as_dict(),
+            step_costs=context.costs.as_dict(),
         )
         if budget is not None:
             ir.tuning["budget"] = budget.as_dict()
@@ -163,15 +198,19 @@ def _build_locked(options: BuildOptions, log: Callable[[str], None]) -> Path:
     source = load_source(options.model, trust_remote_code=options.trust_remote_code)
     budget = Budget(options.time_budget) if METHODS[options.method].budgeted else None  # from the loaded model on
     path = choose_path(source.model)  # refuses, in one line, what cannot be drafted losslessly
-    log(f"loaded {source.name} ({source.model.config.model_type}, "
-        f"{sum(p.numel() for p in source.model.parameters()) / 1e6:.1f}M parameters) from {source.path}")
+    log(
+        f"loaded {source.name} ({source.model.config.model_type}, "
+        f"{sum(p.numel() for p in source.model.parameters()) / 1e6:.1f}M parameters) from {source.path}"
+    )
     if path.path == "generic":
         check_generic_options(options, source.model.config.model_type, path.why)
         ir = DecoderIR(path.decoder.config, {}, dtype="float32", device="cpu")
         ir.attach_decoder(path.decoder)
         diff = check_conversion(ir, source)  # the same modules, so this checks the hooks, in fp32 on CPU
         ir.dtype, ir.device = options.dtype, options.device
-        path.decoder.to(device=options.device, dtype=getattr(torch, options.dtype))  # the source model is not used again
+        path.decoder.to(
+            device=options.device, dtype=getattr(torch, options.dtype)
+        )  # the source model is not used again
     else:
         config = arch_config(source.model)
         ir = DecoderIR(config, canonical_weights(source.model, config), dtype=options.dtype, device=options.device)
@@ -185,23 +224,40 @@ def _build_locked(options: BuildOptions, log: Callable[[str], None]) -> Path:
         # A k-token verify and the one-token steps it replaces round differently in half precision by a few
         # units in the last place: on SmolLM2 in bf16 (CPU) speculative output left plain output on 7 of 12
         # prompts within 96 tokens, every time at a top-2 gap within 4 ulps. Said once, here, not discovered later.
-        log(f"note: in {options.dtype} speculative output equals plain output up to near-ties of a few units in the "
-            f"last place of {options.dtype}, which are common; build in float32 where token-identical output matters")
+        log(
+            f"note: in {options.dtype} speculative output equals plain output up to near-ties of a few units in the "
+            f"last place of {options.dtype}, which are common; build in float32 where token-identical output matters"
+        )
     ir.tuning["conversion_max_abs_diff"] = diff
 
     room = options.calibration_tokens + options.max_draft + 2
     prompts = calibration_prompts(texts, source.tokenizer, config.max_position_embeddings, room)
-    ir = tune_ir(ir, prompts, options, log, backend=tuning_backend(options.backends),
-                 encode=lambda text: source.tokenizer(text)["input_ids"], eos=frozenset(eos_ids(source)), budget=budget,
-                 backends=options.backends)
+    ir = tune_ir(
+        ir,
+        prompts,
+        options,
+        log,
+        backend=tuning_backend(options.backends),
+        encode=lambda text: source.tokenizer(text)["input_ids"],
+        eos=frozenset(eos_ids(source)),
+        budget=budget,
+        backends=options.backends,
+    )
     source_record = {
-        "model": source.name, "path": str(source.path.resolve()), "revision": source.revision,
-        "architecture": type(source.model).__name__, "model_type": config.model_type,
+        "model": source.name,
+        "path": str(source.path.resolve()),
+        "revision": source.revision,
+        "architecture": type(source.model).__name__,
+        "model_type": config.model_type,
     }
-    tokens = {"eos_token_ids": eos_ids(source), "bos_token_id": source.tokenizer.bos_token_id,
-              "pad_token_id": source.tokenizer.pad_token_id}
-    written = write_artifact(Path(options.out), ir, source.tokenizer, source_record, tokens, options.force,
-                             options.backends)
+    tokens = {
+        "eos_token_ids": eos_ids(source),
+        "bos_token_id": source.tokenizer.bos_token_id,
+        "pad_token_id": source.tokenizer.pad_token_id,
+    }
+    written = write_artifact(
+        Path(options.out), ir, source.tokenizer, source_record, tokens, options.force, options.backends
+    )
     if budget is not None:
         log(f"tuning and writing took {budget.elapsed():.1f}s from the loaded model (budget {budget.total:.0f}s)")
     return written
@@ -228,19 +284,26 @@ def check_generic_options(options, model_type: str, why: str) -> None:
     """What the generic torch path cannot do, refused in one line before any tuning."""
     others = [b for b in getattr(options, "backends", ("torch",)) if b != "torch"]  # tune keeps the artifact's
     if others:
-        raise SpeccompileError(f"'{model_type}' runs on the generic torch path ({why.split(':')[0]}); "
-                               f"--backend {','.join(others)} needs a canonical conversion: use --backend torch")
+        raise SpeccompileError(
+            f"'{model_type}' runs on the generic torch path ({why.split(':')[0]}); "
+            f"--backend {','.join(others)} needs a canonical conversion: use --backend torch"
+        )
     if options.method == "adapter":
-        raise SpeccompileError(f"--method adapter needs a canonical family; '{model_type}' runs on the generic path: "
-                               "use --method auto, early-exit, cosine, bayes or lookup")
+        raise SpeccompileError(
+            f"--method adapter needs a canonical family; '{model_type}' runs on the generic path: "
+            "use --method auto, early-exit, cosine, bayes or lookup"
+        )
     if getattr(options, "dtype", "float32") != "float32" and options.device == "cpu":
-        raise SpeccompileError(f"--dtype {options.dtype} on CPU is not supported on the generic path; use --dtype float32")
+        raise SpeccompileError(
+            f"--dtype {options.dtype} on CPU is not supported on the generic path; use --dtype float32"
+        )
 
 
 def check_options(options) -> None:
     if getattr(options, "quantize", None) and "onnx" not in getattr(options, "backends", ()):
-        raise SpeccompileError(f"--quantize {options.quantize} quantizes the ONNX graphs; add --backend onnx "
-                               "(or torch,onnx)")
+        raise SpeccompileError(
+            f"--quantize {options.quantize} quantizes the ONNX graphs; add --backend onnx (or torch,onnx)"
+        )
     if options.method not in METHODS:
         raise SpeccompileError(f"unknown --method '{options.method}'; choose one of {', '.join(METHODS)}")
     if options.max_draft < 1:
@@ -253,8 +316,9 @@ def check_options(options) -> None:
         raise SpeccompileError("--plot draws the Bayesian search; use it with --method bayes")
     unknown = [b for b in getattr(options, "backends", ()) if b not in BACKENDS]
     if unknown or not getattr(options, "backends", ("torch",)):
-        raise SpeccompileError(f"unknown --backend {','.join(unknown)!r}; choose from {', '.join(BACKENDS)} "
-                               "(comma-separated for several)")
+        raise SpeccompileError(
+            f"unknown --backend {','.join(unknown)!r}; choose from {', '.join(BACKENDS)} (comma-separated for several)"
+        )
     if "tensorrt" in getattr(options, "backends", ()):  # before the slow part: TensorRT and a GPU are needed
         from speccompile.exporters.tensorrt import require_tensorrt
 
@@ -266,21 +330,26 @@ def check_options(options) -> None:
 def tune(options: TuneOptions, log: Callable[[str], None] = print) -> Path:
     """Retune an existing artifact (another device or calibration set) without the source model."""
     from speccompile.artifact import check_rewritable, read_canonical_weights, rewrite_artifact
-    from speccompile.runtime.manifest import read_manifest
-    from speccompile.runtime.model import TOKENIZER_FILE
-    from speccompile.runtime.tokenizer import TextTokenizer
+    from speccompile.runtime.artifact.tokenizer import TextTokenizer
+    from speccompile.runtime.model import TOKENIZER_FILE, read_artifact
 
     check_options(options)
     root = Path(options.artifact)
     check_rewritable(root)  # fail before the slow part
-    manifest = read_manifest(root)
+    manifest = read_artifact(root)
     generic = manifest.config.decoder == "generic"
-    ir = DecoderIR(manifest.config, {} if generic else read_canonical_weights(root, manifest), dtype=manifest.dtype,
-                   device=options.device, plans=dict(manifest.plans), default_plan=manifest.default_plan,
-                   tuning={key: manifest.tuning.get(key) for key in ("conversion_max_abs_diff", "decoder_path")})
+    ir = DecoderIR(
+        manifest.config,
+        {} if generic else read_canonical_weights(root, manifest),
+        dtype=manifest.dtype,
+        device=options.device,
+        plans=dict(manifest.plans),
+        default_plan=manifest.default_plan,
+        tuning={key: manifest.tuning.get(key) for key in ("conversion_max_abs_diff", "decoder_path")},
+    )
     ir.tuning["onnx_export"] = onnx_export_of(manifest)
     if generic:
-        from speccompile.runtime.hf_decoder import HF_FOLDER, HFDecoder
+        from speccompile.runtime.backends.torch.hf_decoder import HF_FOLDER, HFDecoder
 
         check_generic_options(options, manifest.config.model_type, "the artifact's decoder path")
         ir.attach_decoder(HFDecoder.from_folder(root / HF_FOLDER, getattr(torch, manifest.dtype), options.device))
@@ -290,22 +359,31 @@ def tune(options: TuneOptions, log: Callable[[str], None] = print) -> Path:
     tokenizer = TextTokenizer(root / TOKENIZER_FILE)
     room = options.calibration_tokens + options.max_draft + 2
     texts = load_calibration(options.calibration)
-    prompts = [ids[: max(1, manifest.config.max_position_embeddings - room)] for ids in map(tokenizer.encode, texts) if ids]
+    prompts = [
+        ids[: max(1, manifest.config.max_position_embeddings - room)] for ids in map(tokenizer.encode, texts) if ids
+    ]
     scales = manifest.backends.get("torch", {}).get("int8_scales_file")
     if scales and not generic:  # the int8 twin's smoothing carries over, and the retuning runs the same twin
         from safetensors.torch import load_file
 
-        from speccompile.runtime.int8_twin import set_input_scales
+        from speccompile.runtime.backends.torch.int8_twin import set_input_scales
 
         ir.extra_files[scales] = root / scales
         set_input_scales(ir.decoder(), load_file(str(root / scales)))
     for plan in ir.plans.values():  # resources of kept plans (a datastore) carry over
-        if plan.datastore:
-            ir.extra_files[plan.datastore] = root / plan.datastore
+        if plan.option("retrieval", "datastore"):
+            ir.extra_files[plan.option("retrieval", "datastore")] = root / plan.option("retrieval", "datastore")
         if plan.draft_head_file:
             ir.extra_files[plan.draft_head_file] = root / plan.draft_head_file
-    ir = tune_ir(ir, prompts, options, log, backend=tuning_backend(manifest.backends), encode=tokenizer.encode,
-                 eos=manifest.eos_ids)
+    ir = tune_ir(
+        ir,
+        prompts,
+        options,
+        log,
+        backend=tuning_backend(manifest.backends),
+        encode=tokenizer.encode,
+        eos=manifest.eos_ids,
+    )
 
     def update(m):
         m.plans = ir.plans

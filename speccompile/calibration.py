@@ -48,8 +48,9 @@ def load_calibration(path: str | None, kind: str = "calibration") -> list[str]:
         raw = data.decode("utf-8")
     except UnicodeDecodeError as exc:
         line = data[: exc.start].count(b"\n") + 1
-        raise SpeccompileError(f"{kind} file {path}:{line} is not UTF-8 text (byte 0x{data[exc.start]:02x}); save it as "
-                               "UTF-8") from None
+        raise SpeccompileError(
+            f"{kind} file {path}:{line} is not UTF-8 text (byte 0x{data[exc.start]:02x}); save it as UTF-8"
+        ) from None
     texts: list[str] = []
     if file.suffix in (".jsonl", ".json"):
         for number, line in enumerate(raw.split("\n"), 1):
@@ -58,7 +59,9 @@ def load_calibration(path: str | None, kind: str = "calibration") -> list[str]:
             try:
                 record = json.loads(line)
             except (json.JSONDecodeError, RecursionError):
-                raise SpeccompileError(f"{kind} file {path}:{number} is not valid JSON; use one JSON object per line") from None
+                raise SpeccompileError(
+                    f"{kind} file {path}:{number} is not valid JSON; use one JSON object per line"
+                ) from None
             text = record.get("text", record.get("prompt")) if isinstance(record, dict) else None
             if not isinstance(text, str):
                 raise SpeccompileError(f'{kind} file {path}:{number} has no "text" or "prompt" string field')

@@ -81,14 +81,20 @@ def friendly_errors(command):
             if debug:
                 raise
             where = f" ({exc.filename})" if exc.filename else ""
-            click.echo(f"error: {_one_line(exc.strerror or exc)}{where}; check the path, its permissions and the free "
-                       "disk space", err=True)
+            click.echo(
+                f"error: {_one_line(exc.strerror or exc)}{where}; check the path, its permissions and the free "
+                "disk space",
+                err=True,
+            )
             sys.exit(1)
         except Exception as exc:
             if debug:
                 raise
-            click.echo(f"error: unexpected {type(exc).__name__}: {_one_line(exc, 200)}; this is a bug: rerun with "
-                       "--debug for the traceback and please report it", err=True)
+            click.echo(
+                f"error: unexpected {type(exc).__name__}: {_one_line(exc, 200)}; this is a bug: rerun with "
+                "--debug for the traceback and please report it",
+                err=True,
+            )
             sys.exit(1)
 
     return wrapper
@@ -125,11 +131,18 @@ class DeviceType(click.ParamType):
 
             index = int(value.partition(":")[2] or 0)
             if not torch.cuda.is_available():
-                self.fail(f"{value!r} needs a CUDA GPU, but PyTorch sees none (torch {torch.__version__}); use "
-                          "--device cpu", param, ctx)
+                self.fail(
+                    f"{value!r} needs a CUDA GPU, but PyTorch sees none (torch {torch.__version__}); use --device cpu",
+                    param,
+                    ctx,
+                )
             if index >= torch.cuda.device_count():
-                self.fail(f"{value!r}: PyTorch sees only {torch.cuda.device_count()} GPU(s); use cuda:0.."
-                          f"{torch.cuda.device_count() - 1}", param, ctx)
+                self.fail(
+                    f"{value!r}: PyTorch sees only {torch.cuda.device_count()} GPU(s); use cuda:0.."
+                    f"{torch.cuda.device_count() - 1}",
+                    param,
+                    ctx,
+                )
         return value
 
 
@@ -186,14 +199,16 @@ def _click_option(f, command: str):
     elif isinstance(kind, tuple):  # ("int", low, high)
         spec["type"] = click.IntRange(kind[1], kind[2])
     elif kind is not None:
-        spec.update({
-            "path": {"type": click.Path()},
-            "out_path": {"type": click.Path(path_type=Path)},
-            "seconds": {"type": FiniteFloat(min=1)},
-            "device": {"type": DeviceType(check_torch=True)},
-            "exit_layer": {"callback": exit_layer_value},
-            "backends": {"callback": backends_value},
-        }[kind])
+        spec.update(
+            {
+                "path": {"type": click.Path()},
+                "out_path": {"type": click.Path(path_type=Path)},
+                "seconds": {"type": FiniteFloat(min=1)},
+                "device": {"type": DeviceType(check_torch=True)},
+                "exit_layer": {"callback": exit_layer_value},
+                "backends": {"callback": backends_value},
+            }[kind]
+        )
         if kind == "backends":
             default = ",".join(default)
     if spec.get("required"):
@@ -205,10 +220,12 @@ def _click_option(f, command: str):
 
 def tuning_options(command_name: str):
     """Every options field of ``build`` or ``tune`` as a click option, written once (``passes/pipeline.py``)."""
+
     def decorate(command):
         for f in reversed(cli_fields(command_name)):
             command = _click_option(f, command_name)(command)
         return command
+
     return decorate
 
 
@@ -234,18 +251,23 @@ def build(model, **values):
 
 
 def report_plans(path: Path, verb: str) -> None:
-    from speccompile.runtime import read_manifest
+    from speccompile.runtime import read_artifact
+    from speccompile.runtime.drafting import describe
 
-    manifest = read_manifest(path)
+    manifest = read_artifact(path)
     for name, plan in manifest.plans.items():
         m = plan.measured
         default = ", default" if name == manifest.default_plan else ""
-        click.echo(f"{verb} {path}: plan '{name}' ({plan.describe()}{default}), expected speedup "
-                   f"{m.get('expected_speedup', 0):.2f}x, confirmed {(m.get('confirmed_speedup') or 0):.2f}x, "
-                   f"mean accepted {m.get('confirmed_mean_accepted', 0):.2f} tokens/round")
+        click.echo(
+            f"{verb} {path}: plan '{name}' ({describe(plan)}{default}), expected speedup "
+            f"{m.get('expected_speedup', 0):.2f}x, confirmed {(m.get('confirmed_speedup') or 0):.2f}x, "
+            f"mean accepted {m.get('confirmed_mean_accepted', 0):.2f} tokens/round"
+        )
     if manifest.default_plan is None:
-        click.echo(f"{verb} {path}: no plan beat plain decoding, so the artifact decodes plainly by default "
-                   "(pass --plan NAME to try one anyway)")
+        click.echo(
+            f"{verb} {path}: no plan beat plain decoding, so the artifact decodes plainly by default "
+            "(pass --plan NAME to try one anyway)"
+        )
 
 
 @main.command()
@@ -275,14 +297,22 @@ def tune(artifact, **values):
 @click.option("--device", type=DeviceType(), default="cpu", show_default=True, help="cpu, cuda or cuda:N.")
 @click.option("--json", "as_json", is_flag=True, help="Print one JSON object with text, token_ids and stats.")
 @friendly_errors
-def generate(artifact, prompt, max_new_tokens, temperature, top_k, top_p, seed, no_speculate, plan, backend, device,
-             as_json):
+def generate(
+    artifact, prompt, max_new_tokens, temperature, top_k, top_p, seed, no_speculate, plan, backend, device, as_json
+):
     """Continue PROMPT with the artifact, speculatively unless --no-speculate."""
     from speccompile.runtime import load
 
     model = load(artifact, backend=backend, device=device)
-    kwargs = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed,
-                  speculate=not no_speculate, plan=plan)
+    kwargs = dict(
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        speculate=not no_speculate,
+        plan=plan,
+    )
     plain_note = model.plain_reason if not no_speculate and plan is None else None
     if as_json:
         result = model.generate(prompt, **kwargs)
@@ -297,8 +327,11 @@ def generate(artifact, prompt, max_new_tokens, temperature, top_k, top_p, seed, 
     if s.tree_rounds:
         accepted += f", {s.tree_rounds} token-tree rounds, {s.drafted_per_round:.1f} drafted tokens per round"
     if s.mean_accepted is not None and len(s.per_source) > 1:
-        accepted += " (" + ", ".join(f"{k}: {v['accepted']}/{v['drafted']} accepted"
-                                     for k, v in s.source_report().items()) + ")"
+        accepted += (
+            " ("
+            + ", ".join(f"{k}: {v['accepted']}/{v['drafted']} accepted" for k, v in s.source_report().items())
+            + ")"
+        )
     click.echo(f"[{s.new_tokens} tokens, {s.tokens_per_s:.1f} tokens/s{accepted}, stop: {s.stop_reason}]", err=True)
     if plain_note:
         click.echo(f"[plain decoding: {plain_note}]", err=True)
@@ -306,14 +339,22 @@ def generate(artifact, prompt, max_new_tokens, temperature, top_k, top_p, seed, 
 
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--prompts", type=click.Path(), default=None,
-              help="Prompts (.jsonl with 'prompt' or 'text', or plain text split on blank lines). Default: the "
-                   "source model's prompts.jsonl if it has one, else a built-in set.")
+@click.option(
+    "--prompts",
+    type=click.Path(),
+    default=None,
+    help="Prompts (.jsonl with 'prompt' or 'text', or plain text split on blank lines). Default: the "
+    "source model's prompts.jsonl if it has one, else a built-in set.",
+)
 @click.option("--max-new-tokens", type=click.IntRange(1), default=128, show_default=True)
 @click.option("--plan", default=None, help="Draft plan to bench (default: the manifest's default plan).")
-@click.option("--backend", default=None, help="Runtime backend to bench (torch or onnx; default: the artifact's "
-              "first). With onnx, optimum's ORTModelForCausalLM (exported by optimum from the same source model) is "
-              "added as a baseline.")
+@click.option(
+    "--backend",
+    default=None,
+    help="Runtime backend to bench (torch or onnx; default: the artifact's "
+    "first). With onnx, optimum's ORTModelForCausalLM (exported by optimum from the same source model) is "
+    "added as a baseline.",
+)
 @click.option("--no-transformers", is_flag=True, help="Skip the transformers (and optimum) baselines.")
 @click.option("--json", "as_json", is_flag=True, help="Print the figures as one JSON object.")
 @click.option("--quiet", is_flag=True, help="No progress bars.")
@@ -323,8 +364,9 @@ def bench(artifact, prompts, max_new_tokens, plan, backend, no_transformers, as_
     the outputs are identical."""
     from speccompile.bench import dumps, format_report, run_bench
 
-    report = run_bench(str(artifact), prompts, max_new_tokens, plan, not no_transformers, progress=not quiet,
-                       backend=backend)
+    report = run_bench(
+        str(artifact), prompts, max_new_tokens, plan, not no_transformers, progress=not quiet, backend=backend
+    )
     click.echo(dumps(report) if as_json else format_report(report))
 
 
@@ -338,8 +380,10 @@ def echo_pass_table(tuning: dict) -> None:
     calibration = (tuning.get("calibration") or {}).get("seconds") or {}
     head = f"  tuning      {tuning.get('method', '?')}"
     if budget:
-        head += (f", time budget {budget['seconds']:.0f}s ({'default' if budget['default'] else '--time-budget'}), "
-                 f"{budget['used']:.0f}s used before the write")
+        head += (
+            f", time budget {budget['seconds']:.0f}s ({'default' if budget['default'] else '--time-budget'}), "
+            f"{budget['used']:.0f}s used before the write"
+        )
     if calibration:
         head += f"; calibration {sum(calibration.values()):.1f}s"
     click.echo(head)
@@ -356,7 +400,9 @@ def echo_pass_table(tuning: dict) -> None:
                 result = f"{row['confirmation_turns']} turns, stopped: {row['confirmation_stopped']}"
             if row.get("skipped"):
                 result += f"; {row['skipped']}"
-        click.echo(f"      {row['pass']:<20} {bound:>7} {row.get('incumbent', 0):>8.2f}x {row['seconds']:>8.1f}  {result}")
+        click.echo(
+            f"      {row['pass']:<20} {bound:>7} {row.get('incumbent', 0):>8.2f}x {row['seconds']:>8.1f}  {result}"
+        )
 
 
 def echo_verify_costs(tuning: dict) -> None:
@@ -367,8 +413,10 @@ def echo_verify_costs(tuning: dict) -> None:
     if len(forward) < 2 or not forward[0]:
         return
     shown = [k for k in (2, 4, 8, 16) if k <= len(forward)]
-    click.echo(f"  verify cost on {costs.get('backend', '?')}: 1 token {forward[0] * 1e3:.1f} ms; "
-               + ", ".join(f"{k} tokens {forward[k - 1] / forward[0]:.2f}x" for k in shown))
+    click.echo(
+        f"  verify cost on {costs.get('backend', '?')}: 1 token {forward[0] * 1e3:.1f} ms; "
+        + ", ".join(f"{k} tokens {forward[k - 1] / forward[0]:.2f}x" for k in shown)
+    )
 
 
 @main.command()
@@ -377,15 +425,20 @@ def echo_verify_costs(tuning: dict) -> None:
 @friendly_errors
 def inspect(artifact, as_json):
     """Summarise an artifact: source, geometry, draft plans and their measured figures."""
-    from speccompile.runtime import read_manifest
-    from speccompile.runtime.manifest import unlisted_files
+    from speccompile.runtime import read_artifact
+    from speccompile.runtime.artifact.manifest import unlisted_files
+    from speccompile.runtime.drafting import describe
+    from speccompile.runtime.drafting import options as source_options
 
-    manifest = read_manifest(artifact)
+    manifest = read_artifact(artifact)
     unlisted = unlisted_files(artifact, manifest)
     if unlisted:  # on stderr, so that --json output stays one JSON document
         shown = ", ".join(unlisted[:5]) + (f" and {len(unlisted) - 5} more" if len(unlisted) > 5 else "")
-        click.echo(f"warning: {len(unlisted)} file(s) in the artifact are not in its manifest, so not verified and "
-                   f"never read by the runtime: {shown}", err=True)
+        click.echo(
+            f"warning: {len(unlisted)} file(s) in the artifact are not in its manifest, so not verified and "
+            f"never read by the runtime: {shown}",
+            err=True,
+        )
     if as_json:
         click.echo(json.dumps(manifest.to_dict(), indent=2))
         return
@@ -393,84 +446,133 @@ def inspect(artifact, as_json):
     src = manifest.source
     click.echo(f"artifact {artifact} (schema {manifest.schema_version}, speccompile {manifest.toolkit_version})")
     click.echo(f"  source      {src.get('model')} ({src.get('architecture')}) from {src.get('path')}")
-    click.echo(f"  geometry    {c.num_layers} blocks, hidden {c.hidden_size}, {c.num_heads} heads "
-               f"({c.num_kv_heads} kv, head_dim {c.head_dim}), vocab {c.vocab_size}, context "
-               f"{c.max_position_embeddings}, {manifest.dtype}")
+    click.echo(
+        f"  geometry    {c.num_layers} blocks, hidden {c.hidden_size}, {c.num_heads} heads "
+        f"({c.num_kv_heads} kv, head_dim {c.head_dim}), vocab {c.vocab_size}, context "
+        f"{c.max_position_embeddings}, {manifest.dtype}"
+    )
     path = manifest.tuning.get("decoder_path") or {"path": c.decoder, "why": "built before decoder paths were recorded"}
     click.echo(f"  decoder     {path['path']}: {path['why']}")
-    click.echo(f"  backends    {', '.join(manifest.backends)}; tuned on {manifest.tuning.get('device', '?')} "
-               f"by {manifest.tuning.get('method', '?')}")
+    click.echo(
+        f"  backends    {', '.join(manifest.backends)}; tuned on {manifest.tuning.get('device', '?')} "
+        f"by {manifest.tuning.get('method', '?')}"
+    )
     total = sum(f["bytes"] for f in manifest.files.values())
     click.echo(f"  files       {len(manifest.files)} ({total / 1e6:.1f} MB), sha256 verified")
     extra = manifest.backends.get("onnx", {}).get("precision_draft_bytes")
     scales = manifest.backends.get("torch", {}).get("int8_scales_file")
     if extra:
-        click.echo(f"  precision   {extra / 1e6:.1f} MB of weights.bin are the precision self-drafts' quantized weights")
+        click.echo(
+            f"  precision   {extra / 1e6:.1f} MB of weights.bin are the precision self-drafts' quantized weights"
+        )
     if scales:
         size = manifest.files.get(scales, {}).get("bytes", 0)
-        click.echo(f"  precision   torch's int8 twin is quantized at load (about a quarter of the fp32 weights' bytes in "
-                   f"memory); its SmoothQuant scales: {scales} ({size / 1e3:.0f} kB)")
+        click.echo(
+            f"  precision   torch's int8 twin is quantized at load (about a quarter of the fp32 weights' bytes in "
+            f"memory); its SmoothQuant scales: {scales} ({size / 1e3:.0f} kB)"
+        )
     if extra or scales:
         if str(src.get("path", "")).lower().endswith(".gguf"):
-            click.echo("              the source is a GGUF: its fp32 weights are de-quantized from its own block grid, so a "
-                       "precision draft's acceptance here is not a 16-bit-trained model's (benchmarks/quant_agreement.py)")
+            click.echo(
+                "              the source is a GGUF: its fp32 weights are de-quantized from its own block grid, so a "
+                "precision draft's acceptance here is not a 16-bit-trained model's (benchmarks/quant_agreement.py)"
+            )
     echo_pass_table(manifest.tuning)
     echo_verify_costs(manifest.tuning)
     for name, plan in manifest.plans.items():
         m = plan.measured
         default = " (default)" if name == manifest.default_plan else ""
-        click.echo(f"  plan {name}{default}: {plan.describe()}; max draft {plan.max_draft}, threshold "
-                   f"{plan.threshold:.2f}{', adaptive' if plan.adaptive else ''}")
+        model, ngram = source_options(plan, "model"), source_options(plan, "ngram")
+        click.echo(
+            f"  plan {name}{default}: {describe(plan)}; max draft {model.max_draft}, threshold "
+            f"{model.threshold:.2f}{', adaptive' if model.adaptive else ''}"
+        )
         if plan.skip_attn or plan.skip_mlp:
             click.echo(f"      skip attention {plan.skip_attn}, skip MLP {plan.skip_mlp}")
         if m:
-            click.echo(f"      acceptance {m.get('acceptance_rate', 0):.2f}, mean accepted "
-                       f"{m.get('mean_accepted', 0):.2f} (confirmed {m.get('confirmed_mean_accepted', 0):.2f}), "
-                       f"expected speedup {m.get('expected_speedup', 0):.2f}x (confirmed "
-                       f"{(m.get('confirmed_speedup') or 0):.2f}x, prediction error "
-                       f"{100 * m.get('prediction_error', 0):+.0f}%), tuned by {m.get('method', '?')} in "
-                       f"{m.get('tuning_seconds', 0):.0f}s" + (f" over {m['trials']} trials" if "trials" in m else ""))
+            click.echo(
+                f"      acceptance {m.get('acceptance_rate', 0):.2f}, mean accepted "
+                f"{m.get('mean_accepted', 0):.2f} (confirmed {m.get('confirmed_mean_accepted', 0):.2f}), "
+                f"expected speedup {m.get('expected_speedup', 0):.2f}x (confirmed "
+                f"{(m.get('confirmed_speedup') or 0):.2f}x, prediction error "
+                f"{100 * m.get('prediction_error', 0):+.0f}%), tuned by {m.get('method', '?')} in "
+                f"{m.get('tuning_seconds', 0):.0f}s" + (f" over {m['trials']} trials" if "trials" in m else "")
+            )
         interval = m.get("confirmed_interval")
         if interval and None not in interval:
-            click.echo(f"      confirmed in {m.get('confirmation_turns')} turns against plain decoding: 95% interval "
-                       f"{interval[0]:.2f}x..{interval[1]:.2f}x ({m.get('confirmation_stopped')})")
+            click.echo(
+                f"      confirmed in {m.get('confirmation_turns')} turns against plain decoding: 95% interval "
+                f"{interval[0]:.2f}x..{interval[1]:.2f}x ({m.get('confirmation_stopped')})"
+            )
         if m.get("adapter"):
             a = m["adapter"]
-            click.echo(f"      adapter after block {a['exit_layer']}: {a['parameters']} parameters, trained on {a['tokens']} "
-                       f"tokens in {a['train_seconds']:.0f}s ({a['loss']} loss {a['first_loss']} -> {a['final_loss']}, "
-                       f"{a['stopped_by']}; exit agreement {a['exit_agreement_before']:.2f} -> "
-                       f"{a['exit_agreement_after']:.2f} on the calibration continuations" +
-                       (f", {a['held_out_agreement_before']:.2f} -> {a['held_out_agreement_after']:.2f} on "
-                        f"{a['held_out_tokens']} held-out tokens)" if a.get("held_out_tokens") else ")"))
+            click.echo(
+                f"      adapter after block {a['exit_layer']}: {a['parameters']} parameters, trained on {a['tokens']} "
+                f"tokens in {a['train_seconds']:.0f}s ({a['loss']} loss {a['first_loss']} -> {a['final_loss']}, "
+                f"{a['stopped_by']}; exit agreement {a['exit_agreement_before']:.2f} -> "
+                f"{a['exit_agreement_after']:.2f} on the calibration continuations"
+                + (
+                    f", {a['held_out_agreement_before']:.2f} -> {a['held_out_agreement_after']:.2f} on "
+                    f"{a['held_out_tokens']} held-out tokens)"
+                    if a.get("held_out_tokens")
+                    else ")"
+                )
+            )
         if plan.draft_vocab is not None:
-            ratio = f", head {m['head_cost_ratio']:.1f}x cheaper (timed {m.get('head_cost_ratio_timed', 0):.1f}x)" \
-                if "head_cost_ratio" in m else ""
+            ratio = (
+                f", head {m['head_cost_ratio']:.1f}x cheaper (timed {m.get('head_cost_ratio_timed', 0):.1f}x)"
+                if "head_cost_ratio" in m
+                else ""
+            )
             click.echo(f"      draft vocabulary: the {plan.draft_vocab} most frequent tokens{ratio}")
         if "lookahead" in plan.lookup:
-            click.echo(f"      lookahead: a window of {plan.lookahead_window} Jacobi guesses, pooled "
-                       f"{plan.lookahead_ngram}-grams")
+            lookahead = source_options(plan, "lookahead")
+            click.echo(
+                f"      lookahead: a window of {lookahead.window} Jacobi guesses, pooled {lookahead.ngram}-grams"
+            )
         if "recycling" in plan.lookup:
-            click.echo("      token recycling: each verify row's top tokens become the successors drafted after its input token")
+            click.echo(
+                "      token recycling: each verify row's top tokens become the successors drafted after its input token"
+            )
         if [source for source in plan.lookup if source not in ("lookahead", "recycling")]:
-            click.echo(f"      lookup {'+'.join(plan.lookup)}: n-gram sizes {plan.ngram_max}..{plan.ngram_min}, up to "
-                       f"{plan.lookup_max_draft} tokens"
-                       + (f" (1 after a match of <= {plan.short_ngram})" if plan.drafts_after_short_match else "") + (f", datastore {plan.datastore}" if plan.datastore else ""))
+            datastore = plan.option("retrieval", "datastore")
+            click.echo(
+                f"      lookup {'+'.join(plan.lookup)}: n-gram sizes {ngram.max}..{ngram.min}, up to "
+                f"{plan.lookup_max_draft} tokens"
+                + (f" (1 after a match of <= {ngram.short})" if ngram.drafts_after_short_match else "")
+                + (f", datastore {datastore}" if datastore else "")
+            )
         if m.get("trees"):
             t = m["trees"]
-            click.echo("      token trees priced on this backend: " + "; ".join(
-                f"best {kind} {t[kind]['mean_accepted']:.2f} tokens/round from {t[kind]['drafted_per_round']:.1f} drafted, "
-                f"expected {t[kind]['expected_speedup']:.2f}x" for kind in ("chain", "tree")) + f" ({t['tree']['plan']})")
-        for key, what in (("round_mix", "rounds by source (calibration)"), ("confirmed_round_mix", "rounds by source (confirmation)")):
+            click.echo(
+                "      token trees priced on this backend: "
+                + "; ".join(
+                    f"best {kind} {t[kind]['mean_accepted']:.2f} tokens/round from {t[kind]['drafted_per_round']:.1f} drafted, "
+                    f"expected {t[kind]['expected_speedup']:.2f}x"
+                    for kind in ("chain", "tree")
+                )
+                + f" ({t['tree']['plan']})"
+            )
+        for key, what in (
+            ("round_mix", "rounds by source (calibration)"),
+            ("confirmed_round_mix", "rounds by source (confirmation)"),
+        ):
             if m.get(key):
                 click.echo(f"      {what}: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in m[key].items()))
         if m.get("chosen_over"):
-            click.echo("      chosen over: " + ", ".join(f"{k} {v:.2f}x" for k, v in m["chosen_over"].items() if v is not None))
+            click.echo(
+                "      chosen over: " + ", ".join(f"{k} {v:.2f}x" for k, v in m["chosen_over"].items() if v is not None)
+            )
         by_estimate = manifest.tuning.get("default_by_estimate") or {}
         if by_estimate.get("chosen") == name:
-            click.echo(f"      default by its expected speedup: timed runs could not tell it from {by_estimate['over']}")
+            click.echo(
+                f"      default by its expected speedup: timed runs could not tell it from {by_estimate['over']}"
+            )
     if manifest.default_plan is None:
-        click.echo(f"  no default plan: none beat plain decoding (best confirmed "
-                   f"{manifest.tuning.get('best_confirmed_speedup', 0):.2f}x); generate decodes plainly unless --plan is given")
+        click.echo(
+            f"  no default plan: none beat plain decoding (best confirmed "
+            f"{manifest.tuning.get('best_confirmed_speedup', 0):.2f}x); generate decodes plainly unless --plan is given"
+        )
 
 
 @main.command()
@@ -479,13 +581,27 @@ def inspect(artifact, as_json):
 @click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
 @click.option("--backend", default=None, help="Backend to run (torch or onnx; default: the artifact's first).")
 @click.option("--device", default="cpu", show_default=True)
-@click.option("--slots", type=click.IntRange(1, 256), default=1, show_default=True,
-              help="Concurrent sequences, each with its own KV cache, all sharing one copy of the weights.")
-@click.option("--max-queue", type=click.IntRange(0), default=16, show_default=True,
-              help="Requests that may wait for a slot; beyond them the server answers 429 with Retry-After.")
+@click.option(
+    "--slots",
+    type=click.IntRange(1, 256),
+    default=1,
+    show_default=True,
+    help="Concurrent sequences, each with its own KV cache, all sharing one copy of the weights.",
+)
+@click.option(
+    "--max-queue",
+    type=click.IntRange(0),
+    default=16,
+    show_default=True,
+    help="Requests that may wait for a slot; beyond them the server answers 429 with Retry-After.",
+)
 @click.option("--plan", default=None, help="Draft plan to use (default: the manifest's default plan).")
-@click.option("--api-key", envvar="SPECCOMPILE_API_KEY", default=None,
-              help="Require 'Authorization: Bearer KEY' on /v1/* (also read from SPECCOMPILE_API_KEY).")
+@click.option(
+    "--api-key",
+    envvar="SPECCOMPILE_API_KEY",
+    default=None,
+    help="Require 'Authorization: Bearer KEY' on /v1/* (also read from SPECCOMPILE_API_KEY).",
+)
 @friendly_errors
 def serve(artifact, host, port, backend, device, slots, max_queue, plan, api_key):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
@@ -493,13 +609,22 @@ def serve(artifact, host, port, backend, device, slots, max_queue, plan, api_key
     try:
         from speccompile.server import create_app, run_server
     except ImportError as exc:
-        raise SpeccompileError(f"the server needs FastAPI, uvicorn and prometheus-client ({exc.name} is missing); "
-                               "install them with pip install 'speccompile[serve]'") from None
+        raise SpeccompileError(
+            f"the server needs FastAPI, uvicorn and prometheus-client ({exc.name} is missing); "
+            "install them with pip install 'speccompile[serve]'"
+        ) from None
 
-    app = create_app(artifact, slots=slots, max_queue=max_queue, plan=plan, api_key=api_key, backend=backend,
-                     device=device)
-    run_server(app, host=host, port=port, announce=lambda url: click.echo(
-        f"serving {artifact} on {url}/v1 with {slots} slot(s), queue {max_queue}", err=True))
+    app = create_app(
+        artifact, slots=slots, max_queue=max_queue, plan=plan, api_key=api_key, backend=backend, device=device
+    )
+    run_server(
+        app,
+        host=host,
+        port=port,
+        announce=lambda url: click.echo(
+            f"serving {artifact} on {url}/v1 with {slots} slot(s), queue {max_queue}", err=True
+        ),
+    )
 
 
 if __name__ == "__main__":

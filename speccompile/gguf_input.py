@@ -55,8 +55,9 @@ def require_gguf_support() -> None:
         try:
             __import__(package)
         except ImportError:
-            raise GGUFInputError(f"reading a .gguf model needs the '{package}' package, which is not installed; "
-                                 f"{INSTALL_HINT}") from None
+            raise GGUFInputError(
+                f"reading a .gguf model needs the '{package}' package, which is not installed; {INSTALL_HINT}"
+            ) from None
 
 
 def check_gguf_file(path: Path) -> None:
@@ -71,8 +72,10 @@ def check_gguf_file(path: Path) -> None:
     except OSError as exc:
         raise GGUFInputError(f"cannot read '{path}' ({exc.strerror}); check its permissions") from None
     if magic != GGUF_MAGIC:
-        raise GGUFInputError(f"'{path}' is not a GGUF file (it does not start with 'GGUF'); "
-                             "pass a llama.cpp .gguf file or a folder saved with save_pretrained()")
+        raise GGUFInputError(
+            f"'{path}' is not a GGUF file (it does not start with 'GGUF'); "
+            "pass a llama.cpp .gguf file or a folder saved with save_pretrained()"
+        )
 
 
 def read_metadata(path: Path) -> dict:
@@ -85,15 +88,17 @@ def read_metadata(path: Path) -> dict:
     try:
         reader = GGUFReader(path)
     except Exception as exc:  # the reader fails with ValueError / IndexError / KeyError on a bad file
-        raise GGUFInputError(f"'{path}' is truncated or corrupt ({type(exc).__name__}: {str(exc)[:80]}); "
-                             "download or convert it again") from None
+        raise GGUFInputError(
+            f"'{path}' is truncated or corrupt ({type(exc).__name__}: {str(exc)[:80]}); download or convert it again"
+        ) from None
     metadata = {}
     for key, field in reader.fields.items():
         if not field.data or field.types[0] == GGUFValueType.ARRAY:
             continue
         part = field.parts[field.data[0]]
-        metadata[key] = bytes(part).decode("utf-8", "replace") if field.types[0] == GGUFValueType.STRING \
-            else part.tolist()[0]
+        metadata[key] = (
+            bytes(part).decode("utf-8", "replace") if field.types[0] == GGUFValueType.STRING else part.tolist()[0]
+        )
     if "general.architecture" not in metadata:
         raise GGUFInputError(f"'{path}' has no general.architecture field; it is not a model GGUF file")
     return metadata
@@ -126,15 +131,18 @@ def dequantise_to_folder(path: Path, dtype: str, folder: Path) -> None:
             raise GGUFInputError(f"transformers cannot read the GGUF header of '{path}' ({str(exc)[:100]})") from None
         import transformers
 
-        raise GGUFInputError(f"transformers {transformers.__version__} cannot load GGUF architecture "
-                             f"'{architecture}'; convert the model to a Hugging Face folder and pass that") from None
+        raise GGUFInputError(
+            f"transformers {transformers.__version__} cannot load GGUF architecture "
+            f"'{architecture}'; convert the model to a Hugging Face folder and pass that"
+        ) from None
     check_supported(config.model_type)  # before the weights are dequantised
     try:
         model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, dtype=getattr(torch, dtype))
         tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     except (ValueError, KeyError, RuntimeError, NotImplementedError) as exc:
-        raise GGUFInputError(f"transformers could not load '{path}' ({type(exc).__name__}: "
-                             f"{str(exc).splitlines()[0][:100]})") from None
+        raise GGUFInputError(
+            f"transformers could not load '{path}' ({type(exc).__name__}: {str(exc).splitlines()[0][:100]})"
+        ) from None
     if not getattr(tokenizer, "is_fast", False):
         raise GGUFInputError(f"transformers built no fast tokenizer from '{path}'; the runtime needs one")
     repair_special_tokens(tokenizer, metadata)
@@ -165,4 +173,3 @@ def gguf_folder(path: Path, dtype: str = "float32") -> tuple[Path, str]:
         folder.parent.mkdir(parents=True, exist_ok=True)
         dequantise_to_folder(path, dtype, folder)
     return folder, sha
-

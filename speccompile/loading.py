@@ -7,7 +7,6 @@ an id that is not cached is a one-line error that says how to pass a local folde
 from __future__ import annotations
 
 import dataclasses
-
 import json
 import os
 from dataclasses import dataclass
@@ -54,8 +53,10 @@ def resolve_model_path(name: str | None) -> tuple[Path, str | None]:
         return path, None
     path = Path(name).expanduser()
     if path.is_file():
-        raise ModelNotFoundError(f"MODEL '{name}' is a file; pass the folder that holds config.json and the "
-                                 "safetensors weights (saved with save_pretrained()), or a .gguf file")
+        raise ModelNotFoundError(
+            f"MODEL '{name}' is a file; pass the folder that holds config.json and the "
+            "safetensors weights (saved with save_pretrained()), or a .gguf file"
+        )
     if path.is_dir():
         if not (path / "config.json").is_file():
             raise ModelNotFoundError(f"folder '{name}' has no config.json; pass a folder saved with save_pretrained()")
@@ -108,8 +109,10 @@ def read_model_type(path: Path) -> str:
         raise SpeccompileError(f"{file} must hold a JSON object; restore it (save_pretrained() writes it)")
     model_type = config.get("model_type")
     if not isinstance(model_type, str) or not model_type:
-        raise SpeccompileError(f'{file} has no "model_type"; add it (e.g. "model_type": "llama") or re-save the '
-                               "model with save_pretrained()")
+        raise SpeccompileError(
+            f'{file} has no "model_type"; add it (e.g. "model_type": "llama") or re-save the '
+            "model with save_pretrained()"
+        )
     return model_type
 
 
@@ -127,8 +130,10 @@ def check_safetensors(path: Path) -> None:
             with safe_open(str(file), framework="numpy") as handle:
                 handle.keys()
         except (SafetensorError, OSError) as exc:
-            raise SpeccompileError(f"weights file {file} is empty, truncated or not safetensors ({_first_line(exc)}); "
-                                   "re-save the model with save_pretrained() or download it again") from None
+            raise SpeccompileError(
+                f"weights file {file} is empty, truncated or not safetensors ({_first_line(exc)}); "
+                "re-save the model with save_pretrained() or download it again"
+            ) from None
 
 
 # Rope scalings whose frequencies depend on the current sequence length: a k-token verify and a 1-token
@@ -140,15 +145,17 @@ def check_drafts_losslessly(config) -> None:
     """Refuse, before the weights are read, configurations that cannot be drafted losslessly."""
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     if getattr(config, "is_encoder_decoder", False):
-        raise SpeccompileError(f"'{config.model_type}' is an encoder-decoder model; speccompile drafts decoder-only "
-                               "causal LMs")
+        raise SpeccompileError(
+            f"'{config.model_type}' is an encoder-decoder model; speccompile drafts decoder-only causal LMs"
+        )
     scaling = getattr(text, "rope_scaling", None) or {}
     rope_type = scaling.get("rope_type", scaling.get("type")) if isinstance(scaling, dict) else None
     if rope_type in LENGTH_DEPENDENT_ROPE:
         raise SpeccompileError(
             f"rope scaling '{rope_type}' changes the rotary frequencies with the sequence length, so a verify of "
             "several tokens and a one-token step would disagree; set rope_scaling in config.json to a static type "
-            "(linear, yarn, llama3) or remove it")
+            "(linear, yarn, llama3) or remove it"
+        )
 
 
 def load_source(name: str | None, trust_remote_code: bool = False, dtype: str = "float32") -> SourceModel:
@@ -170,8 +177,10 @@ def load_source(name: str | None, trust_remote_code: bool = False, dtype: str = 
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (ValueError, OSError) as exc:
-        raise SpeccompileError(f"cannot read {path}/config.json ({_first_line(exc)}); "
-                               "pass --trust-remote-code only if you trust the model's code") from None
+        raise SpeccompileError(
+            f"cannot read {path}/config.json ({_first_line(exc)}); "
+            "pass --trust-remote-code only if you trust the model's code"
+        ) from None
     check_drafts_losslessly(config)
     check_safetensors(path)
     from transformers.utils import logging as hf_logging
@@ -180,22 +189,31 @@ def load_source(name: str | None, trust_remote_code: bool = False, dtype: str = 
     hf_logging.set_verbosity_error()  # kernel and init notices of the model classes; speccompile reports what matters
     try:
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=getattr(torch, dtype), attn_implementation="eager", use_safetensors=True,
+            path,
+            dtype=getattr(torch, dtype),
+            attn_implementation="eager",
+            use_safetensors=True,
             trust_remote_code=trust_remote_code,
         ).eval()
     except (SafetensorError, OSError) as exc:
-        raise SpeccompileError(f"cannot load the weights in {path} ({_first_line(exc)}); re-save the model with "
-                               "save_pretrained() or download it again") from None
+        raise SpeccompileError(
+            f"cannot load the weights in {path} ({_first_line(exc)}); re-save the model with "
+            "save_pretrained() or download it again"
+        ) from None
     except ValueError as exc:  # transformers has no *ForCausalLM class for this config
-        raise SpeccompileError(f"'{config.model_type}' has no causal-LM class in transformers ({_first_line(exc, 80)}); "
-                               "speccompile drafts decoder-only causal LMs") from None
+        raise SpeccompileError(
+            f"'{config.model_type}' has no causal-LM class in transformers ({_first_line(exc, 80)}); "
+            "speccompile drafts decoder-only causal LMs"
+        ) from None
     finally:
         hf_logging.set_verbosity(verbosity)
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as exc:
-        raise SpeccompileError(f"cannot load the tokenizer from {path} ({type(exc).__name__}); "
-                               "the folder needs tokenizer.json or the files AutoTokenizer reads") from None
+        raise SpeccompileError(
+            f"cannot load the tokenizer from {path} ({type(exc).__name__}); "
+            "the folder needs tokenizer.json or the files AutoTokenizer reads"
+        ) from None
     if not getattr(tokenizer, "is_fast", False):
         raise SpeccompileError(f"the tokenizer at {path} has no fast (tokenizer.json) version; the runtime needs one")
     return SourceModel(model=model, tokenizer=tokenizer, name=name or DEFAULT_MODEL, path=path, revision=revision)

@@ -12,7 +12,6 @@ sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch  # noqa: E402
-
 from tiny_models import FAMILIES, make_model  # noqa: E402
 
 # Tiny models are dominated by per-op overhead; one thread is faster and immune to a busy machine.
@@ -39,7 +38,7 @@ def tiny_decoder(tiny_model_dir):
     from transformers import AutoModelForCausalLM
 
     from speccompile.convert import arch_config, canonical_weights
-    from speccompile.runtime.decoder import build_decoder
+    from speccompile.runtime.backends.torch.decoder import build_decoder
 
     cache = {}
 
@@ -59,8 +58,16 @@ def tiny_artifact(tiny_model_dir, tmp_path_factory):
     from speccompile.build import BuildOptions, build
 
     out = tmp_path_factory.mktemp("artifacts") / "llama"
-    options = BuildOptions(model=str(tiny_model_dir("llama")), out=out, method="cosine", max_draft=4, calibration_tokens=16,
-                           confirm_prompts=2, confirm_tokens=16, show_progress=False)
+    options = BuildOptions(
+        model=str(tiny_model_dir("llama")),
+        out=out,
+        method="cosine",
+        max_draft=4,
+        calibration_tokens=16,
+        confirm_prompts=2,
+        confirm_tokens=16,
+        show_progress=False,
+    )
     return build(options, log=lambda message: None)
 
 
@@ -71,7 +78,7 @@ def small_vocab_llama(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     from speccompile.convert import arch_config, canonical_weights
-    from speccompile.runtime.decoder import build_decoder
+    from speccompile.runtime.backends.torch.decoder import build_decoder
 
     folder = make_model("llama", tmp_path_factory.mktemp("sv") / "llama", seed=4, vocab_size=12, initializer_range=0.15)
     hf = AutoModelForCausalLM.from_pretrained(folder).eval()

@@ -1,4 +1,4 @@
-"""Shared by the manifest fuzz test and ``benchmarks/manifest_fuzz.py``: hypothesis strategies that mutate a
+"""Shared by the manifest fuzz test and ``tests/manifest_fuzz.py``: hypothesis strategies that mutate a
 real artifact's manifest at every depth, and the one question asked of each mutation: what does ``load``
 do with it? (Loads, refuses with the runtime's own error, or lets another exception escape.)"""
 
@@ -17,12 +17,41 @@ from speccompile.runtime.errors import SpeccompileError
 
 ArtifactOpenError = getattr(errors, "ArtifactOpenError", ())  # () on a runtime without that boundary: never "net"
 
-SCALARS = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True, allow_infinity=True)
-           | st.text(max_size=12) | st.sampled_from(["", "..", "/etc/passwd", "../x", "a//b", "./a", "weights/model.safetensors",
-                                                    "tokenizer/tokenizer.json", "torch", "onnx", "float16", "0" * 64,
-                                                    "\ud800", "x" * 5000, "layer", "plain", "gelu", "learned", "generic"]))
-JSON = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
-                    max_leaves=12)
+SCALARS = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True, allow_infinity=True)
+    | st.text(max_size=12)
+    | st.sampled_from(
+        [
+            "",
+            "..",
+            "/etc/passwd",
+            "../x",
+            "a//b",
+            "./a",
+            "weights/model.safetensors",
+            "tokenizer/tokenizer.json",
+            "torch",
+            "onnx",
+            "float16",
+            "0" * 64,
+            "\ud800",
+            "x" * 5000,
+            "layer",
+            "plain",
+            "gelu",
+            "learned",
+            "generic",
+        ]
+    )
+)
+JSON = st.recursive(
+    SCALARS,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
 DEEP = st.integers(1, 400).map(lambda depth: f"\0DEEP:{depth}")
 """A list nested ``depth`` deep: a placeholder string until ``to_text`` writes it (so that mutating and
 copying a document never recurses that deep)."""
@@ -35,8 +64,16 @@ def to_text(data: Any) -> str:
     return _DEEP.sub(lambda m: "[" * int(m.group(1)) + "]" * int(m.group(1)), text)
 
 
-OPENED = {("config",), ("plans",), ("backends",), ("files",), ("tokens",), ("default_plan",), ("dtype",),
-          ("schema_version",)}
+OPENED = {
+    ("config",),
+    ("plans",),
+    ("backends",),
+    ("files",),
+    ("tokens",),
+    ("default_plan",),
+    ("dtype",),
+    ("schema_version",),
+}
 """Top-level fields the runtime acts on when it opens an artifact: two edits in three land under them
 (the rest anywhere, ``tuning`` and ``source`` included)."""
 
@@ -132,7 +169,7 @@ def copy_with_chat_template(artifact: Path, root: Path) -> Path:
     file's manifest hash updated), for the chat endpoint's tests."""
     import shutil
 
-    from speccompile.runtime.manifest import file_record
+    from speccompile.runtime.artifact.manifest import file_record
 
     shutil.copytree(artifact, root)
     config_path = root / "tokenizer" / "tokenizer_config.json"

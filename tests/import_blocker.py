@@ -25,5 +25,7 @@ def block(*names: str) -> None:
 
 def preamble(*names: str) -> str:
     """Python source that blocks ``names`` first thing in a ``python -c`` script."""
-    return f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import import_blocker; " \
-           f"import_blocker.block(*{list(names)!r})\n"
+    return (
+        f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); import import_blocker; "
+        f"import_blocker.block(*{list(names)!r})\n"
+    )

@@ -8,17 +8,19 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from speccompile.exporters.onnx_export import export_onnx
-from speccompile.artifact import hash_files
-from speccompile.runtime.manifest import DraftPlan, Manifest, read_manifest, write_manifest
-from speccompile.runtime.onnx_backend import OnnxBackend
 from tiny_models import make_tokenizer
+
+from speccompile.artifact import hash_files
+from speccompile.exporters.onnx_export import export_onnx
+from speccompile.runtime.artifact.manifest import DraftPlan, Manifest, read_manifest, write_manifest
+from speccompile.runtime.backends.onnx import OnnxBackend
 
 TOL = 1e-4
 
 
-def make_artifact(decoder, plan_map: dict[str, DraftPlan], root: Path, tokenizer: Path | None = None, **options) -> Path:
+def make_artifact(
+    decoder, plan_map: dict[str, DraftPlan], root: Path, tokenizer: Path | None = None, **options
+) -> Path:
     """An ONNX-only artifact folder: onnx/ + tokenizer/ (the runtime opens it, so the manifest hashes it, like
     every file) + manifest.json, no torch weights. ``tokenizer``: a tokenizer.json to copy (default: a new one)."""
     root.mkdir(parents=True, exist_ok=True)
@@ -28,8 +30,13 @@ def make_artifact(decoder, plan_map: dict[str, DraftPlan], root: Path, tokenizer
         (root / "tokenizer").mkdir(parents=True, exist_ok=True)
         shutil.copyfile(tokenizer, root / "tokenizer" / "tokenizer.json")
     record = export_onnx(decoder, plan_map, root / "onnx", **options)
-    manifest = Manifest(config=decoder.config, plans=plan_map, default_plan=next(iter(plan_map)),
-                        files=hash_files(root), backends={"onnx": record})
+    manifest = Manifest(
+        config=decoder.config,
+        plans=plan_map,
+        default_plan=next(iter(plan_map)),
+        files=hash_files(root),
+        backends={"onnx": record},
+    )
     write_manifest(root, manifest)
     return root
 
@@ -76,19 +83,29 @@ def check_logits(ort, ref, decoder, plan_map: dict[str, DraftPlan], family: str,
     for name, plan in plan_map.items():
         pos = 34
         for j in range(3):
-            same(ort.draft(plan, tokens[pos + j], pos + j), ref.draft(plan, tokens[pos + j], pos + j), f"{name} draft {j}")
-        round_tokens = tokens[pos: pos + 4]
+            same(
+                ort.draft(plan, tokens[pos + j], pos + j),
+                ref.draft(plan, tokens[pos + j], pos + j),
+                f"{name} draft {j}",
+            )
+        round_tokens = tokens[pos : pos + 4]
         same(ort.verify(plan, round_tokens, pos, 3), ref.verify(plan, round_tokens, pos, 3), f"{name} verify")
-        same(ort.forward(tokens[pos + 1: pos + 2], pos + 1), ref.forward(tokens[pos + 1: pos + 2], pos + 1),
-             f"{name} rollback step")
+        same(
+            ort.forward(tokens[pos + 1 : pos + 2], pos + 1),
+            ref.forward(tokens[pos + 1 : pos + 2], pos + 1),
+            f"{name} rollback step",
+        )
 
 
-def check_greedy_lossless(ort, decoder, plan_map: dict[str, DraftPlan], prompts: int, new_tokens: int, step: int) -> None:
+def check_greedy_lossless(
+    ort, decoder, plan_map: dict[str, DraftPlan], prompts: int, new_tokens: int, step: int
+) -> None:
     """ORT plain greedy == torch plain greedy, and ORT speculative == ORT plain for every plan, on ``prompts``
     random prompts (lengths 3, 3 + step, ...); divergences only at near-ties of the model (at most one), and
     some draft accepted."""
     from lossless import assert_same_greedy, run
-    from speccompile.runtime.torch_backend import TorchBackend
+
+    from speccompile.runtime.backends.torch.backend import TorchBackend
 
     ref = TorchBackend(decoder)
     gen = torch.Generator().manual_seed(3)

@@ -9,11 +9,12 @@ and the error of the mean accepted length is measured and bounded.
 import numpy as np
 import pytest
 import torch
-
 from lossless import run
+
 from speccompile.passes.acceptance import profile_plan, reference_pass, simulate_rounds
-from speccompile.runtime.manifest import DraftPlan
-from speccompile.runtime.torch_backend import TorchBackend
+from speccompile.runtime.artifact.manifest import DraftPlan
+from speccompile.runtime.backends.torch.backend import TorchBackend
+from speccompile.runtime.drafting import options
 
 NEW_TOKENS = 48
 
@@ -40,11 +41,13 @@ def real_and_estimated(decoder, plan):
 @pytest.mark.parametrize("threshold", [0.0, 0.5])
 def test_early_exit_estimate_is_exact(family, threshold, tiny_decoder):
     _, decoder = tiny_decoder(family)
-    plan = DraftPlan(name="exit", exit_layer=2, max_draft=4, threshold=threshold, adaptive=False)
+    plan = DraftPlan(
+        name="exit", exit_layer=2, sources={"model": {"max_draft": 4, "threshold": threshold, "adaptive": False}}
+    )
     real_rounds, profile = real_and_estimated(decoder, plan)
     for real, matches, confidences in zip(real_rounds, profile.matches, profile.confidences):
         one = type(profile)([matches], [confidences])
-        simulated = simulate_rounds(one, plan.max_draft, plan.threshold)
+        simulated = simulate_rounds(one, options(plan, "model").max_draft, options(plan, "model").threshold)
         if threshold == 0.0:
             assert simulated == real
         else:
@@ -58,7 +61,9 @@ def test_early_exit_estimate_is_exact(family, threshold, tiny_decoder):
 def test_layer_skip_first_token_exact_and_mean_close(family, tiny_decoder):
     _, decoder = tiny_decoder(family)
     L = decoder.config.num_layers
-    plan = DraftPlan(name="skip", skip_attn=[1], skip_mlp=[L - 2], max_draft=4, adaptive=False)
+    plan = DraftPlan(
+        name="skip", skip_attn=[1], skip_mlp=[L - 2], sources={"model": {"max_draft": 4, "adaptive": False}}
+    )
     real_rounds, profile = real_and_estimated(decoder, plan)
     mismatched = checked = 0
     real_tokens, real_count = 0, 0
@@ -72,7 +77,7 @@ def test_layer_skip_first_token_exact_and_mean_close(family, tiny_decoder):
             real_tokens += accepted + 1
             real_count += 1
     assert checked > 20 and mismatched <= 1, f"{mismatched}/{checked} first-token estimates differ from the real loop"
-    estimated = simulate_rounds(profile, plan.max_draft, plan.threshold)
+    estimated = simulate_rounds(profile, options(plan, "model").max_draft, options(plan, "model").threshold)
     est_mean = np.mean([a + 1 for _, a in estimated])
     real_mean = real_tokens / real_count
     # Later tokens of a round attend to the draft's own K/V of that round, which the estimator replaces

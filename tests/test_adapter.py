@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 from click.testing import CliRunner
-
 from lossless import assert_same_greedy, chi_square_pvalue, exact_marginals, next_token_logits, run
-from speccompile.runtime.adapter import DraftHead
-from speccompile.runtime.manifest import DraftPlan
-from speccompile.runtime.sampling import SamplingParams
-from speccompile.runtime.speculative import backend_drafter
-from speccompile.runtime.torch_backend import TorchBackend
 from tiny_models import FAMILIES
+
+from speccompile.runtime.artifact.manifest import DraftPlan
+from speccompile.runtime.backends.torch.backend import TorchBackend
+from speccompile.runtime.decoding.speculative import backend_drafter
+from speccompile.runtime.drafting.kinds.adapter import DraftHead
+from speccompile.runtime.sampling import SamplingParams
 
 NEW_TOKENS = 32
 ADAPTER = "draft_heads/adapter.safetensors"
@@ -30,10 +30,12 @@ def random_head(config, vocab: np.ndarray | None, seed: int, width: int = 32, sc
     """An adapter with random weights (losslessness must not depend on what the draft says)."""
     rng = np.random.default_rng(seed)
     d = config.hidden_size
-    adapter = {"adapter.norm.weight": np.ones(d, np.float32),
-               "adapter.gate.weight": rng.normal(0, 0.2, (width, d)).astype(np.float32),
-               "adapter.up.weight": rng.normal(0, 0.2, (width, d)).astype(np.float32),
-               "adapter.down.weight": rng.normal(0, scale, (d, width)).astype(np.float32)}
+    adapter = {
+        "adapter.norm.weight": np.ones(d, np.float32),
+        "adapter.gate.weight": rng.normal(0, 0.2, (width, d)).astype(np.float32),
+        "adapter.up.weight": rng.normal(0, 0.2, (width, d)).astype(np.float32),
+        "adapter.down.weight": rng.normal(0, scale, (d, width)).astype(np.float32),
+    }
     if config.norm == "layer":
         adapter["adapter.norm.bias"] = np.zeros(d, np.float32)
     return DraftHead(adapter=adapter, vocab=vocab)
@@ -89,17 +91,46 @@ def test_time_budget_ends_training_cleanly(tiny_decoder):
 def head_plans(num_layers: int, vocab: int) -> dict[str, DraftPlan]:
     half = num_layers // 2
     plans = [
-        DraftPlan(name="adapter", exit_layer=half, head=f"adapter:{half}", draft_head_file=ADAPTER, max_draft=4,
-                  adaptive=False),
-        DraftPlan(name="adapter-reduced", exit_layer=half, head=f"adapter:{half}", draft_vocab=vocab,
-                  draft_head_file=REDUCED, max_draft=3, threshold=0.2),
-        DraftPlan(name="exit-reduced", exit_layer=1, draft_vocab=vocab, draft_head_file="draft_heads/vocab.safetensors",
-                  max_draft=3, adaptive=False),
-        DraftPlan(name="skip-reduced", skip_attn=[1], skip_mlp=[num_layers - 2], draft_vocab=vocab,
-                  draft_head_file="draft_heads/vocab.safetensors", max_draft=2, adaptive=False),
-        DraftPlan(name="hybrid-adapter", lookup=["ngram"], ngram_min=1, ngram_max=3, lookup_max_draft=4,
-                  exit_layer=half, head=f"adapter:{half}", draft_vocab=vocab, draft_head_file=REDUCED, max_draft=3,
-                  adaptive=False),
+        DraftPlan(
+            name="adapter",
+            exit_layer=half,
+            head=f"adapter:{half}",
+            draft_head_file=ADAPTER,
+            sources={"model": {"max_draft": 4, "adaptive": False}},
+        ),
+        DraftPlan(
+            name="adapter-reduced",
+            exit_layer=half,
+            head=f"adapter:{half}",
+            draft_vocab=vocab,
+            draft_head_file=REDUCED,
+            sources={"model": {"max_draft": 3, "threshold": 0.2}},
+        ),
+        DraftPlan(
+            name="exit-reduced",
+            exit_layer=1,
+            draft_vocab=vocab,
+            draft_head_file="draft_heads/vocab.safetensors",
+            sources={"model": {"max_draft": 3, "adaptive": False}},
+        ),
+        DraftPlan(
+            name="skip-reduced",
+            skip_attn=[1],
+            skip_mlp=[num_layers - 2],
+            draft_vocab=vocab,
+            draft_head_file="draft_heads/vocab.safetensors",
+            sources={"model": {"max_draft": 2, "adaptive": False}},
+        ),
+        DraftPlan(
+            name="hybrid-adapter",
+            lookup=["ngram"],
+            lookup_max_draft=4,
+            exit_layer=half,
+            head=f"adapter:{half}",
+            draft_vocab=vocab,
+            draft_head_file=REDUCED,
+            sources={"ngram": {"min": 1, "max": 3}, "model": {"max_draft": 3, "adaptive": False}},
+        ),
     ]
     return {p.name: p for p in plans}
 
@@ -113,7 +144,7 @@ def random_prompts(vocab: int, seed: int = 5, count: int = 3) -> list[list[int]]
 def test_draft_heads_greedy_lossless_torch_and_onnx(family, tiny_decoder, tmp_path):
     from speccompile.artifact import model_plans
     from speccompile.exporters.onnx_export import export_onnx
-    from speccompile.runtime.onnx_backend import OnnxBackend
+    from speccompile.runtime.backends.onnx import OnnxBackend
 
     _, decoder = tiny_decoder(family)
     config = decoder.config
@@ -121,13 +152,17 @@ def test_draft_heads_greedy_lossless_torch_and_onnx(family, tiny_decoder, tmp_pa
     prompts = random_prompts(config.vocab_size)
     produced = np.concatenate([run(backend, p, NEW_TOKENS)[0] for p in prompts])
     vocab = np.argsort(-np.bincount(produced, minlength=config.vocab_size), kind="stable")[:48]  # most of what it says
-    files = {ADAPTER: random_head(config, None, 1), REDUCED: random_head(config, vocab, 2),
-             "draft_heads/vocab.safetensors": DraftHead(vocab=vocab)}
+    files = {
+        ADAPTER: random_head(config, None, 1),
+        REDUCED: random_head(config, vocab, 2),
+        "draft_heads/vocab.safetensors": DraftHead(vocab=vocab),
+    }
     for relative, head in files.items():
         head.save(tmp_path / relative)
     plans = head_plans(config.num_layers, len(vocab))
-    record = export_onnx(decoder, model_plans(plans), tmp_path / "onnx",
-                         draft_heads={rel: tmp_path / rel for rel in files})
+    record = export_onnx(
+        decoder, model_plans(plans), tmp_path / "onnx", draft_heads={rel: tmp_path / rel for rel in files}
+    )
     assert all(any(key.startswith("draft_head.") for key in record["plans"][name]["graphs"]) for name in plans)
     ort = OnnxBackend(tmp_path, record, config, threads=1)
     ort.check_plans(plans)
@@ -171,12 +206,23 @@ def test_sampling_with_draft_heads_matches_target_distribution(small_vocab_llama
     config = decoder.config
     if kind == "adapter":
         head = random_head(config, None, 3, scale=0.3)
-        plan = DraftPlan(name="a", exit_layer=2, head="adapter:2", draft_head_file="h.safetensors", max_draft=2,
-                         adaptive=False)
+        plan = DraftPlan(
+            name="a",
+            exit_layer=2,
+            head="adapter:2",
+            draft_head_file="h.safetensors",
+            sources={"model": {"max_draft": 2, "adaptive": False}},
+        )
     else:  # q is zero outside these 6 tokens: the rejection rule must still give the target's distribution
         head = DraftHead(vocab=np.array([1, 3, 5, 7, 9, 11]))
-        plan = DraftPlan(name="r", skip_attn=[1], skip_mlp=[2], draft_vocab=6, draft_head_file="h.safetensors",
-                         max_draft=2, adaptive=False)
+        plan = DraftPlan(
+            name="r",
+            skip_attn=[1],
+            skip_mlp=[2],
+            draft_vocab=6,
+            draft_head_file="h.safetensors",
+            sources={"model": {"max_draft": 2, "adaptive": False}},
+        )
     head.save(tmp_path / "h.safetensors")
     backend = TorchBackend(decoder)
     params = SamplingParams(temperature=1.0)
@@ -194,12 +240,14 @@ def test_sampling_with_draft_heads_matches_target_distribution(small_vocab_llama
     assert chi_square_pvalue(spec3, target3) > ALPHA
     # Negative control: the draft's own distribution is far from the target's, so the test could fail.
     draft2, _ = exact_marginals(draft_logits_fn(decoder, plan, head), params, PROMPT, VOCAB)
-    assert chi_square_pvalue(np.random.default_rng(0).choice(VOCAB, SAMPLES, p=draft2 / draft2.sum()).tolist(),
-                             target2) < ALPHA
+    assert (
+        chi_square_pvalue(np.random.default_rng(0).choice(VOCAB, SAMPLES, p=draft2 / draft2.sum()).tolist(), target2)
+        < ALPHA
+    )
 
 
 def draft_logits_fn(decoder, plan, head):
-    from speccompile.runtime.torch_backend import TorchDraftHead
+    from speccompile.runtime.backends.torch.backend import TorchDraftHead
 
     kernel = TorchDraftHead.from_draft_head(decoder, head)
 
@@ -222,9 +270,28 @@ def test_build_adapter_artifact_inspect_generate_and_tamper(tiny_model_dir, tmp_
 
     out = tmp_path / "art"
     runner = CliRunner()
-    result = runner.invoke(main, ["build", str(tiny_model_dir("llama")), "-o", str(out), "--method", "adapter",
-                                  "--exit-layer", "2", "--adapter-tokens", "3000", "--time-budget", "30",
-                                  "--backend", "torch,onnx", "--calibration-tokens", "24", "--quiet"])
+    result = runner.invoke(
+        main,
+        [
+            "build",
+            str(tiny_model_dir("llama")),
+            "-o",
+            str(out),
+            "--method",
+            "adapter",
+            "--exit-layer",
+            "2",
+            "--adapter-tokens",
+            "3000",
+            "--time-budget",
+            "30",
+            "--backend",
+            "torch,onnx",
+            "--calibration-tokens",
+            "24",
+            "--quiet",
+        ],
+    )
     assert result.exit_code == 0, result.output
     manifest = json.loads((out / "manifest.json").read_text())
     plan = manifest["plans"]["adapter"]
@@ -243,8 +310,19 @@ def test_build_adapter_artifact_inspect_generate_and_tamper(tiny_model_dir, tmp_
     assert outputs[0] == outputs[1]
     # The ONNX side runs without torch: the draft head file is read with safetensors' numpy API.
     prompt = load(out, backend="onnx").encode_prompt("def add(a, b):")
-    blocked = subprocess.run([sys.executable, str(Path(__file__).parent / "torch_blocker.py"), str(out), json.dumps(prompt),
-                              "24", "adapter"], capture_output=True, text=True, timeout=300)
+    blocked = subprocess.run(
+        [
+            sys.executable,
+            str(Path(__file__).parent / "torch_blocker.py"),
+            str(out),
+            json.dumps(prompt),
+            "24",
+            "adapter",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert blocked.returncode == 0, blocked.stderr[-2000:]
     got = json.loads(blocked.stdout.strip().splitlines()[-1])
     assert got["torch_blocked"] and not got["torch_loaded"] and got["spec"] == got["plain"] == outputs[1]

@@ -6,14 +6,14 @@ import shutil
 import optuna
 import pytest
 from click.testing import CliRunner
-
 from lossless import assert_same_greedy, run
+
 from speccompile.cli import main
 from speccompile.passes.bayes_autotune import STUDY_NAME, BayesAutotune
 from speccompile.passes.ir import DecoderIR
 from speccompile.passes.tuning import TuningContext
 from speccompile.runtime import load
-from speccompile.runtime.manifest import DraftPlan
+from speccompile.runtime.artifact.manifest import DraftPlan
 
 TUNE = ["--calibration-tokens", "16", "--max-draft", "4", "--quiet"]
 
@@ -86,8 +86,22 @@ def test_study_of_another_model_is_refused(artifact, tmp_path, tiny_model_dir):
     study = tmp_path / "study.db"
     tune(artifact, "--method", "bayes", "--trials", "2", "--study", study)
     other = tmp_path / "gpt2"
-    build = CliRunner().invoke(main, ["build", str(tiny_model_dir("gpt2")), "-o", str(other), "--method", "bayes",
-                                      "--trials", "2", "--study", str(study), *TUNE])
+    build = CliRunner().invoke(
+        main,
+        [
+            "build",
+            str(tiny_model_dir("gpt2")),
+            "-o",
+            str(other),
+            "--method",
+            "bayes",
+            "--trials",
+            "2",
+            "--study",
+            str(study),
+            *TUNE,
+        ],
+    )
     assert build.exit_code != 0 and "belongs to another model" in build.stderr
     assert not other.exists()
 

@@ -16,8 +16,8 @@ from speccompile.passes.budget import Budget, geometric_bound
 from speccompile.passes.confirm import Confirmer
 from speccompile.passes.ir import DecoderIR
 from speccompile.passes.pipeline import METHODS, BuildOptions, cli_fields
-from speccompile.runtime.manifest import DraftPlan
-from speccompile.runtime.speculative import Stats
+from speccompile.runtime.artifact.manifest import DraftPlan
+from speccompile.runtime.decoding.speculative import Stats
 
 
 class Clock:
@@ -34,7 +34,14 @@ class AddPlan(Pass):
     """A tuning pass with a given bound that adds a plan of a given expected speedup, taking ``seconds``."""
 
     def __init__(self, name, bound, speedup, clock, seconds=1.0, least=0.0):
-        self.name, self._bound, self.speedup, self.clock, self.seconds, self.least = name, bound, speedup, clock, seconds, least
+        self.name, self._bound, self.speedup, self.clock, self.seconds, self.least = (
+            name,
+            bound,
+            speedup,
+            clock,
+            seconds,
+            least,
+        )
         self.adds = (name,)
         self.ran = False
 
@@ -70,12 +77,15 @@ def test_pass_below_the_incumbent_is_skipped_and_recorded(ir):
     assert set(ir.plans) == {"lookup", "strong"}
     table = {row["pass"]: row for row in ir.tuning["passes"]}
     assert table["weak"]["skipped"] == "bound 1.08x < incumbent 1.29x"
-    assert table["strong"]["bound"] == 1.6 and table["strong"]["incumbent"] == 1.29 and table["strong"]["reached"] == 1.4
+    assert (
+        table["strong"]["bound"] == 1.6 and table["strong"]["incumbent"] == 1.29 and table["strong"]["reached"] == 1.4
+    )
     assert table["slow"]["skipped"].startswith("needs 100s, 58s left")
     # a bound within BOUND_MARGIN of the incumbent cannot win a confirmation: skipped too, and said so
     close = AddPlan("close", 1.3, 1.3, Clock())
     ir_close = PassManager([AddPlan("lookup", None, 1.29, Clock()), close], budget=Budget(60.0, clock=Clock()))(
-        DecoderIR(ir.config, {}))
+        DecoderIR(ir.config, {})
+    )
     assert not close.ran and ir_close.tuning["passes"][1]["skipped"] == "bound 1.30x < incumbent 1.29x + 5%"
     # without a budget (--method NAME), every pass runs in full
     clock2 = Clock()
@@ -106,8 +116,9 @@ def fake_decode(plain_seconds, plan_seconds, noise):
 
     def decode(prompt, new_tokens, plan):
         seconds = (plain_seconds if plan is None else plan_seconds[plan.name]) * next(factors)
-        return list(range(new_tokens)), Stats(new_tokens=new_tokens, rounds=new_tokens // 2, accepted=new_tokens // 2,
-                                              seconds=seconds)
+        return list(range(new_tokens)), Stats(
+            new_tokens=new_tokens, rounds=new_tokens // 2, accepted=new_tokens // 2, seconds=seconds
+        )
 
     return decode
 
@@ -140,7 +151,9 @@ def test_confirmation_drops_the_slower_plan_and_stops_at_the_deadline():
     figures, notes = race({"fast": 1 / 1.5, "slower": 1 / 1.2})
     assert figures["slower"]["confirmation_stopped"] == "slower than fast" and notes["confirmation_stopped"] == "sure"
     clock = Clock()
-    figures, notes = race({"tie": 1 / 1.01}, deadline=0.0, clock=clock)  # the budget is spent: the least turns, then stop
+    figures, notes = race(
+        {"tie": 1 / 1.01}, deadline=0.0, clock=clock
+    )  # the budget is spent: the least turns, then stop
     assert notes == {"confirmation_turns": 3, "confirmation_stopped": "budget"}
     assert figures["tie"]["confirmation_turns"] == 3
 
@@ -160,11 +173,20 @@ def test_an_undecided_race_is_settled_by_the_estimate(ir):
     from speccompile.passes.confirm import ChooseDefaultPlan
 
     def plans(interval, other_confirmed=1.62, other_method="precision"):
-        return {"alone": DraftPlan(name="alone", measured={"method": "precision", "expected_speedup": 1.71,
-                                                           "confirmed_speedup": 1.63}),
-                "behind": DraftPlan(name="behind", measured={
-                    "method": other_method, "expected_speedup": 1.87, "confirmed_speedup": other_confirmed,
-                    "confirmed_vs_best": {"plan": "alone", "interval": interval}})}
+        return {
+            "alone": DraftPlan(
+                name="alone", measured={"method": "precision", "expected_speedup": 1.71, "confirmed_speedup": 1.63}
+            ),
+            "behind": DraftPlan(
+                name="behind",
+                measured={
+                    "method": other_method,
+                    "expected_speedup": 1.87,
+                    "confirmed_speedup": other_confirmed,
+                    "confirmed_vs_best": {"plan": "alone", "interval": interval},
+                },
+            ),
+        }
 
     ir.plans = plans([0.93, 1.06])
     ir = ChooseDefaultPlan().run(ir)
@@ -179,8 +201,10 @@ def test_an_undecided_race_is_settled_by_the_estimate(ir):
 
 def build_tiny(model_dir, out, *args) -> dict:
     """Build the tiny model with a small calibration; its manifest."""
-    result = CliRunner().invoke(main, ["build", str(model_dir), "-o", str(out), "--max-draft", "3",
-                                       "--calibration-tokens", "12", "--quiet", *args])
+    result = CliRunner().invoke(
+        main,
+        ["build", str(model_dir), "-o", str(out), "--max-draft", "3", "--calibration-tokens", "12", "--quiet", *args],
+    )
     assert result.exit_code == 0, result.output
     return json.loads((out / "manifest.json").read_text())
 
@@ -233,7 +257,9 @@ def test_options_are_written_once(command):
     fields = {f.name for f in cli_fields(command)}
     assert set(params) == fields | {"debug", "model" if command == "build" else "artifact"}
     assert isinstance(params["max_draft"].type, click.IntRange) and params["max_draft"].default == 8
-    assert BuildOptions().max_draft == 8 and BuildOptions().show_progress and params["show_progress"].opts == ["--quiet"]
+    assert (
+        BuildOptions().max_draft == 8 and BuildOptions().show_progress and params["show_progress"].opts == ["--quiet"]
+    )
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -264,11 +290,16 @@ def test_confirmation_races_only_plans_close_to_the_best():
     10% of the best prediction (each plan in the race adds a decode to every turn)."""
     from speccompile.passes.confirm import race_candidates
 
-    ranked = [DraftPlan(name=n, measured={"expected_speedup": e}) for n, e in
-              (("best", 1.30), ("close", 1.18), ("far", 1.10), ("slower", 0.95))]
+    ranked = [
+        DraftPlan(name=n, measured={"expected_speedup": e})
+        for n, e in (("best", 1.30), ("close", 1.18), ("far", 1.10), ("slower", 0.95))
+    ]
     assert [p.name for p in race_candidates(ranked, 3, 0.9)] == ["best", "close"]
     assert [p.name for p in race_candidates(ranked, 3, None)] == ["best", "close", "far"]
-    slow = [DraftPlan(name="a", measured={"expected_speedup": 0.97}), DraftPlan(name="b", measured={"expected_speedup": 0.9})]
+    slow = [
+        DraftPlan(name="a", measured={"expected_speedup": 0.97}),
+        DraftPlan(name="b", measured={"expected_speedup": 0.9}),
+    ]
     assert [p.name for p in race_candidates(slow, 3, 0.9)] == ["a"]  # the best is always timed: it may still pay
 
 

@@ -23,8 +23,19 @@ def artifact_copy(tiny_artifact, tmp_path):
 
 def test_build_generate_inspect_bench_end_to_end(tiny_model_dir, tmp_path):
     out = tmp_path / "gpt2-exit"
-    result = invoke("build", tiny_model_dir("gpt2"), "-o", out, "--method", "early-exit", "--max-draft", "3",
-                    "--calibration-tokens", "12", "--quiet")
+    result = invoke(
+        "build",
+        tiny_model_dir("gpt2"),
+        "-o",
+        out,
+        "--method",
+        "early-exit",
+        "--max-draft",
+        "3",
+        "--calibration-tokens",
+        "12",
+        "--quiet",
+    )
     assert result.exit_code == 0, result.output
     assert "plan 'early-exit'" in result.stdout
     manifest = json.loads((out / "manifest.json").read_text())
@@ -33,10 +44,16 @@ def test_build_generate_inspect_bench_end_to_end(tiny_model_dir, tmp_path):
     assert "confirmed_speedup" in plan["measured"] and manifest["source"]["architecture"] == "GPT2LMHeadModel"
     assert leftovers(tmp_path) == []
 
-    spec = json.loads(invoke("generate", out, "--prompt", "def add(a, b):", "--max-new-tokens", "24", "--json",
-                             "--plan", "early-exit").stdout)
-    plain = json.loads(invoke("generate", out, "--prompt", "def add(a, b):", "--max-new-tokens", "24", "--json",
-                              "--no-speculate").stdout)
+    spec = json.loads(
+        invoke(
+            "generate", out, "--prompt", "def add(a, b):", "--max-new-tokens", "24", "--json", "--plan", "early-exit"
+        ).stdout
+    )
+    plain = json.loads(
+        invoke(
+            "generate", out, "--prompt", "def add(a, b):", "--max-new-tokens", "24", "--json", "--no-speculate"
+        ).stdout
+    )
     for key in ("text", "token_ids", "tokens_per_s", "rounds", "mean_accepted"):
         assert key in spec and key in plain
     assert spec["token_ids"] == plain["token_ids"] and len(spec["token_ids"]) == 24
@@ -51,8 +68,9 @@ def test_build_generate_inspect_bench_end_to_end(tiny_model_dir, tmp_path):
 
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("\n".join(json.dumps({"prompt": p}) for p in ["def f(x):", "class A:", "for i in"]))
-    bench = invoke("bench", out, "--prompts", prompts, "--max-new-tokens", "12", "--json", "--quiet",
-                   "--plan", "early-exit")
+    bench = invoke(
+        "bench", out, "--prompts", prompts, "--max-new-tokens", "12", "--json", "--quiet", "--plan", "early-exit"
+    )
     assert bench.exit_code == 0, bench.output
     report = json.loads(bench.stdout)
     for key in ("autoregressive", "speculative", "transformers", "transformers_prompt_lookup", "speedup", "identical"):
@@ -102,8 +120,11 @@ def test_unsupported_architecture(tmp_path):
     config = AutoConfig.for_model("mamba", vocab_size=320, hidden_size=32, num_hidden_layers=2, state_size=4)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(mamba)
     make_tokenizer(mamba)
-    assert_one_line_error(invoke("build", mamba, "-o", tmp_path / "out"), "'mamba' has recurrent or state-space layers",
-                          "cannot be drafted losslessly")
+    assert_one_line_error(
+        invoke("build", mamba, "-o", tmp_path / "out"),
+        "'mamba' has recurrent or state-space layers",
+        "cannot be drafted losslessly",
+    )
     assert not (tmp_path / "out").exists() and leftovers(tmp_path) == []
 
 
@@ -114,10 +135,18 @@ def test_remote_code_model_needs_the_flag(tmp_path):
 
     folder = tmp_path / "custom"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "speccompile_custom", "architectures": ["CustomForCausalLM"],
-        "auto_map": {"AutoConfig": "configuration_custom.CustomConfig",
-                     "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM"}}))
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "speccompile_custom",
+                "architectures": ["CustomForCausalLM"],
+                "auto_map": {
+                    "AutoConfig": "configuration_custom.CustomConfig",
+                    "AutoModelForCausalLM": "modeling_custom.CustomForCausalLM",
+                },
+            }
+        )
+    )
     (folder / "configuration_custom.py").write_text("raise SystemExit('remote code ran')\n")
     make_tokenizer(folder)
     assert_one_line_error(invoke("build", folder, "-o", tmp_path / "out"), "--trust-remote-code")
@@ -171,8 +200,10 @@ def test_generation_stops_at_context(tiny_artifact):
 
 
 def test_runtime_imports_neither_torch_nor_transformers():
-    code = ("import sys, speccompile.runtime; "
-            "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad")
+    code = (
+        "import sys, speccompile.runtime; "
+        "bad = [m for m in ('torch', 'transformers') if m in sys.modules]; assert not bad, bad"
+    )
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -181,8 +212,9 @@ def test_auto_method_keeps_the_fastest_plan_or_plain(tiny_model_dir, tmp_path):
     recorded as skipped, with why), keeps the fastest confirmed plan, and makes it the default only if it beat
     plain decoding in its own confirmation."""
     out = tmp_path / "auto"
-    result = invoke("build", tiny_model_dir("qwen2"), "-o", out, "--max-draft", "3", "--calibration-tokens", "12",
-                    "--quiet")
+    result = invoke(
+        "build", tiny_model_dir("qwen2"), "-o", out, "--max-draft", "3", "--calibration-tokens", "12", "--quiet"
+    )
     assert result.exit_code == 0, result.output
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["tuning"]["method"] == "auto"
@@ -190,7 +222,7 @@ def test_auto_method_keeps_the_fastest_plan_or_plain(tiny_model_dir, tmp_path):
     assert {"lookup_autotune", "exit_autotune", "cosine_autotune", "confirm_plans"} <= set(rows)
     for name in ("exit_autotune", "cosine_autotune"):  # each model-draft pass ran or says why not
         assert rows[name].get("added") or rows[name].get("skipped"), rows[name]
-    (name, plan), = manifest["plans"].items()
+    ((name, plan),) = manifest["plans"].items()
     others = plan["measured"].get("chosen_over", {})
     assert "lookup" in {name, *others}
     confirmed = [speedup for speedup in others.values() if speedup is not None]
@@ -198,4 +230,6 @@ def test_auto_method_keeps_the_fastest_plan_or_plain(tiny_model_dir, tmp_path):
     pays = plan["measured"]["confirmed_speedup"] > 1.0
     assert manifest["default_plan"] == (name if pays else None)
     generated = invoke("generate", out, "--prompt", "def add(a, b):", "--max-new-tokens", "8")
-    assert generated.exit_code == 0 and ("[plain decoding: no draft plan beat plain decoding" in generated.stderr) != pays
+    assert (
+        generated.exit_code == 0 and ("[plain decoding: no draft plan beat plain decoding" in generated.stderr) != pays
+    )

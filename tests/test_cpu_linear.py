@@ -1,17 +1,23 @@
-"""The CPU product forms (runtime/cpu_linear.py): W @ x^T and MKL's packed product compute F.linear's
+"""The CPU product forms (runtime/backends/torch/cpu_linear.py): W @ x^T and MKL's packed product compute F.linear's
 products, are chosen per row count by measurement, and are lossless when forced on for every row count."""
 
 import pytest
 import torch
 import torch.nn.functional as F
-
 from lossless import assert_same_greedy, run
+
 from speccompile.convert import arch_config, canonical_weights
-from speccompile.runtime.cpu_linear import (MAX_ROWS, MklPack, StreamingLinear, choose_forms, mkl_packing_missing,
-                                            use_streaming_linears)
-from speccompile.runtime.decoder import build_decoder, pack_projections
-from speccompile.runtime.manifest import DraftPlan
-from speccompile.runtime.torch_backend import TorchBackend
+from speccompile.runtime.artifact.manifest import DraftPlan
+from speccompile.runtime.backends.torch.backend import TorchBackend
+from speccompile.runtime.backends.torch.cpu_linear import (
+    MAX_ROWS,
+    MklPack,
+    StreamingLinear,
+    choose_forms,
+    mkl_packing_missing,
+    use_streaming_linears,
+)
+from speccompile.runtime.backends.torch.decoder import build_decoder, pack_projections
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -27,7 +33,9 @@ def test_streaming_linear_computes_f_linear(bias):
         torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
-needs_mkl = pytest.mark.skipif(mkl_packing_missing() is not None, reason=f"no MKL packed product: {mkl_packing_missing()}")
+needs_mkl = pytest.mark.skipif(
+    mkl_packing_missing() is not None, reason=f"no MKL packed product: {mkl_packing_missing()}"
+)
 
 
 def packed_layer(out_features: int = 80, in_features: int = 48, bias: bool = True) -> StreamingLinear:
@@ -70,7 +78,10 @@ def test_pack_is_shared_by_deepcopy():
     import copy
 
     layer = packed_layer()
-    assert copy.deepcopy(layer, memo={id(layer.weight): layer.weight, id(layer.bias): layer.bias}).mkl_pack is layer.mkl_pack
+    assert (
+        copy.deepcopy(layer, memo={id(layer.weight): layer.weight, id(layer.bias): layer.bias}).mkl_pack
+        is layer.mkl_pack
+    )
 
 
 def test_choice_covers_counts_between_probes():
@@ -86,7 +97,10 @@ def test_packed_choice():
     weights = [torch.randn(64, 32), torch.randn(32, 64)]
     packs = [MklPack(w) for w in weights]
     every = frozenset(range(1, MAX_ROWS + 1))
-    assert choose_forms(weights, packs, rows=(1, 4), margin=float("inf"), preference=float("inf")) == (frozenset(), every)
+    assert choose_forms(weights, packs, rows=(1, 4), margin=float("inf"), preference=float("inf")) == (
+        frozenset(),
+        every,
+    )
     assert choose_forms(weights, packs, rows=(1, 4), margin=float("inf"), preference=0.0) == (every, frozenset())
 
 
@@ -113,9 +127,16 @@ def test_speculative_greedy_equals_plain_with_a_form_forced(family, form, tiny_d
     linears = [m for m in decoder.modules() if isinstance(m, torch.nn.Linear)]
     assert linears and all(type(m) is StreamingLinear for m in linears)
     every = frozenset(range(1, MAX_ROWS + 1))
-    assert (decoder._streaming_rows, decoder._packed_rows) == ((every, frozenset()) if form == "streaming" else (frozenset(), every))
+    assert (decoder._streaming_rows, decoder._packed_rows) == (
+        (every, frozenset()) if form == "streaming" else (frozenset(), every)
+    )
     if form == "packed":  # every product a step runs has its pack; the parts of packed q/k/v and gate/up need none
-        stepped = [decoder.layers[0].attn._qkv[0], decoder.layers[0].attn.o, decoder.layers[0].mlp.down, decoder.lm_head]
+        stepped = [
+            decoder.layers[0].attn._qkv[0],
+            decoder.layers[0].attn.o,
+            decoder.layers[0].mlp.down,
+            decoder.lm_head,
+        ]
         assert all(m.mkl_pack is not None and m.mkl_pack.fits(m.weight) for m in stepped)
         assert decoder.layers[0].attn.q.mkl_pack is None
     gen = torch.Generator().manual_seed(5)
@@ -123,8 +144,10 @@ def test_speculative_greedy_equals_plain_with_a_form_forced(family, form, tiny_d
     for length in (4, 19):
         prompt = torch.randint(3, config.vocab_size, (length,), generator=gen).tolist()
         plain, _ = run(backend, prompt, 32)
-        for plan in (DraftPlan(name="exit", exit_layer=config.num_layers // 2, max_draft=5),
-                     DraftPlan(name="skip", skip_attn=[1], max_draft=3)):
+        for plan in (
+            DraftPlan(name="exit", exit_layer=config.num_layers // 2, sources={"model": {"max_draft": 5}}),
+            DraftPlan(name="skip", skip_attn=[1], sources={"model": {"max_draft": 3}}),
+        ):
             spec, stats = run(backend, prompt, 32, plan)
             near_ties += assert_same_greedy(decoder, prompt, plain, spec)
             accepted += stats.accepted
@@ -146,7 +169,10 @@ def test_packed_projections_compute_the_same_logits(family, tiny_decoder):
     attn = decoder.layers[0].attn
     product, sizes = attn._qkv[:2]
     assert sizes == [attn.q.out_features, attn.k.out_features, attn.v.out_features]
-    assert attn.k.weight.data_ptr() == product.weight.data_ptr() + sizes[0] * product.weight.stride(0) * product.weight.element_size()
+    assert (
+        attn.k.weight.data_ptr()
+        == product.weight.data_ptr() + sizes[0] * product.weight.stride(0) * product.weight.element_size()
+    )
     after = decoder.state_dict()
     assert after.keys() == state.keys() and all(torch.equal(after[k], state[k]) for k in state)
     tokens = torch.randint(3, config.vocab_size, (1, 9), generator=torch.Generator().manual_seed(1))
@@ -155,8 +181,9 @@ def test_packed_projections_compute_the_same_logits(family, tiny_decoder):
         # a weight replaced after packing: the packed product is no longer used, the new weight is
         for part in ("q", "v"):
             block = decoder.layers[-1 if part == "v" else 0].attn
-            getattr(block, part).weight = torch.nn.Parameter(getattr(block, part).weight.detach().clone() * 2,
-                                                             requires_grad=False)
+            getattr(block, part).weight = torch.nn.Parameter(
+                getattr(block, part).weight.detach().clone() * 2, requires_grad=False
+            )
             getattr(reference.layers[-1 if part == "v" else 0].attn, part).weight.mul_(2)
             torch.testing.assert_close(decoder(tokens), reference(tokens), rtol=1e-5, atol=1e-5)
 

@@ -9,17 +9,17 @@ import pytest
 import torch
 from lossless import assert_same_greedy, run
 
-from speccompile.runtime.draft_kinds import kind_of
-from speccompile.runtime.manifest import DraftPlan
+from speccompile.runtime.artifact.manifest import DraftPlan
+from speccompile.runtime.backends.torch.backend import GRAPH_CACHE_STEP, TorchBackend
+from speccompile.runtime.backends.torch.graphs import eager_capture
+from speccompile.runtime.drafting.kinds import kind_of
 from speccompile.runtime.sampling import SamplingParams
 from speccompile.runtime.segments import full_model
-from speccompile.runtime.torch_backend import GRAPH_CACHE_STEP, TorchBackend
-from speccompile.runtime.torch_graphs import eager_capture
 
 PROMPT = [5, 17, 42, 9, 100, 3, 77, 12]
 PLANS = {
-    "skip": DraftPlan(name="skip", skip_attn=[1], skip_mlp=[0], max_draft=4, threshold=0.0),
-    "exit": DraftPlan(name="exit", exit_layer=1, head="final", max_draft=4, threshold=0.0),
+    "skip": DraftPlan(name="skip", skip_attn=[1], skip_mlp=[0], sources={"model": {"max_draft": 4, "threshold": 0.0}}),
+    "exit": DraftPlan(name="exit", exit_layer=1, head="final", sources={"model": {"max_draft": 4, "threshold": 0.0}}),
 }
 
 
@@ -38,7 +38,7 @@ class CountingCapture:
 @pytest.mark.parametrize("plan_name", ["skip", "exit"])
 def test_static_steps_decode_like_eager(tiny_decoder, family, plan_name):
     """Tensor positions, index_copy_ into the cache, full-cache masks and gathered rotary tables give the
-    eager backend's greedy output, plain and speculative (the near-tie rule of DESIGN.md section 6)."""
+    eager backend's greedy output, plain and speculative (the near-tie rule of docs/design.md section 6)."""
     _, decoder = tiny_decoder(family)
     plan = PLANS[plan_name]
     eager_plain, _ = run(TorchBackend(decoder), PROMPT, 24)
@@ -74,8 +74,12 @@ def test_each_step_is_captured_once_and_replayed(tiny_decoder):
     # exit draft; the verify: the prefix on the 1 fresh token, the suffix on all 3 kept states
     assert capture.count == first + 4
     kind = kind_of(plan, decoder.config.num_layers)
-    assert set(backend.static.graphs) >= {(full_model(decoder.config.num_layers), 1), (kind.draft_segment, 1),
-                                          (kind.prefix, 1), (kind.suffix, 3)}
+    assert set(backend.static.graphs) >= {
+        (full_model(decoder.config.num_layers), 1),
+        (kind.draft_segment, 1),
+        (kind.prefix, 1),
+        (kind.suffix, 3),
+    }
 
 
 def test_graph_steps_match_eager_logits_at_the_same_positions(tiny_decoder):
@@ -112,7 +116,7 @@ def _cuda_decoder(tiny_model_dir, dtype):
     from transformers import AutoModelForCausalLM
 
     from speccompile.convert import arch_config, canonical_weights
-    from speccompile.runtime.decoder import build_decoder
+    from speccompile.runtime.backends.torch.decoder import build_decoder
 
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama")).eval()
     config = arch_config(hf)
@@ -121,7 +125,7 @@ def _cuda_decoder(tiny_model_dir, dtype):
 
 def _same_or_near_tie(decoder, prompt, reference, other, tolerance):
     """``other`` equals ``reference``, or first differs where the reference's top-2 logit gap (on the
-    decoder's own device and dtype) is below ``tolerance``: DESIGN.md section 6's rule."""
+    decoder's own device and dtype) is below ``tolerance``: docs/design.md section 6's rule."""
     if reference == other:
         return
     i = next((k for k, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference), len(other)))
@@ -158,15 +162,17 @@ def test_cuda_graphs_greedy_equal(tiny_model_dir, dtype, plan_name):
 @pytest.mark.parametrize("plan_name", ["skip", "exit", "ngram"])
 @pytest.mark.parametrize("graphs", [True, False], ids=["graphs", "eager"])
 def test_device_round_on_cuda_syncs_once_per_round(tiny_model_dir, monkeypatch, dtype, plan_name, graphs):
-    """On a GPU the torch backend's round is the device round (``runtime/device_round.py``): its greedy
+    """On a GPU the torch backend's round is the device round (``runtime/backends/torch/device_round.py``): its greedy
     tokens are the eager host round's (near-ties aside) and, once graphs are captured, each round makes
     one synchronizing CUDA call (``torch.cuda.set_sync_debug_mode``), the read that ends it."""
     import warnings
 
-    from speccompile.runtime.device_round import DeviceRound
+    from speccompile.runtime.backends.torch.device_round import DeviceRound
 
     decoder = _cuda_decoder(tiny_model_dir, dtype)
-    plan = PLANS.get(plan_name) or DraftPlan(name="ngram", lookup=["ngram"], ngram_min=1, ngram_max=3, lookup_max_draft=4)
+    plan = PLANS.get(plan_name) or DraftPlan(
+        name="ngram", lookup=["ngram"], lookup_max_draft=4, sources={"ngram": {"min": 1, "max": 3}}
+    )
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2
     prompt = PROMPT + PROMPT[:5]  # a repeat, so the n-gram lookup drafts
     reference, _ = run(TorchBackend(decoder, round_on_device=False), prompt, 32)

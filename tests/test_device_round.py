@@ -1,4 +1,4 @@
-"""The device-resident round (``runtime/device_round.py``) on CPU tensors: the torch backend's round on
+"""The device-resident round (``runtime/backends/torch/device_round.py``) on CPU tensors: the torch backend's round on
 CUDA, forced here (``round_on_device=True``) so its logic is tested everywhere and only its speed needs
 a GPU. Greedy output equals plain greedy on every family for layer-skip, early-exit, draft-head, lookup
 and hybrid plans (eagerly and through the static CUDA-graph steps); sampling has the target's
@@ -10,16 +10,18 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from lossless import assert_same_greedy, exact_marginals, next_token_logits, run
 from lossless import chi_square_pvalue as gof
-from speccompile.runtime import device_round, speculative
-from speccompile.runtime.device_round import DeviceRound
-from speccompile.runtime.manifest import DraftPlan
-from speccompile.runtime.sampling import SamplingParams, probabilities
-from speccompile.runtime.torch_backend import TorchBackend
-from speccompile.runtime.torch_graphs import eager_capture
 from tiny_models import FAMILIES
+
+from speccompile.runtime.artifact.manifest import DraftPlan
+from speccompile.runtime.backends.torch import device_round
+from speccompile.runtime.backends.torch.backend import TorchBackend
+from speccompile.runtime.backends.torch.device_round import DeviceRound
+from speccompile.runtime.backends.torch.graphs import eager_capture
+from speccompile.runtime.decoding import speculative
+from speccompile.runtime.drafting.base import Drafter
+from speccompile.runtime.sampling import SamplingParams, probabilities
 
 NEW_TOKENS = 40
 PROMPTS = 3
@@ -28,16 +30,39 @@ PROMPTS = 3
 def greedy_plans(num_layers: int) -> list[DraftPlan]:
     half = num_layers // 2
     return [
-        DraftPlan(name="skip-k3", skip_attn=[1], skip_mlp=[num_layers - 2], max_draft=3, threshold=0.0),
-        DraftPlan(name="skip-k6-cut", skip_attn=[1], skip_mlp=[num_layers - 2], max_draft=6, threshold=0.3),
-        DraftPlan(name="exit-k4", exit_layer=half, max_draft=4, threshold=0.0),
-        DraftPlan(name="exit-k5-cut", exit_layer=half, max_draft=5, threshold=0.3),
-        DraftPlan(name="exit-last", exit_layer=num_layers - 1, max_draft=6, adaptive=False),
-        DraftPlan(name="ngram", lookup=["ngram"], ngram_min=1, ngram_max=3, lookup_max_draft=4, short_ngram=1),
-        DraftPlan(name="hybrid-exit", lookup=["ngram"], ngram_min=2, ngram_max=3, lookup_max_draft=4,
-                  exit_layer=half, max_draft=3, adaptive=False),
-        DraftPlan(name="hybrid-skip", lookup=["ngram"], ngram_min=1, ngram_max=2, lookup_max_draft=3,
-                  skip_attn=[1], skip_mlp=[num_layers - 2], max_draft=2, threshold=0.2),
+        DraftPlan(
+            name="skip-k3",
+            skip_attn=[1],
+            skip_mlp=[num_layers - 2],
+            sources={"model": {"max_draft": 3, "threshold": 0.0}},
+        ),
+        DraftPlan(
+            name="skip-k6-cut",
+            skip_attn=[1],
+            skip_mlp=[num_layers - 2],
+            sources={"model": {"max_draft": 6, "threshold": 0.3}},
+        ),
+        DraftPlan(name="exit-k4", exit_layer=half, sources={"model": {"max_draft": 4, "threshold": 0.0}}),
+        DraftPlan(name="exit-k5-cut", exit_layer=half, sources={"model": {"max_draft": 5, "threshold": 0.3}}),
+        DraftPlan(name="exit-last", exit_layer=num_layers - 1, sources={"model": {"max_draft": 6, "adaptive": False}}),
+        DraftPlan(
+            name="ngram", lookup=["ngram"], lookup_max_draft=4, sources={"ngram": {"min": 1, "max": 3, "short": 1}}
+        ),
+        DraftPlan(
+            name="hybrid-exit",
+            lookup=["ngram"],
+            lookup_max_draft=4,
+            exit_layer=half,
+            sources={"ngram": {"min": 2, "max": 3}, "model": {"max_draft": 3, "adaptive": False}},
+        ),
+        DraftPlan(
+            name="hybrid-skip",
+            lookup=["ngram"],
+            lookup_max_draft=3,
+            skip_attn=[1],
+            skip_mlp=[num_layers - 2],
+            sources={"ngram": {"min": 1, "max": 2}, "model": {"max_draft": 2, "threshold": 0.2}},
+        ),
     ]
 
 
@@ -109,7 +134,7 @@ def test_device_round_with_draft_heads(family, tiny_decoder, tmp_path):
     vocabulary on the device (``TorchDraftHead.full_logits``), and output is unchanged."""
     from test_adapter import ADAPTER, REDUCED, head_plans, random_head
 
-    from speccompile.runtime.adapter import DraftHead
+    from speccompile.runtime.drafting.kinds.adapter import DraftHead
 
     _, decoder = tiny_decoder(family)
     config = decoder.config
@@ -117,8 +142,11 @@ def test_device_round_with_draft_heads(family, tiny_decoder, tmp_path):
     prompts = prompts_for(config.vocab_size)
     produced = np.concatenate([run(host, p, NEW_TOKENS)[0] for p in prompts])
     vocab = np.argsort(-np.bincount(produced, minlength=config.vocab_size), kind="stable")[:48]
-    for relative, head in {ADAPTER: random_head(config, None, 1), REDUCED: random_head(config, vocab, 2),
-                           "draft_heads/vocab.safetensors": DraftHead(vocab=vocab)}.items():
+    for relative, head in {
+        ADAPTER: random_head(config, None, 1),
+        REDUCED: random_head(config, vocab, 2),
+        "draft_heads/vocab.safetensors": DraftHead(vocab=vocab),
+    }.items():
         head.save(tmp_path / relative)
     accepted = 0
     for prompt in prompts:
@@ -147,16 +175,36 @@ VOCAB = 12
 PROMPT = [1, 5, 7, 3, 5, 7, 9, 5]
 SAMPLES = 2000
 ALPHA = 1e-3
-SKIP = DraftPlan(name="skip", skip_attn=[1, 2], skip_mlp=[1, 2], max_draft=2, adaptive=False)
+SKIP = DraftPlan(name="skip", skip_attn=[1, 2], skip_mlp=[1, 2], sources={"model": {"max_draft": 2, "adaptive": False}})
 
 
-@pytest.mark.parametrize("plan,params", [
-    (SKIP, SamplingParams(temperature=0.8, top_k=6, top_p=0.9)),
-    (DraftPlan(name="skip-cut", skip_attn=[1, 2], skip_mlp=[1, 2], max_draft=3, threshold=0.45, adaptive=False),
-     SamplingParams(temperature=1.0)),
-    (DraftPlan(name="hybrid", lookup=["ngram"], ngram_min=2, ngram_max=2, lookup_max_draft=2,
-               skip_attn=[1, 2], skip_mlp=[1, 2], max_draft=1, adaptive=False), SamplingParams(temperature=1.0)),
-], ids=["skip-t0.8-topk6-topp0.9", "skip-threshold-cut-t1.0", "hybrid-ngram-t1.0"])
+@pytest.mark.parametrize(
+    "plan,params",
+    [
+        (SKIP, SamplingParams(temperature=0.8, top_k=6, top_p=0.9)),
+        (
+            DraftPlan(
+                name="skip-cut",
+                skip_attn=[1, 2],
+                skip_mlp=[1, 2],
+                sources={"model": {"max_draft": 3, "threshold": 0.45, "adaptive": False}},
+            ),
+            SamplingParams(temperature=1.0),
+        ),
+        (
+            DraftPlan(
+                name="hybrid",
+                lookup=["ngram"],
+                lookup_max_draft=2,
+                skip_attn=[1, 2],
+                skip_mlp=[1, 2],
+                sources={"ngram": {"min": 2, "max": 2}, "model": {"max_draft": 1, "adaptive": False}},
+            ),
+            SamplingParams(temperature=1.0),
+        ),
+    ],
+    ids=["skip-t0.8-topk6-topp0.9", "skip-threshold-cut-t1.0", "hybrid-ngram-t1.0"],
+)
 def test_device_round_sampling_matches_target_distribution(small_vocab_llama, plan, params, rounds_seen):
     """Leviathan/Chen on the device: the 2nd and 3rd tokens follow the target's exact marginals; a
     negative control shows the test tells them from the draft's."""
@@ -180,10 +228,16 @@ def test_device_round_sampling_matches_target_distribution(small_vocab_llama, pl
     assert gof(spec3, draft3) < ALPHA  # negative control
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5),
-                                    SamplingParams(temperature=1.3, top_p=0.8),
-                                    SamplingParams(temperature=0.9, top_k=7, top_p=0.5),
-                                    SamplingParams(temperature=1e-300)])
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=1.0),
+        SamplingParams(temperature=0.7, top_k=5),
+        SamplingParams(temperature=1.3, top_p=0.8),
+        SamplingParams(temperature=0.9, top_k=7, top_p=0.5),
+        SamplingParams(temperature=1e-300),
+    ],
+)
 def test_device_probabilities_are_the_host_rule(params):
     """The device's distributions are ``sampling.probabilities`` (temperature, top-k, top-p, ties, any
     positive temperature), row by row."""
@@ -241,17 +295,23 @@ def reads_per_round(monkeypatch, round_fn_owner, name) -> list[int]:
 
 
 SYNC_PLANS = [
-    DraftPlan(name="skip-cut", skip_attn=[1], skip_mlp=[2], max_draft=4, threshold=0.3),
-    DraftPlan(name="exit", exit_layer=2, max_draft=4, adaptive=False),
-    DraftPlan(name="ngram", lookup=["ngram"], ngram_min=1, ngram_max=3, lookup_max_draft=4),
-    DraftPlan(name="hybrid", lookup=["ngram"], ngram_min=2, ngram_max=3, lookup_max_draft=4, exit_layer=2,
-              max_draft=3, adaptive=False),
+    DraftPlan(name="skip-cut", skip_attn=[1], skip_mlp=[2], sources={"model": {"max_draft": 4, "threshold": 0.3}}),
+    DraftPlan(name="exit", exit_layer=2, sources={"model": {"max_draft": 4, "adaptive": False}}),
+    DraftPlan(name="ngram", lookup=["ngram"], lookup_max_draft=4, sources={"ngram": {"min": 1, "max": 3}}),
+    DraftPlan(
+        name="hybrid",
+        lookup=["ngram"],
+        lookup_max_draft=4,
+        exit_layer=2,
+        sources={"ngram": {"min": 2, "max": 3}, "model": {"max_draft": 3, "adaptive": False}},
+    ),
 ]
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "static-steps"])
-@pytest.mark.parametrize("params", [SamplingParams(), SamplingParams(temperature=0.9, top_k=20, top_p=0.9)],
-                         ids=["greedy", "sampling"])
+@pytest.mark.parametrize(
+    "params", [SamplingParams(), SamplingParams(temperature=0.9, top_k=20, top_p=0.9)], ids=["greedy", "sampling"]
+)
 def test_a_device_round_reads_the_device_once(tiny_decoder, monkeypatch, graphs, params):
     _, decoder = tiny_decoder("llama")
     backend = device_backend(decoder, capture=eager_capture if graphs else None)
@@ -280,14 +340,14 @@ def test_the_device_round_is_chosen_on_cuda_or_when_asked(tiny_decoder, monkeypa
     _, decoder = tiny_decoder("llama")
     plan = SYNC_PLANS[0]
     monkeypatch.delenv("SPECCOMPILE_DEVICE_ROUND", raising=False)
-    from speccompile.runtime.speculative import backend_drafter
+    from speccompile.runtime.decoding.speculative import backend_drafter
 
     cpu = TorchBackend(decoder)
     assert cpu.round_on_device is None and cpu.device_round(backend_drafter(cpu, plan), 0) is None  # host round on CPU
     forced = TorchBackend(decoder, round_on_device=True)
     assert isinstance(forced.device_round(backend_drafter(forced, plan), 0), DeviceRound)
     assert forced.replica().round_on_device is True
-    assert forced.device_round(object(), 0) is None  # a drafter of another shape: the host round
+    assert forced.device_round(Drafter(), 0) is None  # a drafter with neither a model part nor lookups: the host round
     monkeypatch.setenv("SPECCOMPILE_DEVICE_ROUND", "1")
     assert TorchBackend(decoder).round_on_device is True
     monkeypatch.setenv("SPECCOMPILE_DEVICE_ROUND", "0")

@@ -11,13 +11,14 @@ from lossless import assert_same_greedy, run
 
 from speccompile.passes.acceptance import profile_plan, reference_pass
 from speccompile.passes.cost_model import measure_costs
-from speccompile.runtime import draft_kinds
+from speccompile.runtime.artifact.manifest import DraftPlan
 from speccompile.runtime.backends.base import Backend
-from speccompile.runtime.backends.onnx_backend import OnnxBackend
-from speccompile.runtime.backends.tensorrt_backend import TensorRTBackend
-from speccompile.runtime.backends.torch_backend import TorchBackend
+from speccompile.runtime.backends.onnx import OnnxBackend
+from speccompile.runtime.backends.tensorrt.backend import TensorRTBackend
+from speccompile.runtime.backends.torch.backend import TorchBackend
+from speccompile.runtime.drafting import check_plan, describe
+from speccompile.runtime.drafting import kinds as draft_kinds
 from speccompile.runtime.errors import ArtifactError
-from speccompile.runtime.manifest import DraftPlan
 
 PROMPT = [5, 17, 42, 9, 100, 3, 77, 12]
 
@@ -47,21 +48,21 @@ def test_a_backend_missing_part_of_the_interface_cannot_be_made():
 @pytest.fixture
 def shallow_kind(monkeypatch):
     """The demonstration kind, registered the way a new kind is: one line in ``KINDS``."""
-    monkeypatch.setitem(draft_kinds.KINDS, "shallow", ("demo_kind", "ShallowDraft"))
-    return DraftPlan(name="shallow", kind="shallow", params={"blocks": 1}, max_draft=4)
+    monkeypatch.setitem(draft_kinds.KINDS, "shallow", "demo_kind:ShallowDraft")
+    return DraftPlan(name="shallow", kind="shallow", params={"blocks": 1}, sources={"model": {"max_draft": 4}})
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt_neox", "gemma"])
 def test_a_kind_added_outside_the_runtime_is_lossless(tiny_decoder, shallow_kind, family):
     _, decoder = tiny_decoder(family)
     plan = shallow_kind
-    plan.validate(decoder.config.num_layers)
+    check_plan(plan, decoder.config.num_layers)
     backend = TorchBackend(decoder)
     plain, _ = run(backend, PROMPT, 24)
     spec, stats = run(backend, PROMPT, 24, plan)
     assert stats.rounds > 0 and stats.drafted > stats.rounds  # it drafted, several tokens a round
     assert_same_greedy(decoder, PROMPT, plain, spec)
-    assert plan.describe() == "the first 1 blocks, no prefix reuse"
+    assert describe(plan) == "the first 1 blocks, no prefix reuse"
 
 
 @pytest.mark.parametrize("variant", ["standard", "fused"])
@@ -95,5 +96,5 @@ def test_a_kind_added_outside_the_runtime_is_priced_and_estimated(tiny_decoder, 
 def test_an_unknown_kind_is_refused_in_one_line():
     plan = DraftPlan(name="x", kind="teleport", lookup=["ngram"])
     with pytest.raises(ArtifactError) as exc:
-        plan.validate(4)
+        check_plan(plan, 4)
     assert "teleport" in str(exc.value) and "\n" not in str(exc.value)

@@ -5,15 +5,16 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from lossless import assert_same_greedy, chi_square_pvalue, exact_marginals, next_token_logits, run
-from speccompile.runtime.drafters import RoundContext
-from speccompile.runtime.manifest import DraftPlan
-from speccompile.runtime.ngram import NgramDrafter, NgramIndex
-from speccompile.runtime.retrieval import Datastore
-from speccompile.runtime.sampling import SamplingParams
-from speccompile.runtime.torch_backend import TorchBackend
 from tiny_models import FAMILIES
+
+from speccompile.runtime.artifact.manifest import DraftPlan
+from speccompile.runtime.backends.torch.backend import TorchBackend
+from speccompile.runtime.drafting import check_plan, has_model_part
+from speccompile.runtime.drafting.base import RoundContext
+from speccompile.runtime.drafting.ngram import NgramDrafter, NgramIndex
+from speccompile.runtime.drafting.retrieval import Datastore
+from speccompile.runtime.sampling import SamplingParams
 
 DATASTORE = "retrieval/datastore.safetensors"
 NEW_TOKENS = 40
@@ -59,8 +60,8 @@ def test_short_matches_draft_one_token():
     longer = history + [9, 3]
     ctx = RoundContext(history=longer, pos=len(longer) - 1, limit=5, params=SamplingParams(), rng=None)
     assert drafter.propose(ctx).tokens == [4, 7, 8, 6]  # "6 9 3" matches: the full draft
-    with pytest.raises(Exception, match="short_ngram"):
-        DraftPlan(name="p", lookup=["ngram"], ngram_min=1, ngram_max=2, short_ngram=3).validate(4)
+    with pytest.raises(Exception, match="sources.ngram.short"):
+        check_plan(DraftPlan(name="p", lookup=["ngram"], sources={"ngram": {"min": 1, "max": 2, "short": 3}}), 4)
 
 
 def test_datastore_follows_the_majority_path(tmp_path):
@@ -78,15 +79,42 @@ def test_datastore_follows_the_majority_path(tmp_path):
 def drafter_plans(num_layers: int) -> dict[str, DraftPlan]:
     half = num_layers // 2
     plans = [
-        DraftPlan(name="ngram", lookup=["ngram"], ngram_min=1, ngram_max=3, lookup_max_draft=4, short_ngram=1),
-        DraftPlan(name="ngram-long", lookup=["ngram"], ngram_min=2, ngram_max=4, lookup_max_draft=8),
-        DraftPlan(name="retrieval", lookup=["retrieval"], ngram_min=1, lookup_max_draft=5, datastore=DATASTORE),
-        DraftPlan(name="hybrid-exit", lookup=["ngram"], ngram_min=2, ngram_max=3, lookup_max_draft=4,
-                  exit_layer=half, max_draft=3, adaptive=False),
-        DraftPlan(name="hybrid-skip", lookup=["ngram"], ngram_min=1, ngram_max=2, lookup_max_draft=3,
-                  skip_attn=[1], skip_mlp=[num_layers - 2], max_draft=2, threshold=0.2),
-        DraftPlan(name="hybrid-all", lookup=["retrieval", "ngram"], ngram_min=2, lookup_max_draft=6,
-                  datastore=DATASTORE, exit_layer=half, max_draft=4, adaptive=False),
+        DraftPlan(
+            name="ngram", lookup=["ngram"], lookup_max_draft=4, sources={"ngram": {"min": 1, "max": 3, "short": 1}}
+        ),
+        DraftPlan(name="ngram-long", lookup=["ngram"], lookup_max_draft=8, sources={"ngram": {"min": 2, "max": 4}}),
+        DraftPlan(
+            name="retrieval",
+            lookup=["retrieval"],
+            lookup_max_draft=5,
+            sources={"ngram": {"min": 1}, "retrieval": {"datastore": DATASTORE}},
+        ),
+        DraftPlan(
+            name="hybrid-exit",
+            lookup=["ngram"],
+            lookup_max_draft=4,
+            exit_layer=half,
+            sources={"ngram": {"min": 2, "max": 3}, "model": {"max_draft": 3, "adaptive": False}},
+        ),
+        DraftPlan(
+            name="hybrid-skip",
+            lookup=["ngram"],
+            lookup_max_draft=3,
+            skip_attn=[1],
+            skip_mlp=[num_layers - 2],
+            sources={"ngram": {"min": 1, "max": 2}, "model": {"max_draft": 2, "threshold": 0.2}},
+        ),
+        DraftPlan(
+            name="hybrid-all",
+            lookup=["retrieval", "ngram"],
+            lookup_max_draft=6,
+            exit_layer=half,
+            sources={
+                "ngram": {"min": 2},
+                "retrieval": {"datastore": DATASTORE},
+                "model": {"max_draft": 4, "adaptive": False},
+            },
+        ),
     ]
     return {p.name: p for p in plans}
 
@@ -145,7 +173,7 @@ def decode_plan(backend, prompt, plan, root, params=SamplingParams(), seed=None,
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_drafters_greedy_lossless_torch_and_onnx(family, drafter_artifact):
-    from speccompile.runtime.onnx_backend import OnnxBackend
+    from speccompile.runtime.backends.onnx import OnnxBackend
 
     decoder, root, plan_map, record = drafter_artifact(family)
     torch_accepted = check_lossless(decoder, TorchBackend(decoder), root, plan_map)
@@ -166,11 +194,21 @@ SAMPLES = 2000
 ALPHA = 1e-3
 
 
-@pytest.mark.parametrize("plan", [
-    DraftPlan(name="ngram", lookup=["ngram"], ngram_min=1, ngram_max=2, lookup_max_draft=2),
-    DraftPlan(name="hybrid", lookup=["ngram"], ngram_min=2, ngram_max=2, lookup_max_draft=2,
-              skip_attn=[1, 2], skip_mlp=[1, 2], max_draft=1, adaptive=False),
-], ids=["ngram", "hybrid-skip"])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        DraftPlan(name="ngram", lookup=["ngram"], lookup_max_draft=2, sources={"ngram": {"min": 1, "max": 2}}),
+        DraftPlan(
+            name="hybrid",
+            lookup=["ngram"],
+            lookup_max_draft=2,
+            skip_attn=[1, 2],
+            skip_mlp=[1, 2],
+            sources={"ngram": {"min": 2, "max": 2}, "model": {"max_draft": 1, "adaptive": False}},
+        ),
+    ],
+    ids=["ngram", "hybrid-skip"],
+)
 def test_sampling_with_lookup_drafts_matches_target_distribution(small_vocab_llama, plan):
     decoder = small_vocab_llama
     backend = TorchBackend(decoder)
@@ -188,7 +226,7 @@ def test_sampling_with_lookup_drafts_matches_target_distribution(small_vocab_lla
             per_source[source] = [x + y for x, y in zip(per_source.get(source, [0, 0]), (d, a))]
     assert 0 < accepted < drafted, "both the accept and the reject path must be exercised"
     assert per_source["ngram"][1] > 0
-    if plan.has_model_draft:
+    if has_model_part(plan):
         assert per_source["model"][0] > 0
     assert chi_square_pvalue(spec2, target2) > ALPHA
     assert chi_square_pvalue(spec3, target3) > ALPHA
@@ -208,11 +246,25 @@ def test_replay_matches_the_real_loop(family, tiny_decoder, tmp_path):
     prompts = random_prompts(decoder.config.vocab_size, seed=8)
     (tmp_path / "retrieval").mkdir()
     Datastore.build([p + run(backend, p, 30)[0] for p in random_prompts(decoder.config.vocab_size, seed=2)]).save(
-        tmp_path / DATASTORE)
-    for plan in (DraftPlan(name="ngram", lookup=["ngram"], ngram_min=1, ngram_max=3, lookup_max_draft=5, short_ngram=2),
-                 DraftPlan(name="retr", lookup=["retrieval", "ngram"], ngram_min=1, lookup_max_draft=4, datastore=DATASTORE),
-                 DraftPlan(name="hyb", lookup=["ngram"], ngram_min=2, ngram_max=3, exit_layer=L // 2, max_draft=3,
-                           threshold=0.3, adaptive=False)):
+        tmp_path / DATASTORE
+    )
+    for plan in (
+        DraftPlan(
+            name="ngram", lookup=["ngram"], lookup_max_draft=5, sources={"ngram": {"min": 1, "max": 3, "short": 2}}
+        ),
+        DraftPlan(
+            name="retr",
+            lookup=["retrieval", "ngram"],
+            lookup_max_draft=4,
+            sources={"ngram": {"min": 1}, "retrieval": {"datastore": DATASTORE}},
+        ),
+        DraftPlan(
+            name="hyb",
+            lookup=["ngram"],
+            exit_layer=L // 2,
+            sources={"ngram": {"min": 2, "max": 3}, "model": {"max_draft": 3, "threshold": 0.3, "adaptive": False}},
+        ),
+    ):
         real, refs = [], []
         for prompt in prompts:
             plain, _ = run(backend, prompt, NEW_TOKENS)
@@ -220,11 +272,11 @@ def test_replay_matches_the_real_loop(family, tiny_decoder, tmp_path):
             assert spec == plain
             real += [(d, a, label) for (d, a), label in zip(stats.round_log, stats.round_sources)]
             refs.append(reference_pass(decoder, prompt + plain, len(prompt)))
-        profile = profile_plan(decoder, plan, refs) if plan.has_model_draft else None
+        profile = profile_plan(decoder, plan, refs) if has_model_part(plan) else None
         replayed = [(r.drafted, r.accepted, r.label) for r in replay(plan, refs, profile, tmp_path)]
-        if plan.has_model_draft:
+        if has_model_part(plan):
             # Accepted counts and the round's first source are exact; what is drafted past a mismatch (its
-            # length under a threshold, a lookup extension of it) may differ (DESIGN.md section 5).
+            # length under a threshold, a lookup extension of it) may differ (docs/design.md section 5).
             first = lambda rounds: [(a, label.split("+")[0]) for _, a, label in rounds]  # noqa: E731
             assert first(replayed) == first(real)
         else:

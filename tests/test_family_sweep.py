@@ -1,23 +1,17 @@
-"""A CI slice of the family sweep (benchmarks/family_sweep.py): real tiny random transformers models of
+"""A CI slice of the family sweep (tests/family_sweep.py): real tiny random transformers models of
 families outside the canonical set run on the generic path with logits parity and lossless greedy drafting
 (early exit and whole-block skip), a canonical family stays canonical, and state-space models (pure and
 hybrid) are refused with a reason that says why."""
 
-import sys
-from pathlib import Path
-
+import family_sweep
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-import family_sweep  # noqa: E402
-
-# Families with no canonical conversion planned (issue 11), each with a quirk of its own: per-layer settings
+# Families with no canonical conversion planned, each with a quirk of its own: per-layer settings
 # indexed by list position (exaone4), a BART-style padding mask sized from the cache, RoBERTa's position
 # ids with a padding offset, a mixture of experts (dbrx), ALiBi (bloom), partial rotary and q/k norm (stablelm).
 GENERIC = ["olmo", "stablelm", "exaone4", "bart", "roberta", "dbrx", "bloom"]
-# Families that gain a canonical conversion in issue 11: on either path, they must build and be lossless.
+# Families that gain a canonical conversion: on either path, they must build and be lossless.
 EITHER = ["olmo2", "cohere", "phi", "gemma3_text", "mixtral"]
 
 

@@ -1,4 +1,4 @@
-"""The generic torch path (runtime/hf_decoder.py): families without a canonical conversion run through
+"""The generic torch path (runtime/backends/torch/hf_decoder.py): families without a canonical conversion run through
 their own transformers modules, losslessly, from the decoder up to a built artifact."""
 
 import json
@@ -6,23 +6,31 @@ import json
 import numpy as np
 import pytest
 import torch
-
 from lossless import assert_same_greedy, exact_marginals, next_token_logits, run, sample_third_tokens
 from lossless import chi_square_pvalue as gof
+from tiny_models import GENERIC_FAMILIES, make_model
+
 from speccompile.build import BuildOptions, build
 from speccompile.convert import UnsupportedModelError, choose_path
+from speccompile.runtime.artifact.manifest import DraftPlan
+from speccompile.runtime.backends.torch.backend import TorchBackend
 from speccompile.runtime.errors import SpeccompileError
-from speccompile.runtime.manifest import DraftPlan
 from speccompile.runtime.sampling import SamplingParams
-from speccompile.runtime.torch_backend import TorchBackend
-from tiny_models import GENERIC_FAMILIES, make_model
 
 PROMPTS = [[1, 40, 41, 42, 43, 40, 41, 42], [1, 100, 7, 250, 31], [1] + list(range(60, 90))]
 PLANS = [
-    DraftPlan(name="early-exit", exit_layer=2, max_draft=4),
-    DraftPlan(name="block-skip", skip_attn=[1, 2], skip_mlp=[1, 2], max_draft=3, threshold=0.3),
-    DraftPlan(name="ngram", lookup=["ngram"], ngram_min=1, ngram_max=3, lookup_max_draft=6),
-    DraftPlan(name="hybrid", exit_layer=2, max_draft=3, lookup=["ngram"], ngram_min=2, ngram_max=3, lookup_max_draft=5),
+    DraftPlan(name="early-exit", exit_layer=2, sources={"model": {"max_draft": 4}}),
+    DraftPlan(
+        name="block-skip", skip_attn=[1, 2], skip_mlp=[1, 2], sources={"model": {"max_draft": 3, "threshold": 0.3}}
+    ),
+    DraftPlan(name="ngram", lookup=["ngram"], lookup_max_draft=6, sources={"ngram": {"min": 1, "max": 3}}),
+    DraftPlan(
+        name="hybrid",
+        exit_layer=2,
+        lookup=["ngram"],
+        lookup_max_draft=5,
+        sources={"model": {"max_draft": 3}, "ngram": {"min": 2, "max": 3}},
+    ),
 ]
 
 
@@ -108,7 +116,9 @@ def test_generic_speculative_sampling_matches_target(family, tmp_path):
     decoder = choose_path(AutoModelForCausalLM.from_pretrained(folder).eval()).decoder
     backend = TorchBackend(decoder)
     # Every block but the first skipped: a draft far enough from the target for the negative control.
-    plan = DraftPlan(name="skip", skip_attn=[1, 2, 3], skip_mlp=[1, 2, 3], max_draft=2, adaptive=False)
+    plan = DraftPlan(
+        name="skip", skip_attn=[1, 2, 3], skip_mlp=[1, 2, 3], sources={"model": {"max_draft": 2, "adaptive": False}}
+    )
     params, prompt = SamplingParams(temperature=1.0), [1, 5, 7, 3]
     _, target3 = exact_marginals(next_token_logits(decoder), params, prompt, VOCAB)
     _, draft3 = exact_marginals(next_token_logits(decoder, plan), params, prompt, VOCAB)
@@ -124,8 +134,19 @@ def test_generic_build_writes_a_torch_artifact_that_generates_losslessly(generic
 
     _, _, folder = generic_model("olmo")
     out = tmp_path / "art"
-    build(BuildOptions(model=str(folder), out=out, method="early-exit", max_draft=4, calibration_tokens=12,
-                       confirm_prompts=1, confirm_tokens=8, show_progress=False), log=lambda message: None)
+    build(
+        BuildOptions(
+            model=str(folder),
+            out=out,
+            method="early-exit",
+            max_draft=4,
+            calibration_tokens=12,
+            confirm_prompts=1,
+            confirm_tokens=8,
+            show_progress=False,
+        ),
+        log=lambda message: None,
+    )
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["config"]["decoder"] == "generic"
     assert manifest["tuning"]["decoder_path"]["path"] == "generic"
@@ -139,11 +160,15 @@ def test_generic_build_writes_a_torch_artifact_that_generates_losslessly(generic
 def test_generic_build_refuses_what_it_cannot_do(generic_model, tmp_path):
     _, _, folder = generic_model("olmo")
     with pytest.raises(SpeccompileError, match="generic torch path.*use --backend torch"):
-        build(BuildOptions(model=str(folder), out=tmp_path / "a", backends=("torch", "onnx"), show_progress=False),
-              log=lambda message: None)
+        build(
+            BuildOptions(model=str(folder), out=tmp_path / "a", backends=("torch", "onnx"), show_progress=False),
+            log=lambda message: None,
+        )
     with pytest.raises(SpeccompileError, match="--method adapter needs a canonical family"):
-        build(BuildOptions(model=str(folder), out=tmp_path / "b", method="adapter", show_progress=False),
-              log=lambda message: None)
+        build(
+            BuildOptions(model=str(folder), out=tmp_path / "b", method="adapter", show_progress=False),
+            log=lambda message: None,
+        )
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 

@@ -25,8 +25,11 @@ PROMPT = "def add(a, b):\n    return"
 
 def llama_cpp_permute(weight: np.ndarray, n_head: int) -> np.ndarray:
     """The q/k row order llama.cpp's converter writes (rotary halves interleaved); transformers undoes it."""
-    return weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(
-        weight.shape)
+    return (
+        weight.reshape(n_head, 2, weight.shape[0] // n_head // 2, *weight.shape[1:])
+        .swapaxes(1, 2)
+        .reshape(weight.shape)
+    )
 
 
 def write_tokenizer(writer, hf_folder: Path) -> None:
@@ -67,10 +70,12 @@ def write_llama_gguf(hf_folder: Path, out: Path) -> Path:
     for i in range(config.num_hidden_layers):
         layer = lambda name: weights[f"model.layers.{i}.{name}.weight"]  # noqa: E731
         writer.add_tensor(f"blk.{i}.attn_norm.weight", layer("input_layernorm"))
-        writer.add_tensor(f"blk.{i}.attn_q.weight", llama_cpp_permute(layer("self_attn.q_proj"),
-                                                                      config.num_attention_heads))
-        writer.add_tensor(f"blk.{i}.attn_k.weight", llama_cpp_permute(layer("self_attn.k_proj"),
-                                                                      config.num_key_value_heads))
+        writer.add_tensor(
+            f"blk.{i}.attn_q.weight", llama_cpp_permute(layer("self_attn.q_proj"), config.num_attention_heads)
+        )
+        writer.add_tensor(
+            f"blk.{i}.attn_k.weight", llama_cpp_permute(layer("self_attn.k_proj"), config.num_key_value_heads)
+        )
         writer.add_tensor(f"blk.{i}.attn_v.weight", layer("self_attn.v_proj"))
         writer.add_tensor(f"blk.{i}.attn_output.weight", layer("self_attn.o_proj"))
         writer.add_tensor(f"blk.{i}.ffn_norm.weight", layer("post_attention_layernorm"))
@@ -145,11 +150,14 @@ def test_cli_builds_and_generates_from_a_gguf_file(tiny_model_dir, tiny_gguf, tm
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     out = tmp_path / "art"
-    result = invoke("build", tiny_gguf, "-o", out, "--method", "cosine", "--max-draft", "2",
-                    "--calibration-tokens", "8", "--quiet")
+    result = invoke(
+        "build", tiny_gguf, "-o", out, "--method", "cosine", "--max-draft", "2", "--calibration-tokens", "8", "--quiet"
+    )
     assert result.exit_code == 0, result.output
     source = json.loads((out / "manifest.json").read_text())["source"]
-    assert source["model"] == str(tiny_gguf) and source["revision"] == hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
+    assert (
+        source["model"] == str(tiny_gguf) and source["revision"] == hashlib.sha256(tiny_gguf.read_bytes()).hexdigest()
+    )
     assert (Path(source["path"]) / "config.json").is_file()
 
     generated = invoke("generate", out, "--prompt", PROMPT, "--max-new-tokens", "12", "--json")
@@ -158,14 +166,16 @@ def test_cli_builds_and_generates_from_a_gguf_file(tiny_model_dir, tiny_gguf, tm
     original = AutoModelForCausalLM.from_pretrained(tiny_model_dir("llama"), attn_implementation="eager").eval()
     ids = AutoTokenizer.from_pretrained(tiny_model_dir("llama"))(PROMPT, return_tensors="pt").input_ids
     reference = original.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
-    assert tokens == reference[0, ids.shape[1]:].tolist()[:len(tokens)] and tokens
+    assert tokens == reference[0, ids.shape[1] :].tolist()[: len(tokens)] and tokens
 
 
 @pytest.mark.parametrize("package", ["gguf", "accelerate"])
 def test_missing_package_is_a_one_line_error_naming_the_install(package, tiny_gguf, tmp_path):
-    code = (f"import sys; sys.modules[{package!r}] = None  # what importing it does when it is not installed\n"
-            "from speccompile.cli import main\n"
-            f"main(['build', {str(tiny_gguf)!r}, '-o', {str(tmp_path / 'art')!r}])")
+    code = (
+        f"import sys; sys.modules[{package!r}] = None  # what importing it does when it is not installed\n"
+        "from speccompile.cli import main\n"
+        f"main(['build', {str(tiny_gguf)!r}, '-o', {str(tmp_path / 'art')!r}])"
+    )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     lines = run.stderr.strip().splitlines()
     assert run.returncode == 1 and len(lines) == 1, run.stderr
@@ -180,8 +190,12 @@ def test_bad_gguf_files_are_one_line_errors(tiny_gguf, tmp_path):
     text.write_text("not a model\n")
     folder = tmp_path / "folder.gguf"
     folder.mkdir()
-    cases = [(truncated, "truncated or corrupt"), (text, "not a GGUF file"),
-             (tmp_path / "missing.gguf", "does not exist"), (folder, "not a file")]
+    cases = [
+        (truncated, "truncated or corrupt"),
+        (text, "not a GGUF file"),
+        (tmp_path / "missing.gguf", "does not exist"),
+        (folder, "not a file"),
+    ]
     for path, needle in cases:
         assert_one_line_error(invoke("build", path, "-o", tmp_path / "art"), needle)
     assert not (tmp_path / "art").exists()

@@ -13,11 +13,10 @@ import warnings
 import httpx
 import openai
 import pytest
+from helpers_reliability import copy_with_chat_template
 
 import speccompile.server.app as serve_module
 from speccompile.server import create_app, serve_in_thread
-
-from helpers_reliability import copy_with_chat_template
 
 
 def deep(depth: int, inner: str = "1") -> str:
@@ -37,18 +36,32 @@ HOSTILE = [
     ("deep-prompt", C, f'{{"prompt": {deep(5000)}}}'.encode(), 400, ["nested"]),
     ("deep-unclosed", C, b'{"prompt": ' + b"[" * 100000, 400, []),
     ("deep-top-level", C, deep(3000).encode(), 400, []),
-    ("deep-stream-options", C, b'{"prompt": "x", "stream_options": ' + b'{"a": ' * 40 + b"1" + b"}" * 40 + b"}", 400,
-     ["stream_options", "nested"]),
-    ("deep-content-part", CHAT, body(messages=[{"role": "user", "content": [{"type": "text", "text": "x",
-                                                                                 "meta": json.loads(deep(30))}]}]),
-     400, ["messages[0]", "nested"]),
+    (
+        "deep-stream-options",
+        C,
+        b'{"prompt": "x", "stream_options": ' + b'{"a": ' * 40 + b"1" + b"}" * 40 + b"}",
+        400,
+        ["stream_options", "nested"],
+    ),
+    (
+        "deep-content-part",
+        CHAT,
+        body(messages=[{"role": "user", "content": [{"type": "text", "text": "x", "meta": json.loads(deep(30))}]}]),
+        400,
+        ["messages[0]", "nested"],
+    ),
     ("deep-message-extra", CHAT, body(messages=[{**USER, "name": json.loads(deep(40))}]), 400, ["nested"]),
     ("top-level-string", C, b'"prompt"', 400, ["JSON object"]),
     ("top-level-number", C, b"42", 400, ["JSON object"]),
     ("top-level-null", C, b"null", 400, ["JSON object"]),
     ("empty-object", C, b"{}", 400, ["missing", "prompt"]),
-    ("wide-object", C, json.dumps({"prompt": "x", **{f"k{i}": i for i in range(20000)}}).encode(), 400,
-     ["unrecognized"]),
+    (
+        "wide-object",
+        C,
+        json.dumps({"prompt": "x", **{f"k{i}": i for i in range(20000)}}).encode(),
+        400,
+        ["unrecognized"],
+    ),
     ("prompt-object", C, body(prompt={"a": 1}), 400, ["prompt"]),
     ("prompt-null", C, body(prompt=None), 400, ["prompt"]),
     ("prompt-long-ids", C, body(prompt=[5] * 100000), 400, ["context"]),
@@ -63,8 +76,13 @@ HOSTILE = [
     ("messages-bad-role", CHAT, body(messages=[{"role": "hacker", "content": "x"}]), 400, ["role"]),
     ("messages-no-role", CHAT, body(messages=[{"content": "x"}]), 400, ["role"]),
     ("messages-content-object", CHAT, body(messages=[{"role": "user", "content": {"a": 1}}]), 400, ["content"]),
-    ("messages-part-text-number", CHAT, body(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]),
-     400, ["text"]),
+    (
+        "messages-part-text-number",
+        CHAT,
+        body(messages=[{"role": "user", "content": [{"type": "text", "text": 5}]}]),
+        400,
+        ["text"],
+    ),
     ("messages-parts-numbers", CHAT, body(messages=[{"role": "user", "content": [1, 2]}]), 400, ["content"]),
     ("messages-thousands", CHAT, body(messages=[USER] * 5000), 400, ["context"]),
     ("stop-number", C, body(prompt="x", stop=[1]), 400, ["stop"]),
@@ -79,10 +97,20 @@ HOSTILE = [
     ("surrogate-key", C, b'{"prompt": "x", "\\ud800": 1}', 400, ["surrogate"]),
     ("surrogate-stop", C, b'{"prompt": "x", "stop": ["\\ud800"]}', 400, ["stop[0]", "surrogate"]),
     ("surrogate-user", C, b'{"prompt": "x", "user": "\\udc00"}', 400, ["user", "surrogate"]),
-    ("surrogate-chat", CHAT, b'{"messages": [{"role": "user", "content": "\\udc00"}]}', 400,
-     ["messages[0]['content']", "surrogate"]),
-    ("surrogate-half-emoji", CHAT, b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}',
-     400, ["surrogate"]),
+    (
+        "surrogate-chat",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": "\\udc00"}]}',
+        400,
+        ["messages[0]['content']", "surrogate"],
+    ),
+    (
+        "surrogate-half-emoji",
+        CHAT,
+        b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud83d"}]}]}',
+        400,
+        ["surrogate"],
+    ),
     ("invalid-utf8", C, b'{"prompt": "\xff\xfe"}', 400, ["JSON"]),
     ("overlong-utf8", C, b'{"prompt": "\xc0\xaf"}', 400, ["JSON"]),
     ("nul-after-body", C, b'{"prompt": "x"}\x00', 400, ["JSON"]),
@@ -187,9 +215,18 @@ def test_a_handler_bug_is_a_logged_500_and_other_requests_are_served(server, con
     monkeypatch.setattr(serve_module, "completion_prompt_ids", buggy)
     client = openai.OpenAI(base_url=server + "/v1", api_key="unused", max_retries=0, timeout=60)
     streamed = {}
-    streaming = threading.Thread(target=lambda: streamed.setdefault("text", "".join(
-        chunk.choices[0].text for chunk in client.completions.create(
-            model="tiny", prompt="for i in range(10):", max_tokens=24, temperature=0, stream=True) if chunk.choices)))
+    streaming = threading.Thread(
+        target=lambda: streamed.setdefault(
+            "text",
+            "".join(
+                chunk.choices[0].text
+                for chunk in client.completions.create(
+                    model="tiny", prompt="for i in range(10):", max_tokens=24, temperature=0, stream=True
+                )
+                if chunk.choices
+            ),
+        )
+    )
     streaming.start()
     with caplog.at_level("ERROR", logger="speccompile.server"):
         for _ in range(3):
@@ -213,6 +250,7 @@ def test_a_tiny_temperature_decodes_like_greedy_without_overflow(server, tempera
     greedy = client.completions.create(model="tiny", prompt="class Point:", max_tokens=12, temperature=0)
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the server runs in this process: an overflow warning would raise
-        tiny = client.completions.create(model="tiny", prompt="class Point:", max_tokens=12, temperature=temperature,
-                                         seed=3)
+        tiny = client.completions.create(
+            model="tiny", prompt="class Point:", max_tokens=12, temperature=temperature, seed=3
+        )
     assert tiny.model_extra["speccompile"]["token_ids"] == greedy.model_extra["speccompile"]["token_ids"]

@@ -3,11 +3,11 @@ family, for layer-skip and early-exit plans, over many prompts and draft lengths
 
 import pytest
 import torch
-
 from lossless import assert_same_greedy, run
-from speccompile.runtime.manifest import DraftPlan
-from speccompile.runtime.torch_backend import TorchBackend
 from tiny_models import FAMILIES
+
+from speccompile.runtime.artifact.manifest import DraftPlan
+from speccompile.runtime.backends.torch.backend import TorchBackend
 
 PROMPTS = 6
 NEW_TOKENS = 40
@@ -16,11 +16,31 @@ NEW_TOKENS = 40
 def plans(num_layers: int) -> list[DraftPlan]:
     out = []
     for k, threshold in ((1, 0.0), (3, 0.0), (5, 0.3), (8, 0.0)):
-        out.append(DraftPlan(name=f"skip-k{k}", skip_attn=[1], skip_mlp=[num_layers - 2], max_draft=k,
-                             threshold=threshold))
-        out.append(DraftPlan(name=f"exit-k{k}", exit_layer=num_layers // 2, max_draft=k, threshold=threshold))
-    out.append(DraftPlan(name="exit-last", exit_layer=num_layers - 1, max_draft=6, adaptive=False))
-    out.append(DraftPlan(name="skip-all-attn", skip_attn=list(range(num_layers)), max_draft=4, adaptive=False))
+        out.append(
+            DraftPlan(
+                name=f"skip-k{k}",
+                skip_attn=[1],
+                skip_mlp=[num_layers - 2],
+                sources={"model": {"max_draft": k, "threshold": threshold}},
+            )
+        )
+        out.append(
+            DraftPlan(
+                name=f"exit-k{k}",
+                exit_layer=num_layers // 2,
+                sources={"model": {"max_draft": k, "threshold": threshold}},
+            )
+        )
+    out.append(
+        DraftPlan(name="exit-last", exit_layer=num_layers - 1, sources={"model": {"max_draft": 6, "adaptive": False}})
+    )
+    out.append(
+        DraftPlan(
+            name="skip-all-attn",
+            skip_attn=list(range(num_layers)),
+            sources={"model": {"max_draft": 4, "adaptive": False}},
+        )
+    )
     return out
 
 

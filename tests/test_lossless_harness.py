@@ -1,18 +1,14 @@
-"""A slice of the randomized lossless harness (benchmarks/lossless_harness.py runs 500+ cases per backend)."""
-
-import sys
-from pathlib import Path
+"""A slice of the randomized lossless harness (tests/lossless_harness.py runs 500+ cases per backend)."""
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-
-from lossless_harness import run_cases  # noqa: E402
+from lossless_harness import run_cases
 
 
 @pytest.mark.parametrize("backend,cases,seed", [("torch", 40, 101), ("onnx", 20, 202)])
 def test_random_cases_are_lossless(backend, cases, seed):
-    out = run_cases(cases, backend, seed, families=["llama", "gpt_neox", "mistral", "opt"] if backend == "onnx" else None)
+    out = run_cases(
+        cases, backend, seed, families=["llama", "gpt_neox", "mistral", "opt"] if backend == "onnx" else None
+    )
     assert out.cases == cases and out.accepted > 0
     assert not out.unexplained, "\n".join(out.unexplained)
     assert len(out.explained) <= max(1, cases // 20), "\n".join(out.explained)

@@ -7,15 +7,15 @@ control shows the test has power: the same samples are clearly *not* distributed
 
 import numpy as np
 import pytest
-
 from lossless import chi_square_pvalue as gof
 from lossless import exact_marginals, next_token_logits, run
-from speccompile.convert import arch_config, canonical_weights
-from speccompile.runtime.decoder import build_decoder
-from speccompile.runtime.manifest import DraftPlan
-from speccompile.runtime.sampling import SamplingParams
-from speccompile.runtime.torch_backend import TorchBackend
 from tiny_models import make_model
+
+from speccompile.convert import arch_config, canonical_weights
+from speccompile.runtime.artifact.manifest import DraftPlan
+from speccompile.runtime.backends.torch.backend import TorchBackend
+from speccompile.runtime.backends.torch.decoder import build_decoder
+from speccompile.runtime.sampling import SamplingParams
 
 VOCAB = 12
 PROMPT = [1, 5, 7, 3]
@@ -27,19 +27,29 @@ ALPHA = 1e-3
 def small_vocab_decoder(request, tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
-    folder = make_model(request.param, tmp_path_factory.mktemp("small_vocab") / request.param, seed=4,
-                        vocab_size=VOCAB, initializer_range=0.15)
+    folder = make_model(
+        request.param,
+        tmp_path_factory.mktemp("small_vocab") / request.param,
+        seed=4,
+        vocab_size=VOCAB,
+        initializer_range=0.15,
+    )
     hf = AutoModelForCausalLM.from_pretrained(folder).eval()
     config = arch_config(hf)
     return build_decoder(config, canonical_weights(hf, config))
 
 
-@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=6, top_p=0.9)],
-                         ids=["t1.0", "t0.8-topk6-topp0.9"])
+@pytest.mark.parametrize(
+    "params",
+    [SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=6, top_p=0.9)],
+    ids=["t1.0", "t0.8-topk6-topp0.9"],
+)
 def test_speculative_sampling_matches_target_distribution(small_vocab_decoder, params):
     decoder = small_vocab_decoder
     backend = TorchBackend(decoder)
-    plan = DraftPlan(name="skip", skip_attn=[1, 2], skip_mlp=[1, 2], max_draft=2, adaptive=False)
+    plan = DraftPlan(
+        name="skip", skip_attn=[1, 2], skip_mlp=[1, 2], sources={"model": {"max_draft": 2, "adaptive": False}}
+    )
 
     target2, target3 = exact_marginals(next_token_logits(decoder), params, PROMPT, VOCAB)
     draft2, draft3 = exact_marginals(next_token_logits(decoder, plan), params, PROMPT, VOCAB)

@@ -2,7 +2,7 @@
 either load into a manifest that keeps the runtime's invariants or fail with ArtifactError, never with
 another exception (a traceback for the user). Issue 27: the same through ``load`` itself, on real torch
 and ONNX artifacts, mutated at every depth (``helpers_reliability.mutations``): only the runtime's own
-error type may escape. ``benchmarks/manifest_fuzz.py`` runs 2,000+ of these; CI runs a few hundred."""
+error type may escape. ``tests/manifest_fuzz.py`` runs 2,000+ of these; CI runs a few hundred."""
 
 from __future__ import annotations
 
@@ -11,19 +11,22 @@ import os
 import shutil
 
 import pytest
+from helpers_reliability import JSON, load_outcome, mutations, to_text, write_manifest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from speccompile.runtime.artifact.manifest import Manifest, check_relative_path, read_manifest
 from speccompile.runtime.errors import ArtifactError
-from speccompile.runtime.manifest import Manifest, check_relative_path, read_manifest
-
-from helpers_reliability import JSON, load_outcome, mutations, to_text, write_manifest
 
 
 def fuzz(examples: int) -> settings:
-    return settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-                    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
-                                           HealthCheck.function_scoped_fixture])
+    return settings(
+        max_examples=examples,
+        deadline=None,
+        database=None,
+        derandomize=True,
+        suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.function_scoped_fixture],
+    )
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +74,20 @@ def onnx_artifact(tiny_model_dir, tmp_path_factory):
     from speccompile.build import BuildOptions, build
 
     out = tmp_path_factory.mktemp("fuzz-onnx") / "artifact"
-    build(BuildOptions(model=str(tiny_model_dir("llama")), out=out, method="cosine", max_draft=2, calibration_tokens=8,
-                       confirm_prompts=1, confirm_tokens=8, backends=("onnx",), show_progress=False), log=lambda m: None)
+    build(
+        BuildOptions(
+            model=str(tiny_model_dir("llama")),
+            out=out,
+            method="cosine",
+            max_draft=2,
+            calibration_tokens=8,
+            confirm_prompts=1,
+            confirm_tokens=8,
+            backends=("onnx",),
+            show_progress=False,
+        ),
+        log=lambda m: None,
+    )
     return out
 
 
@@ -134,8 +149,10 @@ def standard_linears():
 
 @pytest.fixture(scope="module")
 def load_folders(tiny_artifact, onnx_artifact, tmp_path_factory, standard_linears):
-    return {"torch": (tiny_artifact, copy_of(tiny_artifact, tmp_path_factory, "fuzz-load")),
-            "onnx": (onnx_artifact, copy_of(onnx_artifact, tmp_path_factory, "fuzz-load-onnx"))}
+    return {
+        "torch": (tiny_artifact, copy_of(tiny_artifact, tmp_path_factory, "fuzz-load")),
+        "onnx": (onnx_artifact, copy_of(onnx_artifact, tmp_path_factory, "fuzz-load-onnx")),
+    }
 
 
 @pytest.mark.parametrize("backend, examples", [("torch", 300), ("onnx", 100)])
@@ -158,12 +175,20 @@ def test_load_of_a_mutated_artifact_raises_only_the_runtimes_errors(load_folders
     assert outcomes.count("net") <= examples // 50, outcomes
 
 
-@pytest.mark.parametrize("change, words", [
-    ({"num_kv_heads": 1}, ["num_kv_heads"]), ({"hidden_size": 32}, ["hidden_size"]), ({"num_layers": 5}, ["num_layers"]),
-    ({"head_dim": 8, "rotary_dim": 8}, ["rotary_dim"]), ({"intermediate_size": 64}, ["intermediate_size"]),
-], ids=["kv-heads", "hidden", "layers", "head-dim", "mlp"])
-def test_an_onnx_config_that_does_not_fit_its_weights_is_refused(onnx_artifact, tmp_path, standard_linears, change,
-                                                                   words):
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"num_kv_heads": 1}, ["num_kv_heads"]),
+        ({"hidden_size": 32}, ["hidden_size"]),
+        ({"num_layers": 5}, ["num_layers"]),
+        ({"head_dim": 8, "rotary_dim": 8}, ["rotary_dim"]),
+        ({"intermediate_size": 64}, ["intermediate_size"]),
+    ],
+    ids=["kv-heads", "hidden", "layers", "head-dim", "mlp"],
+)
+def test_an_onnx_config_that_does_not_fit_its_weights_is_refused(
+    onnx_artifact, tmp_path, standard_linears, change, words
+):
     """Issue 27: an ONNX artifact's geometry against its tensor table and graphs' KV inputs, refused by the
     checks (not the boundary's net) before a session runs."""
     folder = tmp_path / "artifact"

@@ -1,4 +1,4 @@
-"""Model-draft trees (``DraftPlan.draft_branches``, ``runtime/drafters.ModelDrafter``): beside each token a model
+"""Model-draft trees (``sources.model.branches``, ``runtime/drafters.ModelDrafter``): beside each token a model
 draft chooses, its runner-ups become leaves of a token tree that the full model verifies in one call.
 
 - greedy speculative == plain on every canonical family, on torch (an int8 precision draft, a layer skip, the
@@ -21,16 +21,19 @@ import numpy as np
 import pytest
 import torch
 
+from speccompile.runtime.drafting import check_plan
+
 pytest.importorskip("onnxruntime")
 
 from lossless import assert_speculative_is_plain, run  # noqa: E402
 from onnx_helpers import make_artifact, ort_backend  # noqa: E402
-from speccompile.runtime import drafters  # noqa: E402
-from speccompile.runtime.errors import ArtifactError  # noqa: E402
-from speccompile.runtime.manifest import DraftPlan  # noqa: E402
-from speccompile.runtime.sampling import SamplingParams  # noqa: E402
-from speccompile.runtime.torch_backend import TorchBackend  # noqa: E402
 from tiny_models import FAMILIES  # noqa: E402
+
+from speccompile.runtime.artifact.manifest import DraftPlan  # noqa: E402
+from speccompile.runtime.backends.torch.backend import TorchBackend  # noqa: E402
+from speccompile.runtime.drafting import model as drafters  # noqa: E402
+from speccompile.runtime.errors import ArtifactError  # noqa: E402
+from speccompile.runtime.sampling import SamplingParams  # noqa: E402
 
 INT8 = {"precision": "int8"}
 
@@ -46,13 +49,37 @@ def prompts(vocab: int) -> list[list[int]]:
 
 
 def tree_plans(backend: str) -> dict[str, DraftPlan]:
-    plans = [DraftPlan(name="int8-tree", kind="precision", params=INT8, max_draft=4, threshold=0.0, draft_branches=3),
-             DraftPlan(name="skip-tree", skip_mlp=[1], skip_attn=[1], max_draft=3, threshold=0.0, draft_branches=2),
-             DraftPlan(name="int8-tree+lookup", kind="precision", params=INT8, max_draft=3, draft_branches=2,
-                       lookup=["ngram"], ngram_min=1, ngram_max=3, lookup_max_draft=3)]
+    plans = [
+        DraftPlan(
+            name="int8-tree",
+            kind="precision",
+            params=INT8,
+            sources={"model": {"max_draft": 4, "threshold": 0.0, "branches": 3}},
+        ),
+        DraftPlan(
+            name="skip-tree",
+            skip_mlp=[1],
+            skip_attn=[1],
+            sources={"model": {"max_draft": 3, "threshold": 0.0, "branches": 2}},
+        ),
+        DraftPlan(
+            name="int8-tree+lookup",
+            kind="precision",
+            params=INT8,
+            lookup=["ngram"],
+            lookup_max_draft=3,
+            sources={"model": {"max_draft": 3, "branches": 2}, "ngram": {"min": 1, "max": 3}},
+        ),
+    ]
     if backend == "onnx":
-        plans.append(DraftPlan(name="int4-tree", kind="precision", params={"precision": "int4"}, max_draft=3,
-                               threshold=0.0, draft_branches=2))
+        plans.append(
+            DraftPlan(
+                name="int4-tree",
+                kind="precision",
+                params={"precision": "int4"},
+                sources={"model": {"max_draft": 3, "threshold": 0.0, "branches": 2}},
+            )
+        )
     return {p.name: p for p in plans}
 
 
@@ -120,30 +147,36 @@ def test_the_replay_follows_a_model_tree():
     runners = np.full((len(tops), 2), 4)
     runners[1, 0] = 9
     probs = np.full((len(tops), 2), 0.2, np.float32)
-    profile = Profile(matches=[tops == targets], confidences=[np.full(len(tops), 0.9, np.float32)], tops=[tops],
-                      runner_ups=[runners], runner_up_probs=[probs])
+    profile = Profile(
+        matches=[tops == targets],
+        confidences=[np.full(len(tops), 0.9, np.float32)],
+        tops=[tops],
+        runner_ups=[runners],
+        runner_up_probs=[probs],
+    )
     ref = Reference(torch.tensor([prompt + target]), len(prompt), None)
-    plan = DraftPlan(name="t", skip_mlp=[0], max_draft=3, threshold=0.0, adaptive=False)
+    plan = DraftPlan(name="t", skip_mlp=[0], sources={"model": {"max_draft": 3, "threshold": 0.0, "adaptive": False}})
     chain = replay(plan, [ref], profile)
-    tree = replay(DraftPlan(**{**plan.__dict__, "draft_branches": 2}), [ref], profile)
+    tree = replay(plan.with_options(model={"branches": 2}), [ref], profile)
     assert chain[0].accepted == 1 and tree[0].accepted == 2  # 8 by the chain; 9 by a leaf below it
     assert tree[0].model_tokens == chain[0].model_tokens and tree[0].drafted > chain[0].drafted
 
 
 def test_plans_that_cannot_branch_are_refused():
-    with pytest.raises(ArtifactError, match="draft_branches") as exc:
-        DraftPlan(name="x", lookup=["ngram"], draft_branches=2).validate(4)
+    with pytest.raises(ArtifactError, match="sources.model.branches") as exc:
+        check_plan(DraftPlan(name="x", lookup=["ngram"], sources={"model": {"branches": 2}}), 4)
     assert "\n" not in str(exc.value)
     with pytest.raises(ArtifactError, match="early exit"):
-        DraftPlan(name="y", exit_layer=2, draft_branches=2).validate(4)
+        check_plan(DraftPlan(name="y", exit_layer=2, sources={"model": {"branches": 2}}), 4)
 
 
 def test_a_lookup_extends_a_model_tree_below_its_chain():
-    from speccompile.runtime.drafters import Draft
+    from speccompile.runtime.drafting.base import Draft
     from speccompile.runtime.tree import depths
 
-    tree = Draft(tokens=[10, 11, 20, 21], q=[None] * 4, sources=["model", "model", "branch", "branch"],
-                 parents=[-1, 0, -1, 0])  # chain 10 -> 11; leaves 20 (beside 10) and 21 (beside 11)
+    tree = Draft(
+        tokens=[10, 11, 20, 21], q=[None] * 4, sources=["model", "model", "branch", "branch"], parents=[-1, 0, -1, 0]
+    )  # chain 10 -> 11; leaves 20 (beside 10) and 21 (beside 11)
     extended = tree.extend(Draft(tokens=[12, 13], q=[None, None], sources=["ngram", "ngram"]))
     assert extended.tokens == [10, 11, 12, 13, 20, 21] and extended.parents == [-1, 0, 1, 2, -1, 0]
     assert depths(extended.parents) == [1, 2, 3, 4, 1, 2]

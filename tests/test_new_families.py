@@ -15,14 +15,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).parent))
 
 from lossless import chi_square_pvalue, exact_marginals, next_token_logits, sample_third_tokens  # noqa: E402
+from tiny_models import CONFIGS, make_model  # noqa: E402
+
 from speccompile.convert import arch_config, canonical_weights, choose_path  # noqa: E402
 from speccompile.exporters.onnx_export import export_onnx_weights  # noqa: E402
-from speccompile.runtime.decoder import build_decoder  # noqa: E402
-from speccompile.runtime.manifest import DraftPlan  # noqa: E402
-from speccompile.runtime.onnx_backend import OnnxBackend  # noqa: E402
+from speccompile.runtime.artifact.manifest import DraftPlan  # noqa: E402
+from speccompile.runtime.backends.onnx import OnnxBackend  # noqa: E402
+from speccompile.runtime.backends.torch.backend import TorchBackend  # noqa: E402
+from speccompile.runtime.backends.torch.decoder import build_decoder  # noqa: E402
 from speccompile.runtime.sampling import SamplingParams  # noqa: E402
-from speccompile.runtime.torch_backend import TorchBackend  # noqa: E402
-from tiny_models import CONFIGS, make_model  # noqa: E402
 
 NEW_FAMILIES = ("olmo2", "smollm3", "phi", "cohere", "falcon", "gemma3_text", "mixtral")
 VOCAB = 12
@@ -45,7 +46,9 @@ def test_speculative_sampling_keeps_the_target_distribution_on_both_backends(fam
     folder = make_model(family, tmp_path / family, seed=4, vocab_size=VOCAB, initializer_range=0.15)
     config, weights = _canonical(AutoModelForCausalLM.from_pretrained(folder).eval())
     decoder = build_decoder(config, weights)
-    plan = DraftPlan(name="skip", skip_attn=[1, 2], skip_mlp=[1, 2], max_draft=2, adaptive=False)
+    plan = DraftPlan(
+        name="skip", skip_attn=[1, 2], skip_mlp=[1, 2], sources={"model": {"max_draft": 2, "adaptive": False}}
+    )
     record = export_onnx_weights(config, weights, {"skip": plan}, tmp_path / "art" / "onnx", variant="fused")
     params = SamplingParams(temperature=1.0)
     _, target3 = exact_marginals(next_token_logits(decoder), params, PROMPT, VOCAB)
@@ -58,11 +61,17 @@ def test_speculative_sampling_keeps_the_target_distribution_on_both_backends(fam
         assert chi_square_pvalue(spec3, draft3) < ALPHA, type(backend).__name__  # negative control
 
 
-@pytest.mark.parametrize("design", [
-    dict(new_decoder_architecture=True, num_kv_heads=2),  # falcon-40b/180b: grouped qkv, two norms
-    dict(new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=1),  # one norm for both branches
-    dict(new_decoder_architecture=False, multi_query=False, parallel_attn=False, bias=True, num_kv_heads=4),  # sequential
-], ids=["grouped", "grouped-one-norm", "sequential"])
+@pytest.mark.parametrize(
+    "design",
+    [
+        dict(new_decoder_architecture=True, num_kv_heads=2),  # falcon-40b/180b: grouped qkv, two norms
+        dict(new_decoder_architecture=True, num_kv_heads=2, num_ln_in_parallel_attn=1),  # one norm for both branches
+        dict(
+            new_decoder_architecture=False, multi_query=False, parallel_attn=False, bias=True, num_kv_heads=4
+        ),  # sequential
+    ],
+    ids=["grouped", "grouped-one-norm", "sequential"],
+)
 def test_falcon_block_designs_convert_exactly(design):
     from transformers import AutoConfig, AutoModelForCausalLM
 

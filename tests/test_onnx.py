@@ -27,14 +27,15 @@ pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
 from lossless import assert_same_greedy, chi_square_pvalue, exact_marginals, next_token_logits, run, sample_third_tokens  # noqa: E402
-from speccompile.exporters.onnx_export import export_onnx, export_onnx_weights  # noqa: E402
-from speccompile.runtime.errors import ArtifactError  # noqa: E402
-from speccompile.runtime.manifest import DraftPlan, read_manifest  # noqa: E402
-from speccompile.runtime.onnx_backend import OnnxBackend  # noqa: E402
-from speccompile.runtime.sampling import SamplingParams  # noqa: E402
-from speccompile.runtime.torch_backend import TorchBackend  # noqa: E402
 from onnx_helpers import artifact_cache, check_greedy_lossless, check_logits, make_artifact, ort_backend  # noqa: E402
 from tiny_models import FAMILIES, make_model  # noqa: E402
+
+from speccompile.exporters.onnx_export import export_onnx, export_onnx_weights  # noqa: E402
+from speccompile.runtime.artifact.manifest import DraftPlan, read_manifest  # noqa: E402
+from speccompile.runtime.backends.onnx import OnnxBackend  # noqa: E402
+from speccompile.runtime.backends.torch.backend import TorchBackend  # noqa: E402
+from speccompile.runtime.errors import ArtifactError  # noqa: E402
+from speccompile.runtime.sampling import SamplingParams  # noqa: E402
 
 TESTS = Path(__file__).parent
 PROMPTS = 6
@@ -44,11 +45,31 @@ NEW_TOKENS = 40
 def plans(num_layers: int) -> dict[str, DraftPlan]:
     out = []
     for k, threshold in ((1, 0.0), (3, 0.0), (5, 0.3)):
-        out.append(DraftPlan(name=f"skip-k{k}", skip_attn=[1], skip_mlp=[num_layers - 2], max_draft=k,
-                             threshold=threshold))
-        out.append(DraftPlan(name=f"exit-k{k}", exit_layer=num_layers // 2, max_draft=k, threshold=threshold))
-    out.append(DraftPlan(name="exit-last", exit_layer=num_layers - 1, max_draft=6, adaptive=False))
-    out.append(DraftPlan(name="skip-all-attn", skip_attn=list(range(num_layers)), max_draft=4, adaptive=False))
+        out.append(
+            DraftPlan(
+                name=f"skip-k{k}",
+                skip_attn=[1],
+                skip_mlp=[num_layers - 2],
+                sources={"model": {"max_draft": k, "threshold": threshold}},
+            )
+        )
+        out.append(
+            DraftPlan(
+                name=f"exit-k{k}",
+                exit_layer=num_layers // 2,
+                sources={"model": {"max_draft": k, "threshold": threshold}},
+            )
+        )
+    out.append(
+        DraftPlan(name="exit-last", exit_layer=num_layers - 1, sources={"model": {"max_draft": 6, "adaptive": False}})
+    )
+    out.append(
+        DraftPlan(
+            name="skip-all-attn",
+            skip_attn=list(range(num_layers)),
+            sources={"model": {"max_draft": 4, "adaptive": False}},
+        )
+    )
     return {p.name: p for p in out}
 
 
@@ -63,8 +84,13 @@ def test_logits_match_torch(family, onnx_artifact):
     """Every graph, through the backend protocol: prefill, incremental steps with past, drafts of both
     plan kinds and early-exit verifies with reuse, all within 1e-4 of the torch backend."""
     decoder, root, plan_map, ort = onnx_artifact(family)
-    check_logits(ort, TorchBackend(decoder), decoder, {n: plan_map[n] for n in ("skip-k3", "exit-k3", "exit-last",
-                                                                              "skip-all-attn")}, family)
+    check_logits(
+        ort,
+        TorchBackend(decoder),
+        decoder,
+        {n: plan_map[n] for n in ("skip-k3", "exit-k3", "exit-last", "skip-all-attn")},
+        family,
+    )
 
 
 def test_graphs_have_dynamic_axes_and_opset(onnx_artifact):
@@ -86,12 +112,17 @@ def test_graphs_have_dynamic_axes_and_opset(onnx_artifact):
     session, config = ort.sessions["verify"], ort.config
     rng = np.random.default_rng(0)
     ids = rng.integers(3, config.vocab_size, (2, 7))
-    past = {n: rng.standard_normal((2, config.num_kv_heads, 5, config.head_dim)).astype(np.float32)
-            for n in ort.inputs["verify"] if n.startswith("past_key_values.")}
+    past = {
+        n: rng.standard_normal((2, config.num_kv_heads, 5, config.head_dim)).astype(np.float32)
+        for n in ort.inputs["verify"]
+        if n.startswith("past_key_values.")
+    }
     both = session.run(["logits"], {"input_ids": ids, **past})[0]
     for row in range(2):
-        alone = session.run(["logits"], {"input_ids": ids[row:row + 1], **{n: v[row:row + 1] for n, v in past.items()}})[0]
-        np.testing.assert_allclose(both[row:row + 1], alone, atol=1e-5)
+        alone = session.run(
+            ["logits"], {"input_ids": ids[row : row + 1], **{n: v[row : row + 1] for n, v in past.items()}}
+        )[0]
+        np.testing.assert_allclose(both[row : row + 1], alone, atol=1e-5)
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -145,18 +176,23 @@ def test_speculative_sampling_matches_target_distribution(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from speccompile.convert import arch_config, canonical_weights
-    from speccompile.runtime.decoder import build_decoder
+    from speccompile.runtime.backends.torch.decoder import build_decoder
 
     folder = make_model("llama", tmp_path / "small_vocab", seed=4, vocab_size=VOCAB, initializer_range=0.15)
     hf = AutoModelForCausalLM.from_pretrained(folder).eval()
     config = arch_config(hf)
     decoder = build_decoder(config, canonical_weights(hf, config))
-    plan = DraftPlan(name="skip", skip_attn=[1, 2], skip_mlp=[1, 2], max_draft=2, adaptive=False)
+    plan = DraftPlan(
+        name="skip", skip_attn=[1, 2], skip_mlp=[1, 2], sources={"model": {"max_draft": 2, "adaptive": False}}
+    )
     root = make_artifact(decoder, {"skip": plan}, tmp_path / "artifact")
     ort = ort_backend(root)
     params = SamplingParams(temperature=1.0)
 
-    target3, draft3 = exact_marginals(next_token_logits(decoder), params, PROMPT, VOCAB)[1], exact_marginals(next_token_logits(decoder, plan), params, PROMPT, VOCAB)[1]
+    target3, draft3 = (
+        exact_marginals(next_token_logits(decoder), params, PROMPT, VOCAB)[1],
+        exact_marginals(next_token_logits(decoder, plan), params, PROMPT, VOCAB)[1],
+    )
     assert 0.5 * np.abs(target3 - draft3).sum() > 0.1, "draft too close to the target for the control to mean anything"
     spec3, accepted = sample_third_tokens(ort, PROMPT, plan, params, SAMPLES)
     assert 0 < accepted < 2 * SAMPLES, "both the accept and the reject path must be exercised"
@@ -205,7 +241,9 @@ def test_early_exit_only_artifact_decodes_through_prefix_and_suffix(family, tiny
     """With only early-exit plans there is no verify session: plain decoding runs prefix(E) + suffix(E).
     It must equal the torch backend, and speculative output must equal plain output."""
     _, decoder = tiny_decoder(family)
-    plan_map = {f"exit-k{k}": DraftPlan(name=f"exit-k{k}", exit_layer=2, max_draft=k) for k in (1, 3, 6)}
+    plan_map = {
+        f"exit-k{k}": DraftPlan(name=f"exit-k{k}", exit_layer=2, sources={"model": {"max_draft": k}}) for k in (1, 3, 6)
+    }
     backend = ort_backend(make_artifact(decoder, plan_map, tmp_path / family))
     assert "verify" not in backend.sessions and backend.full_split is not None
     reference = TorchBackend(decoder)
@@ -224,10 +262,18 @@ def big_decoder(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     from speccompile.convert import arch_config, canonical_weights
-    from speccompile.runtime.decoder import build_decoder
+    from speccompile.runtime.backends.torch.decoder import build_decoder
 
-    folder = make_model("llama", tmp_path_factory.mktemp("big") / "llama", vocab_size=8192, hidden_size=512,
-                        intermediate_size=1536, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=2)
+    folder = make_model(
+        "llama",
+        tmp_path_factory.mktemp("big") / "llama",
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+    )
     hf = AutoModelForCausalLM.from_pretrained(folder).eval()
     config = arch_config(hf)
     return build_decoder(config, canonical_weights(hf, config))
@@ -245,22 +291,29 @@ def test_early_exit_artifact_memory_with_prepacking(big_decoder, tmp_path):
     plain, sessions = _rss_over_baseline(root, "verify", prepack=True)
     speculative, spec_sessions = _rss_over_baseline(root, "all", prepack=True)
     assert sessions == 1 and spec_sessions == 3, "prefix, suffix and head only: no separate verify session"
-    print(f"\npre-packed: plain (verify) {plain / 2**20:.1f} MiB, early-exit (prefix+suffix+head) "
-          f"{speculative / 2**20:.1f} MiB ({speculative / plain:.3f}x)")
+    print(
+        f"\npre-packed: plain (verify) {plain / 2**20:.1f} MiB, early-exit (prefix+suffix+head) "
+        f"{speculative / 2**20:.1f} MiB ({speculative / plain:.3f}x)"
+    )
     assert speculative <= 1.1 * plain
 
 
 def test_sessions_share_weights_in_memory(big_decoder, tmp_path):
     """Low-memory mode (pre-packing off): five sessions (verify, a layer-skip draft, prefix, suffix,
     head) on one copy of the weights."""
-    plan_map = {"skip": DraftPlan(name="skip", skip_attn=[2, 5], skip_mlp=[3]), "exit": DraftPlan(name="exit", exit_layer=4)}
+    plan_map = {
+        "skip": DraftPlan(name="skip", skip_attn=[2, 5], skip_mlp=[3]),
+        "exit": DraftPlan(name="exit", exit_layer=4),
+    }
     root = make_artifact(big_decoder, plan_map, tmp_path / "artifact")
     weights = (root / "onnx" / "weights.bin").stat().st_size
     alone, sessions = _rss_over_baseline(root, "verify", prepack=False)
     shared, all_sessions = _rss_over_baseline(root, "all", prepack=False)
     assert all_sessions == 5 and sessions == 1
-    print(f"\nweights {weights / 2**20:.1f} MiB; RSS over baseline: verify alone {alone / 2**20:.1f} MiB, "
-          f"verify + skip + prefix + suffix + head {shared / 2**20:.1f} MiB ({shared / alone:.3f}x)")
+    print(
+        f"\nweights {weights / 2**20:.1f} MiB; RSS over baseline: verify alone {alone / 2**20:.1f} MiB, "
+        f"verify + skip + prefix + suffix + head {shared / 2**20:.1f} MiB ({shared / alone:.3f}x)"
+    )
     assert alone >= 0.9 * weights, "the weights do not dominate the measurement"
     assert shared <= 1.1 * alone, f"5 sessions use {shared / alone:.2f}x the RSS of the verify session alone"
 
@@ -272,8 +325,13 @@ def test_runtime_runs_onnx_artifact_without_torch(onnx_artifact):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     results = {}
     for plan_name in ("exit-k3", "skip-k3"):
-        out = subprocess.run([sys.executable, str(TESTS / "torch_blocker.py"), str(root), json.dumps(prompt), "20", plan_name],
-                             capture_output=True, text=True, env=env, timeout=300)
+        out = subprocess.run(
+            [sys.executable, str(TESTS / "torch_blocker.py"), str(root), json.dumps(prompt), "20", plan_name],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr[-3000:]
         results[plan_name] = json.loads(out.stdout.strip().splitlines()[-1])
     expected, _ = run(TorchBackend(decoder), prompt, 20)

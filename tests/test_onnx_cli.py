@@ -43,8 +43,12 @@ def test_generate_without_torch_matches_torch_backend(both_backends):
     assert manifest["plans"], "the early-exit build wrote no plan"
     plan = manifest["default_plan"] or next(iter(manifest["plans"]))  # a tiny model's timing may not pick a default
     args = ["generate", str(both_backends), "--prompt", "def add(a, b):", "--max-new-tokens", "24", "--json"]
-    blocked = subprocess.run([sys.executable, "-c", BLOCKED_GENERATE, *args, "--backend", "onnx", "--plan", plan],
-                             capture_output=True, text=True, env={"OMP_NUM_THREADS": "1", "PATH": ""})
+    blocked = subprocess.run(
+        [sys.executable, "-c", BLOCKED_GENERATE, *args, "--backend", "onnx", "--plan", plan],
+        capture_output=True,
+        text=True,
+        env={"OMP_NUM_THREADS": "1", "PATH": ""},
+    )
     assert blocked.returncode == 0, blocked.stderr
     onnx_spec = json.loads(blocked.stdout)
     torch_plain = json.loads(invoke(*args, "--backend", "torch", "--no-speculate").stdout)
@@ -59,10 +63,12 @@ def test_onnx_only_artifact_tunes_and_generates(tiny_model_dir, tmp_path):
     manifest = json.loads((out / "manifest.json").read_text())
     assert {"layer-skip", "early-exit"} <= set(manifest["plans"]) and list(manifest["backends"]) == ["onnx"]
     for plan in ("layer-skip", "early-exit"):
-        spec = json.loads(invoke("generate", out, "--prompt", "class A:", "--max-new-tokens", "16", "--json",
-                                 "--plan", plan).stdout)
-        plain = json.loads(invoke("generate", out, "--prompt", "class A:", "--max-new-tokens", "16", "--json",
-                                  "--no-speculate").stdout)
+        spec = json.loads(
+            invoke("generate", out, "--prompt", "class A:", "--max-new-tokens", "16", "--json", "--plan", plan).stdout
+        )
+        plain = json.loads(
+            invoke("generate", out, "--prompt", "class A:", "--max-new-tokens", "16", "--json", "--no-speculate").stdout
+        )
         assert spec["token_ids"] == plain["token_ids"]
 
 
@@ -71,8 +77,11 @@ def test_bench_onnx_has_ort_and_optimum_baselines(tiny_model_dir, tmp_path):
     invoke("build", tiny_model_dir("llama"), "-o", out, "--backend", "torch,onnx", *SMALL)
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def f(x):\n\nclass A:\n\nimport os")
-    report = json.loads(invoke("bench", out, "--backend", "onnx", "--prompts", prompts, "--max-new-tokens", "10",
-                               "--json", "--quiet").stdout)
+    report = json.loads(
+        invoke(
+            "bench", out, "--backend", "onnx", "--prompts", prompts, "--max-new-tokens", "10", "--json", "--quiet"
+        ).stdout
+    )
     assert report["backend"] == "onnx" and report["prompts"] == 3
     for key in ("autoregressive", "speculative", "transformers", "optimum"):
         assert report[key]["tokens_per_s"] > 0, key
@@ -95,15 +104,27 @@ def test_bench_tells_near_ties_from_real_divergences(both_backends):
     logits = model.backend.forward(prompt + plain[:5], 0)[-1]
     top = sorted(logits)[-2:]
     wrong = plain[:5] + [int(sorted(range(len(logits)), key=lambda t: logits[t])[-2])] + plain[6:]
-    found = _divergences(model.backend, [prompt, prompt], [SimpleNamespace(token_ids=plain)] * 2,
-                         [SimpleNamespace(token_ids=plain), SimpleNamespace(token_ids=wrong)])
+    found = _divergences(
+        model.backend,
+        [prompt, prompt],
+        [SimpleNamespace(token_ids=plain)] * 2,
+        [SimpleNamespace(token_ids=plain), SimpleNamespace(token_ids=wrong)],
+    )
     assert [(d["prompt"], d["token"]) for d in found] == [(1, 5)]
     assert abs(found[0]["top2_gap"] - (top[1] - top[0])) < 1e-5 and top[1] - top[0] > NEAR_TIE
     assert not found[0]["near_tie"]
-    report = {"plan": None, "prompts": 2, "prompt_source": "test", "max_new_tokens": 12, "backend": "onnx",
-              "autoregressive": {"tokens_per_s": 1.0}, "speculative": {"tokens_per_s": 1.0, "mean_accepted": 1.0,
-                                                                       "acceptance_rate": 0.0, "rounds": 1},
-              "speedup": {}, "identical": False, "identical_detail": {"speculative_vs_autoregressive": "1/2"},
-              "divergences": found}
+    report = {
+        "plan": None,
+        "prompts": 2,
+        "prompt_source": "test",
+        "max_new_tokens": 12,
+        "backend": "onnx",
+        "autoregressive": {"tokens_per_s": 1.0},
+        "speculative": {"tokens_per_s": 1.0, "mean_accepted": 1.0, "acceptance_rate": 0.0, "rounds": 1},
+        "speedup": {},
+        "identical": False,
+        "identical_detail": {"speculative_vs_autoregressive": "1/2"},
+        "divergences": found,
+    }
     text = format_report(report)
     assert "0 near-tie divergence(s)" in text and "1 real" in text and "prompt 1 token 5" in text

@@ -25,12 +25,13 @@ pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
 from lossless import assert_speculative_is_plain, run  # noqa: E402
-from speccompile.runtime.manifest import DraftPlan, read_manifest  # noqa: E402
-from speccompile.runtime.onnx_backend import OnnxBackend  # noqa: E402
-from speccompile.runtime.torch_backend import TorchBackend  # noqa: E402
-from speccompile.exporters.onnx_export import fused_supports  # noqa: E402
 from onnx_helpers import artifact_cache, check_greedy_lossless, check_logits, make_artifact, ort_backend  # noqa: E402
 from tiny_models import FAMILIES  # noqa: E402
+
+from speccompile.exporters.onnx_export import fused_supports  # noqa: E402
+from speccompile.runtime.artifact.manifest import DraftPlan, read_manifest  # noqa: E402
+from speccompile.runtime.backends.onnx import OnnxBackend  # noqa: E402
+from speccompile.runtime.backends.torch.backend import TorchBackend  # noqa: E402
 
 # With int8 activations (MatMulNBits accuracy_level 4) any difference between a k-token verify and the
 # 1-token steps it replaces, however small, can move an activation across an int8 rounding boundary and
@@ -49,18 +50,34 @@ def _verify_vs_steps(backend: OnnxBackend, prompt: list[int], k: int = 4) -> flo
 
 
 def plans(num_layers: int) -> dict[str, DraftPlan]:
-    out = [DraftPlan(name="skip-k3", skip_attn=[1], skip_mlp=[num_layers - 2], max_draft=3, threshold=0.0),
-           DraftPlan(name="exit-k3", exit_layer=num_layers // 2, max_draft=3, threshold=0.0),
-           DraftPlan(name="exit-last", exit_layer=num_layers - 1, max_draft=6, adaptive=False),
-           DraftPlan(name="skip-all-attn", skip_attn=list(range(num_layers)), max_draft=4, adaptive=False)]
+    out = [
+        DraftPlan(
+            name="skip-k3",
+            skip_attn=[1],
+            skip_mlp=[num_layers - 2],
+            sources={"model": {"max_draft": 3, "threshold": 0.0}},
+        ),
+        DraftPlan(name="exit-k3", exit_layer=num_layers // 2, sources={"model": {"max_draft": 3, "threshold": 0.0}}),
+        DraftPlan(name="exit-last", exit_layer=num_layers - 1, sources={"model": {"max_draft": 6, "adaptive": False}}),
+        DraftPlan(
+            name="skip-all-attn",
+            skip_attn=list(range(num_layers)),
+            sources={"model": {"max_draft": 4, "adaptive": False}},
+        ),
+    ]
     return {p.name: p for p in out}
 
 
 @pytest.fixture(scope="session")
 def fused_artifact(tiny_decoder, tiny_model_dir, tmp_path_factory):
     """family -> (decoder, artifact root, plans, OnnxBackend) with fused graphs, built once per family."""
-    return artifact_cache(tiny_decoder, tmp_path_factory.mktemp("fused_artifacts"), plans,
-                          tokenizer_of=lambda family: tiny_model_dir(family) / "tokenizer.json", variant="fused")
+    return artifact_cache(
+        tiny_decoder,
+        tmp_path_factory.mktemp("fused_artifacts"),
+        plans,
+        tokenizer_of=lambda family: tiny_model_dir(family) / "tokenizer.json",
+        variant="fused",
+    )
 
 
 @pytest.mark.parametrize("family", FAMILIES)
@@ -92,7 +109,9 @@ def test_fused_graphs_use_contrib_ops_and_standard_graphs_pass_the_checker(fused
         assert "FusedMatMul" in ops and "MatMul" not in ops and "Gemm" not in ops, key
         if key not in ("head", "skip.skip-all-attn"):
             assert {"GroupQueryAttention", "SkipSimplifiedLayerNormalization"} <= ops, (key, ops)
-        shapes = {vi.name: [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim] for vi in model.graph.input}
+        shapes = {
+            vi.name: [d.dim_param or d.dim_value for d in vi.type.tensor_type.shape.dim] for vi in model.graph.input
+        }
         for name, dims in shapes.items():
             if name.startswith("past_key_values."):
                 assert dims[2] == "max_len"
@@ -116,7 +135,9 @@ def test_kv_cache_written_in_place_and_replicas_have_their_own(fused_artifact):
     ref.forward(tokens, 0)
     for layer in range(decoder.config.num_layers):  # the graph wrote the KV entries into our buffers
         np.testing.assert_allclose(ort.k[layer][:, :, :20], ref.cache.k[layer][:, :, :20].numpy(), atol=1e-5)
-        assert not ort.k[layer][:, :, 20:].any()  # fp32 graphs run no padding row (exporters/onnx_fused.FusedGraph.padding)
+        assert not ort.k[layer][
+            :, :, 20:
+        ].any()  # fp32 graphs run no padding row (exporters/onnx_fused.FusedGraph.padding)
     copying = ort_backend(root, kv_in_place=False)  # same graphs, past copied in and present copied back
     copying.reserve(32)
     np.testing.assert_allclose(copying.forward(tokens, 0), logits, atol=1e-6)
@@ -135,8 +156,15 @@ def test_kv_cache_written_in_place_and_replicas_have_their_own(fused_artifact):
 def test_quantized_speculative_equals_quantized_plain(scheme, family, tiny_decoder, tiny_model_dir, tmp_path):
     _, decoder = tiny_decoder(family)
     plan_map = plans(decoder.config.num_layers)
-    root = make_artifact(decoder, plan_map, tmp_path / scheme, tiny_model_dir(family) / "tokenizer.json",
-                         variant="fused", quantize=scheme, block_size=16)
+    root = make_artifact(
+        decoder,
+        plan_map,
+        tmp_path / scheme,
+        tiny_model_dir(family) / "tokenizer.json",
+        variant="fused",
+        quantize=scheme,
+        block_size=16,
+    )
     record = read_manifest(root).backends["onnx"]
     assert record["quantization"]["scheme"] == scheme and record["quantization"]["block_size"] == 16
     assert any(n.endswith(f".{scheme}") for n in record["tensors"])
@@ -149,7 +177,9 @@ def test_quantized_speculative_equals_quantized_plain(scheme, family, tiny_decod
     ort.reserve(64)
     quant, full = ort.forward(prompt, 0), ref.forward(prompt, 0)
     err = float(np.abs(quant - full).max())
-    assert 1e-6 < err < 0.5 * float(np.abs(full).max()), f"quantized logits {err:.2e} from float: not quantized, or broken"
+    assert 1e-6 < err < 0.5 * float(np.abs(full).max()), (
+        f"quantized logits {err:.2e} from float: not quantized, or broken"
+    )
     rounding = _verify_vs_steps(ort.replica(), prompt)
     assert rounding == 0.0, f"verify and step are {rounding:.2e} apart: int8 activations make that a quantization step"
     prompts = [torch.randint(3, decoder.config.vocab_size, (4 + 11 * p,), generator=gen).tolist() for p in range(3)]
@@ -167,14 +197,31 @@ def test_build_quantize_cli(tiny_model_dir, tmp_path):
 
     out = tmp_path / "q8"
     runner = CliRunner()
-    args = ["build", str(tiny_model_dir("llama")), "-o", str(out), "--method", "early-exit", "--backend", "torch,onnx",
-            "--quantize", "int8", "--calibration-tokens", "8", "--max-draft", "2", "--quiet"]
+    args = [
+        "build",
+        str(tiny_model_dir("llama")),
+        "-o",
+        str(out),
+        "--method",
+        "early-exit",
+        "--backend",
+        "torch,onnx",
+        "--quantize",
+        "int8",
+        "--calibration-tokens",
+        "8",
+        "--max-draft",
+        "2",
+        "--quiet",
+    ]
     result = runner.invoke(main, args)
     assert result.exit_code == 0, result.output
     record = read_manifest(out).backends["onnx"]
     assert record["variant"] == "fused" and record["quantization"]["scheme"] == "int8"
-    gen = runner.invoke(main, ["generate", str(out), "--backend", "onnx", "--prompt", "def add(a, b):",
-                               "--max-new-tokens", "8", "--json"])
+    gen = runner.invoke(
+        main,
+        ["generate", str(out), "--backend", "onnx", "--prompt", "def add(a, b):", "--max-new-tokens", "8", "--json"],
+    )
     assert gen.exit_code == 0, gen.output
     assert len(json.loads(gen.output)["token_ids"]) == 8
     refused = runner.invoke(main, args[:6] + ["--backend", "torch", "--quantize", "int4"])
@@ -186,21 +233,30 @@ def test_fused_early_exit_memory_with_prepacking(tmp_path):
     1.1x of plain decoding's resident memory (the verify session alone): the tied head is packed once."""
     import sys
 
+    from tiny_models import make_model
     from transformers import AutoModelForCausalLM
 
     from speccompile.convert import arch_config, canonical_weights
-    from speccompile.runtime.decoder import build_decoder
-    from tiny_models import make_model
+    from speccompile.runtime.backends.torch.decoder import build_decoder
 
     sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
     from onnx_memory import measure
 
-    folder = make_model("llama", tmp_path / "llama", vocab_size=16384, hidden_size=512, intermediate_size=1536,
-                        num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True)
+    folder = make_model(
+        "llama",
+        tmp_path / "llama",
+        vocab_size=16384,
+        hidden_size=512,
+        intermediate_size=1536,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     hf = AutoModelForCausalLM.from_pretrained(folder).eval()
     config = arch_config(hf)
     decoder = build_decoder(config, canonical_weights(hf, config))
-    plan_map = {"exit": DraftPlan(name="exit", exit_layer=4, max_draft=3)}
+    plan_map = {"exit": DraftPlan(name="exit", exit_layer=4, sources={"model": {"max_draft": 3}})}
     root = make_artifact(decoder, plan_map, tmp_path / "artifact", folder / "tokenizer.json", variant="fused")
     plain, spec = measure(root, "verify", prepack=True, threads=1), measure(root, "all", prepack=True, threads=1)
     assert spec["sessions"] == ["head", "prefix.4", "suffix.4"]

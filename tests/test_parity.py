@@ -2,9 +2,9 @@
 
 import pytest
 import torch
-
-from speccompile.runtime.decoder import KVCache
 from tiny_models import FAMILIES
+
+from speccompile.runtime.backends.torch.decoder import KVCache
 
 TOLERANCE = 1e-4
 
@@ -49,13 +49,16 @@ def test_decoder_keeps_no_view_of_the_weights_it_was_built_from(tiny_decoder):
     keep the whole memory-mapped safetensors file of a loaded artifact resident next to the decoder's copy
     (SmolLM2: 513 MB more)."""
     from speccompile.convert import arch_config, canonical_weights
-    from speccompile.runtime.decoder import build_decoder
+    from speccompile.runtime.backends.torch.decoder import build_decoder
 
     hf, _ = tiny_decoder("llama")
     config = arch_config(hf)
     weights = canonical_weights(hf, config)
     given = {t.untyped_storage().data_ptr() for t in weights.values()}
     decoder = build_decoder(config, weights)
-    kept = [name for name, t in [*decoder.named_parameters(), *decoder.named_buffers()]
-            if t.untyped_storage().data_ptr() in given]
+    kept = [
+        name
+        for name, t in [*decoder.named_parameters(), *decoder.named_buffers()]
+        if t.untyped_storage().data_ptr() in given
+    ]
     assert kept == []

@@ -1,4 +1,4 @@
-"""Precision self-drafts (``runtime/draft_kinds/precision.py``): the model's own graph with weight-only int8 /
+"""Precision self-drafts (``runtime/drafting/kinds/precision.py``): the model's own graph with weight-only int8 /
 int4 products drafts, the full-precision model verifies.
 
 - on ONNX Runtime's fused graphs, greedy speculative == plain on every canonical family, for the whole
@@ -6,7 +6,7 @@ int4 products drafts, the full-precision model verifies.
   agrees with it most of the time);
 - the quantized weights go into the same ``weights.bin`` once, next to the full ones, and only the draft
   graph reads them;
-- on torch, an int8 draft runs through the decoder's int8 twin (``runtime/int8_twin.py``): greedy
+- on torch, an int8 draft runs through the decoder's int8 twin (``runtime/backends/torch/int8_twin.py``): greedy
   speculative == plain on every canonical family for the whole model, an int8 early exit, an int8 layer skip
   and a hybrid behind n-gram lookup; the twin shares every tensor but its products' weights; sampling keeps
   the full model's distribution (chi-square, with a negative control);
@@ -19,26 +19,56 @@ from __future__ import annotations
 import pytest
 import torch
 
+from speccompile.runtime.drafting import check_plan
+
 pytest.importorskip("onnxruntime")
 
 from lossless import assert_speculative_is_plain, run  # noqa: E402
 from onnx_helpers import make_artifact, ort_backend  # noqa: E402
-from speccompile.runtime.errors import ArtifactError  # noqa: E402
-from speccompile.runtime.manifest import DraftPlan, read_manifest  # noqa: E402
-from speccompile.runtime.torch_backend import TorchBackend  # noqa: E402
 from tiny_models import FAMILIES  # noqa: E402
+
+from speccompile.runtime.artifact.manifest import DraftPlan, read_manifest  # noqa: E402
+from speccompile.runtime.backends.torch.backend import TorchBackend  # noqa: E402
+from speccompile.runtime.errors import ArtifactError  # noqa: E402
 
 
 def precision_plans(num_layers: int) -> dict[str, DraftPlan]:
-    plans = [DraftPlan(name="int8", kind="precision", params={"precision": "int8"}, max_draft=4, threshold=0.0),
-             DraftPlan(name="int4-b16s", kind="precision", params={"precision": "int4", "block_size": 16, "symmetric": True},
-                       max_draft=3, threshold=0.0),
-             DraftPlan(name="int4-exit", kind="precision", params={"precision": "int4"}, exit_layer=num_layers - 1,
-                       max_draft=3, threshold=0.0),
-             DraftPlan(name="int8-skip", kind="precision", params={"precision": "int8"}, skip_mlp=[1], max_draft=3,
-                       threshold=0.0),
-             DraftPlan(name="int8+lookup", kind="precision", params={"precision": "int8", "block_size": 16},
-                       max_draft=4, lookup=["ngram"], ngram_min=1, ngram_max=3, lookup_max_draft=4)]
+    plans = [
+        DraftPlan(
+            name="int8",
+            kind="precision",
+            params={"precision": "int8"},
+            sources={"model": {"max_draft": 4, "threshold": 0.0}},
+        ),
+        DraftPlan(
+            name="int4-b16s",
+            kind="precision",
+            params={"precision": "int4", "block_size": 16, "symmetric": True},
+            sources={"model": {"max_draft": 3, "threshold": 0.0}},
+        ),
+        DraftPlan(
+            name="int4-exit",
+            kind="precision",
+            params={"precision": "int4"},
+            exit_layer=num_layers - 1,
+            sources={"model": {"max_draft": 3, "threshold": 0.0}},
+        ),
+        DraftPlan(
+            name="int8-skip",
+            kind="precision",
+            params={"precision": "int8"},
+            skip_mlp=[1],
+            sources={"model": {"max_draft": 3, "threshold": 0.0}},
+        ),
+        DraftPlan(
+            name="int8+lookup",
+            kind="precision",
+            params={"precision": "int8", "block_size": 16},
+            lookup=["ngram"],
+            lookup_max_draft=4,
+            sources={"model": {"max_draft": 4}, "ngram": {"min": 1, "max": 3}},
+        ),
+    ]
     return {p.name: p for p in plans}
 
 
@@ -62,9 +92,17 @@ def test_precision_drafts_are_lossless_on_onnx_runtime(tiny_decoder, tmp_path, f
 
 def test_quantized_weights_are_stored_once_and_read_only_by_the_draft(tiny_decoder, tmp_path):
     _, decoder = tiny_decoder("llama")
-    plans = {"int4": DraftPlan(name="int4", kind="precision", params={"precision": "int4"}, max_draft=3)}
+    plans = {
+        "int4": DraftPlan(
+            name="int4", kind="precision", params={"precision": "int4"}, sources={"model": {"max_draft": 3}}
+        )
+    }
     record = read_manifest(make_artifact(decoder, plans, tmp_path / "a", variant="fused")).backends["onnx"]
-    assert record["graphs"]["draft.int4"]["segment"] == {"start": 0, "stop": decoder.config.num_layers, "precision": "int4"}
+    assert record["graphs"]["draft.int4"]["segment"] == {
+        "start": 0,
+        "stop": decoder.config.num_layers,
+        "precision": "int4",
+    }
     quantized = {n for n in record["tensors"] if ".int4" in n}
     assert quantized and quantized <= set(record["graphs"]["draft.int4"]["initializers"])
     assert not quantized & set(record["graphs"]["verify"]["initializers"])
@@ -75,13 +113,37 @@ def test_quantized_weights_are_stored_once_and_read_only_by_the_draft(tiny_decod
 
 def torch_plans(num_layers: int) -> dict[str, DraftPlan]:
     int8 = {"precision": "int8"}
-    plans = [DraftPlan(name="int8", kind="precision", params=int8, max_draft=4, threshold=0.0),
-             DraftPlan(name="int8-b128s", kind="precision", params={**int8, "block_size": 128, "symmetric": True},
-                       max_draft=6, adaptive=False),
-             DraftPlan(name="int8-exit", kind="precision", params=int8, exit_layer=num_layers - 1, max_draft=3),
-             DraftPlan(name="int8-skip", kind="precision", params=int8, skip_mlp=[1], max_draft=3, threshold=0.0),
-             DraftPlan(name="int8+lookup", kind="precision", params=int8, max_draft=4, lookup=["ngram"], ngram_min=1,
-                       ngram_max=3, lookup_max_draft=4)]
+    plans = [
+        DraftPlan(name="int8", kind="precision", params=int8, sources={"model": {"max_draft": 4, "threshold": 0.0}}),
+        DraftPlan(
+            name="int8-b128s",
+            kind="precision",
+            params={**int8, "block_size": 128, "symmetric": True},
+            sources={"model": {"max_draft": 6, "adaptive": False}},
+        ),
+        DraftPlan(
+            name="int8-exit",
+            kind="precision",
+            params=int8,
+            exit_layer=num_layers - 1,
+            sources={"model": {"max_draft": 3}},
+        ),
+        DraftPlan(
+            name="int8-skip",
+            kind="precision",
+            params=int8,
+            skip_mlp=[1],
+            sources={"model": {"max_draft": 3, "threshold": 0.0}},
+        ),
+        DraftPlan(
+            name="int8+lookup",
+            kind="precision",
+            params=int8,
+            lookup=["ngram"],
+            lookup_max_draft=4,
+            sources={"model": {"max_draft": 4}, "ngram": {"min": 1, "max": 3}},
+        ),
+    ]
     return {p.name: p for p in plans}
 
 
@@ -91,14 +153,16 @@ def test_int8_precision_drafts_are_lossless_on_torch(tiny_decoder, family, smoot
     """Greedy speculative == plain with the int8 twin, without and with SmoothQuant scales (measured on the
     prompts, as a build measures them on its calibration text: folded norms, int8 down projections)."""
     from speccompile.passes.precision_estimate import int8_input_scales
-    from speccompile.runtime.int8_twin import set_input_scales
+    from speccompile.runtime.backends.torch.int8_twin import set_input_scales
 
     _, decoder = tiny_decoder(family)
     backend = TorchBackend(decoder)
     plans = torch_plans(decoder.config.num_layers)
     backend.check_plans(plans)
     if smoothed:
-        set_input_scales(decoder, int8_input_scales(decoder, [torch.tensor([p]) for p in prompts(decoder.config.vocab_size)]))
+        set_input_scales(
+            decoder, int8_input_scales(decoder, [torch.tensor([p]) for p in prompts(decoder.config.vocab_size)])
+        )
     try:
         assert_speculative_is_plain(backend, decoder, prompts(decoder.config.vocab_size), plans, 24)
         _, stats = run(backend, prompts(decoder.config.vocab_size)[0], 24, plans["int8-b128s"])
@@ -108,7 +172,7 @@ def test_int8_precision_drafts_are_lossless_on_torch(tiny_decoder, family, smoot
 
 
 def test_the_int8_twin_shares_every_tensor_but_the_products(tiny_decoder):
-    from speccompile.runtime.int8_twin import DynamicInt8Linear, int8_twin
+    from speccompile.runtime.backends.torch.int8_twin import DynamicInt8Linear, int8_twin
 
     _, decoder = tiny_decoder("llama")
     TorchBackend(decoder)  # packs q/k/v and gate/up on CPU, as a backend runs the decoder
@@ -116,7 +180,9 @@ def test_the_int8_twin_shares_every_tensor_but_the_products(tiny_decoder):
     ours = {id(t) for t in list(decoder.parameters()) + list(decoder.buffers())}
     assert {id(t) for t in list(twin.parameters()) + list(twin.buffers())} <= ours  # norms, embeddings, rotary
     # the only float products left are the parts of packed products, which the packed int8 product replaces
-    parts = {id(p) for m in twin.modules() for key in ("_qkv", "_gate_up") if key in m.__dict__ for p in m.__dict__[key][2]}
+    parts = {
+        id(p) for m in twin.modules() for key in ("_qkv", "_gate_up") if key in m.__dict__ for p in m.__dict__[key][2]
+    }
     assert parts and all(id(m) in parts for m in twin.modules() if isinstance(m, torch.nn.Linear))
     assert twin.layers[0].attn.__dict__["_qkv"][0].__class__ is DynamicInt8Linear  # the packed product too
     assert any(isinstance(m, torch.nn.Linear) for m in decoder.modules())  # the model itself is untouched
@@ -132,15 +198,19 @@ def test_the_twin_s_smoothing_folds_exactly(tiny_decoder, family):
     """SmoothQuant scales are folded into the twin's own norms (or up rows) and its products' weight columns: with
     float products the folded twin computes the model's function, whatever the scales; the model is untouched."""
     from speccompile.passes.precision_estimate import int8_input_scales
-    from speccompile.runtime.int8_twin import fold_points, twin_with
+    from speccompile.runtime.backends.torch.int8_twin import fold_points, twin_with
 
     _, decoder = tiny_decoder(family)
     TorchBackend(decoder)  # packed q/k/v and gate/up, as the backend runs them
     points = fold_points(decoder)
-    assert "head" in points and any(name.endswith(".attn") for name in points) == (decoder.layers[0].attn_norm is not None)
+    assert "head" in points and any(name.endswith(".attn") for name in points) == (
+        decoder.layers[0].attn_norm is not None
+    )
     generator = torch.Generator().manual_seed(0)
-    scales = {name: torch.rand(readers[0].in_features, generator=generator) * 4 + 0.25
-              for name, (_, readers, _) in points.items()}
+    scales = {
+        name: torch.rand(readers[0].in_features, generator=generator) * 4 + 0.25
+        for name, (_, readers, _) in points.items()
+    }
 
     def float_product(linear, down):
         copy = torch.nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None)
@@ -155,7 +225,9 @@ def test_the_twin_s_smoothing_folds_exactly(tiny_decoder, family):
     torch.testing.assert_close(folded, full, rtol=1e-4, atol=1e-4 * full.abs().max().item())
     assert all(torch.equal(points[name][0].weight, w) for name, w in norms.items())  # the model's norms stay
     measured = int8_input_scales(decoder, [ids])
-    assert set(measured) == set(points) and all(bool(torch.isfinite(s).all() and (s > 0).all()) for s in measured.values())
+    assert set(measured) == set(points) and all(
+        bool(torch.isfinite(s).all() and (s > 0).all()) for s in measured.values()
+    )
 
 
 def test_int8_precision_sampling_keeps_the_target_distribution(tmp_path_factory):
@@ -163,23 +235,30 @@ def test_int8_precision_sampling_keeps_the_target_distribution(tmp_path_factory)
     target); the rejection rule keeps the full model's distribution. Negative control: the samples are not
     distributed like the draft."""
     import numpy as np
+    from lossless import chi_square_pvalue, exact_marginals, next_token_logits
+    from tiny_models import make_model
     from transformers import AutoModelForCausalLM
 
-    from lossless import chi_square_pvalue, exact_marginals, next_token_logits
     from speccompile.convert import arch_config, canonical_weights
-    from speccompile.runtime.decoder import build_decoder
-    from speccompile.runtime.int8_twin import int8_twin
+    from speccompile.runtime.backends.torch.decoder import build_decoder
+    from speccompile.runtime.backends.torch.int8_twin import int8_twin
     from speccompile.runtime.sampling import SamplingParams
-    from tiny_models import make_model
 
     vocab, prompt, samples, alpha = 12, [1, 5, 7, 3], 2000, 1e-3
-    folder = make_model("llama", tmp_path_factory.mktemp("int8_sampling"), seed=4, vocab_size=vocab,
-                        initializer_range=0.15)
+    folder = make_model(
+        "llama", tmp_path_factory.mktemp("int8_sampling"), seed=4, vocab_size=vocab, initializer_range=0.15
+    )
     hf = AutoModelForCausalLM.from_pretrained(folder).eval()
     decoder = build_decoder(arch_config(hf), canonical_weights(hf, arch_config(hf)))
     backend = TorchBackend(decoder)
-    plan = DraftPlan(name="int8-skip", kind="precision", params={"precision": "int8"}, skip_attn=[1, 2],
-                     skip_mlp=[1, 2], max_draft=2, adaptive=False)
+    plan = DraftPlan(
+        name="int8-skip",
+        kind="precision",
+        params={"precision": "int8"},
+        skip_attn=[1, 2],
+        skip_mlp=[1, 2],
+        sources={"model": {"max_draft": 2, "adaptive": False}},
+    )
     params = SamplingParams(temperature=1.0)
     target2, target3 = exact_marginals(next_token_logits(decoder), params, prompt, vocab)
     _, draft3 = exact_marginals(next_token_logits(int8_twin(decoder), plan), params, prompt, vocab)
@@ -198,7 +277,7 @@ def test_int8_precision_sampling_keeps_the_target_distribution(tmp_path_factory)
 
 def test_precision_drafts_are_refused_in_one_line_where_nothing_runs_them(tiny_decoder, tmp_path):
     _, decoder = tiny_decoder("llama")
-    plan = DraftPlan(name="int4", kind="precision", params={"precision": "int4"}, max_draft=3)
+    plan = DraftPlan(name="int4", kind="precision", params={"precision": "int4"}, sources={"model": {"max_draft": 3}})
     with pytest.raises(ArtifactError) as torch_refusal:
         TorchBackend(decoder).check_plans({"int4": plan})
     standard = make_artifact(decoder, {"int4": plan}, tmp_path / "std")  # standard graphs: no MatMulNBits draft
@@ -210,7 +289,7 @@ def test_precision_drafts_are_refused_in_one_line_where_nothing_runs_them(tiny_d
     assert "no graph" in str(onnx_refusal.value)
     for params, needle in (({"precision": "int3"}, "int3"), ({"precision": "int4", "block_size": 24}, "block_size")):
         with pytest.raises(ArtifactError, match=needle):
-            DraftPlan(name="bad", kind="precision", params=params).validate(decoder.config.num_layers)
+            check_plan(DraftPlan(name="bad", kind="precision", params=params), decoder.config.num_layers)
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnx"])
@@ -220,12 +299,23 @@ def test_precision_build_prices_in_rounds_scores_in_the_real_loop_and_stays_loss
     artifact's precision plan decodes exactly what plain decoding does."""
     from speccompile.build import BuildOptions, build
     from speccompile.passes.cost_model import segment_key
-    from speccompile.runtime.draft_kinds import kind_of
+    from speccompile.runtime.drafting.kinds import kind_of
     from speccompile.runtime.model import load
 
-    out = build(BuildOptions(model=str(tiny_model_dir("llama")), out=tmp_path / "p", method="precision",
-                             backends=(backend,), max_draft=4, calibration_tokens=16, confirm_prompts=2,
-                             confirm_tokens=16, show_progress=False), log=lambda message: None)
+    out = build(
+        BuildOptions(
+            model=str(tiny_model_dir("llama")),
+            out=tmp_path / "p",
+            method="precision",
+            backends=(backend,),
+            max_draft=4,
+            calibration_tokens=16,
+            confirm_prompts=2,
+            confirm_tokens=16,
+            show_progress=False,
+        ),
+        log=lambda message: None,
+    )
     model = load(out)
     plan = model.manifest.plans["precision"]
     assert plan.kind == "precision" and plan.measured["method"] == "precision"
@@ -234,11 +324,13 @@ def test_precision_build_prices_in_rounds_scores_in_the_real_loop_and_stays_loss
     assert all(c["draft_step_ms"] > 0 and c["verify_after_draft"] >= 1 for c in plan.measured["draft_costs"].values())
     assert plan.measured["expected_speedup"] > 0 and "parallel_estimate" in plan.measured
     if backend == "torch":  # the twin's SmoothQuant scales ship in the artifact and reach the runtime's twin
-        from speccompile.runtime.int8_twin import SCALES_FILE
+        from speccompile.runtime.backends.torch.int8_twin import SCALES_FILE
 
-        assert model.manifest.backends["torch"]["int8_scales_file"] == SCALES_FILE and SCALES_FILE in model.manifest.files
+        assert (
+            model.manifest.backends["torch"]["int8_scales_file"] == SCALES_FILE and SCALES_FILE in model.manifest.files
+        )
         assert "head" in model.backend.decoder.int8_input_scales
-        from speccompile.runtime.int8_twin import _TWINS
+        from speccompile.runtime.backends.torch.int8_twin import _TWINS
 
         assert model.backend.decoder in _TWINS  # made at load, not inside the first request's decode
         from cli_helpers import invoke
@@ -247,8 +339,18 @@ def test_precision_build_prices_in_rounds_scores_in_the_real_loop_and_stays_loss
         from speccompile.build import TuneOptions, tune
 
         shipped = (out / SCALES_FILE).read_bytes()
-        tune(TuneOptions(artifact=out, method="lookup", max_draft=4, calibration_tokens=16, confirm_prompts=2,
-                         confirm_tokens=16, show_progress=False), log=lambda message: None)
+        tune(
+            TuneOptions(
+                artifact=out,
+                method="lookup",
+                max_draft=4,
+                calibration_tokens=16,
+                confirm_prompts=2,
+                confirm_tokens=16,
+                show_progress=False,
+            ),
+            log=lambda message: None,
+        )
         retuned = load(out)  # a retuned artifact keeps the scales its precision plan was tuned with
         assert (out / SCALES_FILE).read_bytes() == shipped and "precision" in retuned.manifest.plans
         assert retuned.manifest.backends["torch"]["int8_scales_file"] == SCALES_FILE
@@ -273,17 +375,22 @@ def test_an_onnx_artifact_with_a_precision_draft_reexports(tiny_decoder, tmp_pat
     new draft graph as floats."""
     from speccompile.artifact import read_canonical_weights
     from speccompile.exporters.onnx_export import export_onnx_weights, export_options
-    from speccompile.runtime.onnx_backend import OnnxBackend
+    from speccompile.runtime.backends.onnx import OnnxBackend
 
     _, decoder = tiny_decoder("llama")
-    plans = {"int8": DraftPlan(name="int8", kind="precision", params={"precision": "int8"}, max_draft=3)}
+    plans = {
+        "int8": DraftPlan(
+            name="int8", kind="precision", params={"precision": "int8"}, sources={"model": {"max_draft": 3}}
+        )
+    }
     root = make_artifact(decoder, plans, tmp_path / "a", variant="fused")
     manifest = read_manifest(root)
     weights = read_canonical_weights(root, manifest)
     assert weights and not [name for name in weights if ".int8" in name]
     out = tmp_path / "b"
-    record = export_onnx_weights(manifest.config, weights, plans, out / "onnx", relative_to=out,
-                                 **export_options(manifest.backends["onnx"]))
+    record = export_onnx_weights(
+        manifest.config, weights, plans, out / "onnx", relative_to=out, **export_options(manifest.backends["onnx"])
+    )
     backend = OnnxBackend(out, record, manifest.config, plans=plans)
     prompt = prompts(decoder.config.vocab_size)[1]
     assert run(backend, prompt, 12, plans["int8"])[0] == run(backend, prompt, 12)[0]
@@ -302,8 +409,9 @@ def test_the_precision_pass_bound_is_zero_where_the_int8_twin_cannot_run(tiny_de
     ir = DecoderIR(decoder.config, {})
     ir.attach_decoder(decoder)
     rng = np.random.default_rng(0)
-    context = TuningContext.prepare(ir, [rng.integers(3, decoder.config.vocab_size, 8).tolist() for _ in range(4)], 12, 4,
-                                    show_progress=False)
+    context = TuningContext.prepare(
+        ir, [rng.integers(3, decoder.config.vocab_size, 8).tolist() for _ in range(4)], 12, 4, show_progress=False
+    )
     tune = precision_tune.PrecisionTune(context, show_progress=False, quick=True)
     assert tune.bound(ir) > 0.0
     monkeypatch.setattr(precision_tune, "int8_kernel_missing", lambda: "no dynamic-int8 kernel")

@@ -1,4 +1,4 @@
-"""Lossless at a real model's shapes (DESIGN.md section 6, issue 23): kernels pick different paths for one
+"""Lossless at a real model's shapes (docs/design.md section 6): kernels pick different paths for one
 row than for several, and the tiny test models hide it.
 
 A random-weight Llama with SmolLM2-135M's sizes (hidden 576, 9 query / 3 KV heads of 64, MLP 1536,
@@ -9,7 +9,7 @@ place where one multi-token call stands in for single steps:
   products) and standard graphs: one k-token call and k one-token steps give the same logits within half
   the near-tie threshold (quantized: exactly, since int8 activations turn any difference into a jump of
   a quantization step), and greedy speculative == plain over several prompts and plans;
-- the torch CPU backend with every product form ``runtime/cpu_linear.py`` may choose per row count
+- the torch CPU backend with every product form ``runtime/backends/torch/cpu_linear.py`` may choose per row count
   (``F.linear``, ``W @ x^T`` or MKL's packed product everywhere, and mixes): the same logit agreement
   (fp32), and speculative == plain with a mixed choice;
 - precision self-drafts (int8 / int4 products drafting, fp32 verifying) on both backends, and token trees.
@@ -27,15 +27,26 @@ pytest.importorskip("onnxruntime")
 
 from lossless import NEAR_TIE, assert_speculative_is_plain, run  # noqa: E402
 from test_onnx_fused import make_artifact  # noqa: E402
-from speccompile.runtime.cpu_linear import MAX_ROWS  # noqa: E402
-from speccompile.runtime.manifest import DraftPlan, read_manifest  # noqa: E402
-from speccompile.runtime.onnx_backend import OnnxBackend  # noqa: E402
-from speccompile.runtime.torch_backend import TorchBackend  # noqa: E402
 from tiny_models import make_model  # noqa: E402
 
-SMOLLM2 = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-               head_dim=64, rope_theta=100000.0, rms_norm_eps=1e-5, tie_word_embeddings=True, max_position_embeddings=2048,
-               initializer_range=0.04)
+from speccompile.runtime.artifact.manifest import DraftPlan, read_manifest  # noqa: E402
+from speccompile.runtime.backends.onnx import OnnxBackend  # noqa: E402
+from speccompile.runtime.backends.torch.backend import TorchBackend  # noqa: E402
+from speccompile.runtime.backends.torch.cpu_linear import MAX_ROWS  # noqa: E402
+
+SMOLLM2 = dict(
+    vocab_size=49152,
+    hidden_size=576,
+    intermediate_size=1536,
+    num_attention_heads=9,
+    num_key_value_heads=3,
+    head_dim=64,
+    rope_theta=100000.0,
+    rms_norm_eps=1e-5,
+    tie_word_embeddings=True,
+    max_position_embeddings=2048,
+    initializer_range=0.04,
+)
 LAYERS = 3
 ROUNDING = NEAR_TIE / 2  # a divergence needs a top-2 gap below twice the rounding: keep that under the near-tie rule
 NEW_TOKENS = 16
@@ -47,10 +58,11 @@ def real_shaped(tmp_path_factory):
     from transformers import AutoModelForCausalLM
 
     from speccompile.convert import arch_config, canonical_weights
-    from speccompile.runtime.decoder import build_decoder
+    from speccompile.runtime.backends.torch.decoder import build_decoder
 
-    folder = make_model("llama", tmp_path_factory.mktemp("real_shapes") / "smollm2-shaped", seed=7,
-                        num_hidden_layers=LAYERS, **SMOLLM2)
+    folder = make_model(
+        "llama", tmp_path_factory.mktemp("real_shapes") / "smollm2-shaped", seed=7, num_hidden_layers=LAYERS, **SMOLLM2
+    )
     hf = AutoModelForCausalLM.from_pretrained(folder).eval()
     config = arch_config(hf)
     weights = canonical_weights(hf, config)
@@ -58,10 +70,12 @@ def real_shaped(tmp_path_factory):
 
 
 def plans() -> dict[str, DraftPlan]:
-    out = [DraftPlan(name="skip", skip_attn=[1], skip_mlp=[1], max_draft=4, threshold=0.0),
-           DraftPlan(name="exit", exit_layer=1, max_draft=3, threshold=0.0),
-           DraftPlan(name="exit-last", exit_layer=LAYERS - 1, max_draft=6, adaptive=False),
-           DraftPlan(name="lookup", lookup=["ngram"], ngram_min=1, ngram_max=3, lookup_max_draft=8)]
+    out = [
+        DraftPlan(name="skip", skip_attn=[1], skip_mlp=[1], sources={"model": {"max_draft": 4, "threshold": 0.0}}),
+        DraftPlan(name="exit", exit_layer=1, sources={"model": {"max_draft": 3, "threshold": 0.0}}),
+        DraftPlan(name="exit-last", exit_layer=LAYERS - 1, sources={"model": {"max_draft": 6, "adaptive": False}}),
+        DraftPlan(name="lookup", lookup=["ngram"], lookup_max_draft=8, sources={"ngram": {"min": 1, "max": 3}}),
+    ]
     return {p.name: p for p in out}
 
 
@@ -79,8 +93,10 @@ def verify_vs_steps(backend, tokens: list[int]) -> float:
     for k, end in ((2, len(tokens) - 6), (4, len(tokens) - 3), (8, len(tokens))):
         backend.reserve(len(tokens) + 1)
         backend.forward(tokens[: end - k], 0)
-        together = np.asarray(backend.forward(tokens[end - k: end], end - k))
-        apart = np.stack([np.asarray(backend.forward([t], end - k + j))[-1] for j, t in enumerate(tokens[end - k: end])])
+        together = np.asarray(backend.forward(tokens[end - k : end], end - k))
+        apart = np.stack(
+            [np.asarray(backend.forward([t], end - k + j))[-1] for j, t in enumerate(tokens[end - k : end])]
+        )
         worst = max(worst, float(np.abs(together - apart).max()))
     return worst
 
@@ -90,8 +106,13 @@ def onnx_artifacts(real_shaped, tmp_path_factory):
     """options name -> (artifact root, OnnxBackend with ONNX Runtime's default threads), built once each."""
     folder, decoder = real_shaped[0], real_shaped[1]()
     base = tmp_path_factory.mktemp("real_shapes_onnx")
-    options = {"int8": {"variant": "fused", "quantize": "int8"}, "int4": {"variant": "fused", "quantize": "int4"},
-               "fused": {"variant": "fused"}, "standard": {"variant": "standard"}, "precision": {"variant": "fused"}}
+    options = {
+        "int8": {"variant": "fused", "quantize": "int8"},
+        "int4": {"variant": "fused", "quantize": "int4"},
+        "fused": {"variant": "fused"},
+        "standard": {"variant": "standard"},
+        "precision": {"variant": "fused"},
+    }
     cache = {}
 
     def get(name: str):
@@ -114,53 +135,80 @@ def test_onnx_verify_is_the_step_it_replaces(name, onnx_artifacts):
     assert (record["quantization"] or {}).get("scheme") == (name if name.startswith("int") else None)
     rounding = verify_vs_steps(backend.replica(), prompts(backend.config.vocab_size)[1])
     limit = 0.0 if record["quantization"] else ROUNDING
-    assert rounding <= limit, f"{name}: a k-token call and k steps give logits {rounding:.2e} apart (allowed {limit:.0e})"
+    assert rounding <= limit, (
+        f"{name}: a k-token call and k steps give logits {rounding:.2e} apart (allowed {limit:.0e})"
+    )
     if name != "standard":  # fp32 fused: the early exit's split graphs (the layer-skip path is the verify alone)
         plan_map = plans() if record["quantization"] else {"exit": plans()["exit"]}
-        assert_speculative_is_plain(backend, backend.replica(), prompts(backend.config.vocab_size), plan_map, NEW_TOKENS, root)
+        assert_speculative_is_plain(
+            backend, backend.replica(), prompts(backend.config.vocab_size), plan_map, NEW_TOKENS, root
+        )
 
 
 EVERY = frozenset(range(1, MAX_ROWS + 1))
 # form -> (row counts given W @ x^T, row counts given MKL's packed product); the rest run F.linear
-FORMS = {"F.linear": (frozenset(), frozenset()), "W @ x^T": (EVERY, frozenset()),
-         "step F.linear, verify W @ x^T": (EVERY - {1}, frozenset()),
-         "step W @ x^T, verify F.linear": (frozenset({1}), frozenset()),
-         "MKL packed": (frozenset(), EVERY),
-         "step F.linear, verify MKL packed": (frozenset(), EVERY - {1, 2, 3}),
-         "step MKL packed, verify F.linear": (frozenset(), frozenset({1}))}  # the last one also decodes (see below)
+FORMS = {
+    "F.linear": (frozenset(), frozenset()),
+    "W @ x^T": (EVERY, frozenset()),
+    "step F.linear, verify W @ x^T": (EVERY - {1}, frozenset()),
+    "step W @ x^T, verify F.linear": (frozenset({1}), frozenset()),
+    "MKL packed": (frozenset(), EVERY),
+    "step F.linear, verify MKL packed": (frozenset(), EVERY - {1, 2, 3}),
+    "step MKL packed, verify F.linear": (frozenset(), frozenset({1})),
+}  # the last one also decodes (see below)
 
 
 def test_torch_cpu_product_forms(real_shaped, monkeypatch):
-    """Every choice runtime/cpu_linear.py can make of the product form per row count keeps a k-token call
+    """Every choice runtime/backends/torch/cpu_linear.py can make of the product form per row count keeps a k-token call
     within the rounding bound of k steps, and with the most mixed choice (a step runs MKL's packed product, a
     verify F.linear) greedy speculative == plain (fp32: only near-ties may differ)."""
-    from speccompile.runtime import cpu_linear
+    from speccompile.runtime.backends.torch import cpu_linear
 
     monkeypatch.setenv("SPECCOMPILE_CPU_LINEAR", "auto")
     for form, (streaming, packed) in FORMS.items():
         if packed and cpu_linear.mkl_packing_missing():
             continue
-        monkeypatch.setattr(cpu_linear, "choose_forms", lambda weights, packs=None, chosen=(streaming - packed, packed): chosen)
+        monkeypatch.setattr(
+            cpu_linear, "choose_forms", lambda weights, packs=None, chosen=(streaming - packed, packed): chosen
+        )
         decoder = real_shaped[1]()  # fresh: the choice is made once per model
         backend = TorchBackend(decoder)
         assert (decoder._streaming_rows, decoder._packed_rows) == (streaming - packed, packed)
         assert (decoder._packed_bytes > 0) == bool(packed)
         rounding = verify_vs_steps(backend, prompts(decoder.config.vocab_size)[1])
         assert rounding < ROUNDING, f"torch {form}: a k-token call and k steps give logits {rounding:.2e} apart"
-    assert_speculative_is_plain(backend, TorchBackend(decoder), prompts(decoder.config.vocab_size), {"exit": plans()["exit"]},
-                                NEW_TOKENS)
+    assert_speculative_is_plain(
+        backend, TorchBackend(decoder), prompts(decoder.config.vocab_size), {"exit": plans()["exit"]}, NEW_TOKENS
+    )
 
 
 def precision_plans(backend: str) -> dict[str, DraftPlan]:
     """Precision self-drafts (the fp32 model verifies): int8 alone, int8 behind n-gram lookup, an int8 early exit,
     and on ONNX Runtime int4 (torch has no int4 draft)."""
     int8 = {"precision": "int8"}
-    out = [DraftPlan(name="int8", kind="precision", params=int8, max_draft=6, adaptive=False),
-           DraftPlan(name="int8+lookup", kind="precision", params=int8, max_draft=4, lookup=["ngram"], ngram_min=1,
-                     ngram_max=3, lookup_max_draft=6),
-           DraftPlan(name="int8-exit", kind="precision", params=int8, exit_layer=LAYERS - 1, max_draft=3)]
+    out = [
+        DraftPlan(name="int8", kind="precision", params=int8, sources={"model": {"max_draft": 6, "adaptive": False}}),
+        DraftPlan(
+            name="int8+lookup",
+            kind="precision",
+            params=int8,
+            lookup=["ngram"],
+            lookup_max_draft=6,
+            sources={"model": {"max_draft": 4}, "ngram": {"min": 1, "max": 3}},
+        ),
+        DraftPlan(
+            name="int8-exit", kind="precision", params=int8, exit_layer=LAYERS - 1, sources={"model": {"max_draft": 3}}
+        ),
+    ]
     if backend == "onnx":
-        out.append(DraftPlan(name="int4", kind="precision", params={"precision": "int4"}, max_draft=4, threshold=0.0))
+        out.append(
+            DraftPlan(
+                name="int4",
+                kind="precision",
+                params={"precision": "int4"},
+                sources={"model": {"max_draft": 4, "threshold": 0.0}},
+            )
+        )
     return {p.name: p for p in out}
 
 
@@ -174,7 +222,7 @@ def test_precision_drafts_at_real_shapes(name, onnx_artifacts, real_shaped):
         root, backend = None, TorchBackend(real_shaped[1]())
         if name == "torch-smoothed":
             from speccompile.passes.precision_estimate import int8_input_scales
-            from speccompile.runtime.int8_twin import set_input_scales
+            from speccompile.runtime.backends.torch.int8_twin import set_input_scales
 
             sequences = [torch.tensor([p]) for p in prompts(backend.config.vocab_size)]
             set_input_scales(backend.decoder, int8_input_scales(backend.decoder, sequences))
@@ -182,18 +230,42 @@ def test_precision_drafts_at_real_shapes(name, onnx_artifacts, real_shaped):
         root, backend = onnx_artifacts("precision")
     plan_map = precision_plans(name)
     backend.check_plans(plan_map)
-    assert_speculative_is_plain(backend, backend.replica(), prompts(backend.config.vocab_size), plan_map, NEW_TOKENS, root)
+    assert_speculative_is_plain(
+        backend, backend.replica(), prompts(backend.config.vocab_size), plan_map, NEW_TOKENS, root
+    )
     _, stats = run(backend, prompts(backend.config.vocab_size)[0], NEW_TOKENS, plan_map["int8"])
     assert stats.accepted / max(stats.drafted, 1) > 0.5, stats
 
 
-TREE_PLANS = {p.name: p for p in (
-    DraftPlan(name="tree", lookup=["ngram"], ngram_min=1, ngram_max=3, lookup_max_draft=4, lookup_branches=3,
-              tree_nodes=10),
-    DraftPlan(name="lookahead-tree", lookup=["lookahead", "ngram"], ngram_min=1, ngram_max=3, lookup_max_draft=4,
-              lookup_branches=3, tree_nodes=10),
-    DraftPlan(name="logitspec-tree", lookup=["ngram", "logitspec"], ngram_min=1, ngram_max=3, lookup_max_draft=4,
-              lookup_branches=3, tree_nodes=10))}
+TREE_PLANS = {
+    p.name: p
+    for p in (
+        DraftPlan(
+            name="tree",
+            lookup=["ngram"],
+            lookup_max_draft=4,
+            lookup_branches=3,
+            tree_nodes=10,
+            sources={"ngram": {"min": 1, "max": 3}},
+        ),
+        DraftPlan(
+            name="lookahead-tree",
+            lookup=["lookahead", "ngram"],
+            lookup_max_draft=4,
+            lookup_branches=3,
+            tree_nodes=10,
+            sources={"ngram": {"min": 1, "max": 3}},
+        ),
+        DraftPlan(
+            name="logitspec-tree",
+            lookup=["ngram", "logitspec"],
+            lookup_max_draft=4,
+            lookup_branches=3,
+            tree_nodes=10,
+            sources={"ngram": {"min": 1, "max": 3}},
+        ),
+    )
+}
 
 
 @pytest.mark.parametrize("name", ["int8", "fused", "torch"])
@@ -212,6 +284,9 @@ def test_token_trees_at_real_shapes(name, onnx_artifacts, real_shaped):
     own = run(backend, seed, 8)[0]
     test_prompts = [seed + own + noise[:6] + seed[-2:] + noise[6:] + seed, seed + noise + seed]
     assert_speculative_is_plain(backend, backend.replica(), test_prompts, TREE_PLANS, NEW_TOKENS, root)
-    trees = sum(run(backend, prompt, NEW_TOKENS, plan, root=root)[1].tree_rounds
-                for prompt in test_prompts for plan in TREE_PLANS.values())
+    trees = sum(
+        run(backend, prompt, NEW_TOKENS, plan, root=root)[1].tree_rounds
+        for prompt in test_prompts
+        for plan in TREE_PLANS.values()
+    )
     assert trees > 0, "no round verified a tree"

@@ -5,6 +5,7 @@ tokenized as one string without added special tokens (its literal <|endoftext|> 
 id), cut into non-overlapping windows of the training context length (inputs ids[i:i+T], targets shifted by
 one, last window partial), token-weighted mean cross-entropy in fp32.
 """
+
 import json
 import math
 import os
@@ -28,8 +29,9 @@ def model_and_tokenizer():
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.set_num_threads(2)
-    model = transformers.AutoModelForCausalLM.from_pretrained(MODEL_DIR, local_files_only=True,
-                                                              torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        MODEL_DIR, local_files_only=True, torch_dtype=torch.float32
+    )
     tok = transformers.AutoTokenizer.from_pretrained(MODEL_DIR, local_files_only=True)
     model.eval()
     return model, tok
@@ -41,11 +43,11 @@ def heldout_loss(model, tok, text, seq_len, batch_size=16):
 
     ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
     n = len(ids) - 1
-    wins = [(ids[i:min(i + seq_len, n)], ids[i + 1:min(i + seq_len, n) + 1]) for i in range(0, n, seq_len)]
+    wins = [(ids[i : min(i + seq_len, n)], ids[i + 1 : min(i + seq_len, n) + 1]) for i in range(0, n, seq_len)]
     total, count, correct = 0.0, 0, 0
     with torch.no_grad():
         for j in range(0, len(wins), batch_size):
-            group = wins[j:j + batch_size]
+            group = wins[j : j + batch_size]
             if len({len(g[0]) for g in group}) == 1:
                 batches = [(torch.stack([g[0] for g in group]), torch.stack([g[1] for g in group]))]
             else:
@@ -59,9 +61,19 @@ def heldout_loss(model, tok, text, seq_len, batch_size=16):
 
 
 def test_files_present():
-    for name in ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
-                 "tokenizer_config.json", "special_tokens_map.json", "metrics.json", "README.md", "train.py",
-                 "heldout_sample.txt", "prompts.jsonl"):
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+        "special_tokens_map.json",
+        "metrics.json",
+        "README.md",
+        "train.py",
+        "heldout_sample.txt",
+        "prompts.jsonl",
+    ):
         assert (MODEL_DIR / name).is_file(), name
     assert not list(MODEL_DIR.glob("*.bin")) and not list(MODEL_DIR.glob("*.pt")), "no pickle checkpoints"
     size = sum(f.stat().st_size for f in MODEL_DIR.rglob("*") if f.is_file())
@@ -76,8 +88,17 @@ def test_prompts():
 
 
 def test_metrics_schema(metrics):
-    for key in ("held_out_loss", "perplexity", "top1", "exit_agreement", "tokens_seen", "wall_time_s",
-                "python_version", "sha256_train_file_list", "sha256_heldout_file_list"):
+    for key in (
+        "held_out_loss",
+        "perplexity",
+        "top1",
+        "exit_agreement",
+        "tokens_seen",
+        "wall_time_s",
+        "python_version",
+        "sha256_train_file_list",
+        "sha256_heldout_file_list",
+    ):
         assert key in metrics, key
     assert set(metrics["exit_agreement"]) >= {"main", "baseline"}
     assert math.isclose(metrics["perplexity"], math.exp(metrics["held_out_loss"]), rel_tol=1e-6)

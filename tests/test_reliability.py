@@ -79,8 +79,11 @@ def test_force_refuses_a_user_folder(tiny_model_dir, tmp_path):
     out = tmp_path / "some_user_folder"
     out.mkdir()
     (out / "thesis.tex").write_text("years of work")
-    line = assert_one_line_error(invoke("build", tiny_model_dir("llama"), "-o", out, "--force", *FAST_BUILD),
-                                 "not a speccompile artifact", "thesis.tex")
+    line = assert_one_line_error(
+        invoke("build", tiny_model_dir("llama"), "-o", out, "--force", *FAST_BUILD),
+        "not a speccompile artifact",
+        "thesis.tex",
+    )
     assert "loaded" not in line and (out / "thesis.tex").read_text() == "years of work"
     assert debris(tmp_path) == []
 
@@ -110,8 +113,11 @@ def test_force_refuses_a_file_and_an_artifact_holding_unlisted_files(tiny_model_
     assert a_file.read_text() == "mine" and debris(tmp_path) == []
 
     (artifact_copy / "study.db").write_text("a resumable optuna study")
-    assert_one_line_error(invoke("build", tiny_model_dir("llama"), "-o", artifact_copy, "--force", *FAST_BUILD),
-                          "does not list", "study.db")
+    assert_one_line_error(
+        invoke("build", tiny_model_dir("llama"), "-o", artifact_copy, "--force", *FAST_BUILD),
+        "does not list",
+        "study.db",
+    )
     assert (artifact_copy / "study.db").is_file()
 
 
@@ -158,14 +164,22 @@ def _truncate(model: Path) -> None:
     weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
 
 
-@pytest.mark.parametrize("damage, needles", [
-    (lambda m: _truncate(m), ("truncated",)),
-    (lambda m: (m / "model.safetensors").write_bytes(b""), ("empty",)),
-    (lambda m: (m / "config.json").write_text('{"model_type": "llama",'), ("config.json", "not valid JSON")),
-    (lambda m: (m / "config.json").write_text("[1, 2]"), ("config.json", "JSON object")),
-    (lambda m: (m / "config.json").write_text(json.dumps({k: v for k, v in json.loads(
-        (m / "config.json").read_text()).items() if k != "model_type"})), ("model_type",)),
-], ids=["truncated-weights", "empty-weights", "invalid-config", "config-is-a-list", "no-model-type"])
+@pytest.mark.parametrize(
+    "damage, needles",
+    [
+        (lambda m: _truncate(m), ("truncated",)),
+        (lambda m: (m / "model.safetensors").write_bytes(b""), ("empty",)),
+        (lambda m: (m / "config.json").write_text('{"model_type": "llama",'), ("config.json", "not valid JSON")),
+        (lambda m: (m / "config.json").write_text("[1, 2]"), ("config.json", "JSON object")),
+        (
+            lambda m: (m / "config.json").write_text(
+                json.dumps({k: v for k, v in json.loads((m / "config.json").read_text()).items() if k != "model_type"})
+            ),
+            ("model_type",),
+        ),
+    ],
+    ids=["truncated-weights", "empty-weights", "invalid-config", "config-is-a-list", "no-model-type"],
+)
 def test_damaged_source_model_is_one_short_line(model_copy, tmp_path, damage, needles):
     damage(model_copy)
     line = assert_one_line_error(invoke("build", model_copy, "-o", tmp_path / "out", *FAST_BUILD), *needles)
@@ -181,14 +195,17 @@ def test_a_plain_file_as_model_is_named_as_a_file(model_copy, tmp_path):
 # -- 2 and 6. option values are checked when parsed ---------------------------------------------------------
 
 
-@pytest.mark.parametrize("args, needle", [
-    (("--seed", "-1"), "--seed"),
-    (("--temperature", "nan"), "--temperature"),
-    (("--temperature", "inf"), "--temperature"),
-    (("--top-p", "nan"), "--top-p"),
-    (("--device", "banana"), "banana"),
-    (("--prompt", "caf\udce9"), "UTF-8"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (("--seed", "-1"), "--seed"),
+        (("--temperature", "nan"), "--temperature"),
+        (("--temperature", "inf"), "--temperature"),
+        (("--top-p", "nan"), "--top-p"),
+        (("--device", "banana"), "banana"),
+        (("--prompt", "caf\udce9"), "UTF-8"),
+    ],
+)
 def test_bad_generate_options_are_one_line(tiny_artifact, args, needle):
     prompt = () if "--prompt" in args else ("--prompt", "def f(x):")
     assert_one_line_error(invoke("generate", tiny_artifact, *prompt, "--max-new-tokens", "4", *args), needle)
@@ -205,14 +222,27 @@ def test_cuda_without_a_gpu_is_one_line(tiny_artifact, tmp_path):
 
 def test_non_utf8_prompt_from_a_real_shell_is_one_line(tiny_artifact):
     """argv bytes that are not UTF-8, as a shell passes them (click decodes them with surrogates)."""
-    result = subprocess.run([sys.executable, "-m", "speccompile.cli", "generate", str(tiny_artifact), "--prompt",
-                             b"caf\xe9"], capture_output=True, text=True, env={**os.environ, "LC_ALL": "C.UTF-8"})
+    result = subprocess.run(
+        [sys.executable, "-m", "speccompile.cli", "generate", str(tiny_artifact), "--prompt", b"caf\xe9"],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "LC_ALL": "C.UTF-8"},
+    )
     assert result.returncode == 2 and result.stderr.startswith("error: ") and "UTF-8" in result.stderr, result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-@pytest.mark.parametrize("kwargs", [dict(temperature=math.nan), dict(temperature=math.inf), dict(top_p=math.nan),
-                                    dict(seed=-1), dict(top_k=-1), dict(max_new_tokens=0)])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(temperature=math.nan),
+        dict(temperature=math.inf),
+        dict(top_p=math.nan),
+        dict(seed=-1),
+        dict(top_k=-1),
+        dict(max_new_tokens=0),
+    ],
+)
 def test_bad_generation_arguments_from_python(tiny_artifact, kwargs):
     model = load(tiny_artifact)
     with pytest.raises(InputError):
@@ -225,20 +255,28 @@ def test_bad_generation_arguments_from_python(tiny_artifact, kwargs):
 def test_non_utf8_calibration_file_names_kind_and_line(tiny_model_dir, tmp_path):
     bad = tmp_path / "calib.txt"
     bad.write_bytes(b"def f():\n    pass\n\n# caf\xe9\n")
-    assert_one_line_error(invoke("build", tiny_model_dir("llama"), "-o", tmp_path / "out", "--calibration", bad,
-                                 *FAST_BUILD), "calibration file", "calib.txt:4", "UTF-8")
+    assert_one_line_error(
+        invoke("build", tiny_model_dir("llama"), "-o", tmp_path / "out", "--calibration", bad, *FAST_BUILD),
+        "calibration file",
+        "calib.txt:4",
+        "UTF-8",
+    )
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("content, needles", [
-    (b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n', ("prompts file", "prompts.jsonl:2", "UTF-8")),
-    (b'{"prompt": "a"}\n\n{"prompt": \n', ("prompts file", "prompts.jsonl:3", "not valid JSON")),
-])
+@pytest.mark.parametrize(
+    "content, needles",
+    [
+        (b'{"prompt": "a"}\n{"prompt": "caf\xe9"}\n', ("prompts file", "prompts.jsonl:2", "UTF-8")),
+        (b'{"prompt": "a"}\n\n{"prompt": \n', ("prompts file", "prompts.jsonl:3", "not valid JSON")),
+    ],
+)
 def test_bad_bench_prompts_file_names_kind_and_line(tiny_artifact, tmp_path, content, needles):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_bytes(content)
-    line = assert_one_line_error(invoke("bench", tiny_artifact, "--prompts", prompts, "--no-transformers", "--quiet"),
-                                 *needles)
+    line = assert_one_line_error(
+        invoke("bench", tiny_artifact, "--prompts", prompts, "--no-transformers", "--quiet"), *needles
+    )
     assert "calibration" not in line
 
 
@@ -249,17 +287,40 @@ def _drop_sha(data):
     next(iter(data["files"].values())).pop("sha256")
 
 
-@pytest.mark.parametrize("change, needle", [
-    (lambda d: [d], "JSON object"),
-    (lambda d: "manifest", "JSON object"),
-    (lambda d: d.update(files=list(d["files"])), "files"),
-    (lambda d: d.update(backends={}), "no backends"),
-    (_drop_sha, "sha256"),
-    (lambda d: next(iter(d["plans"].values())).update(max_draft="six"), "max_draft"),
-    (lambda d: d["config"].update(num_layers=None), "num_layers"),
-    (lambda d: next(iter(d["plans"].values()))["measured"].update(confirmed_speedup="fast"), "measured.confirmed_speedup"),
-], ids=["list", "string", "files-list", "no-backends", "no-sha256", "plan-field-type", "config-field-type",
-        "measured-field-type"])
+@pytest.mark.parametrize(
+    "change, needle",
+    [
+        (lambda d: [d], "JSON object"),
+        (lambda d: "manifest", "JSON object"),
+        (lambda d: d.update(files=list(d["files"])), "files"),
+        (lambda d: d.update(backends={}), "no backends"),
+        (_drop_sha, "sha256"),
+        (
+            lambda d: (
+                next(iter(d["plans"].values()))
+                .setdefault("sources", {})
+                .setdefault("model", {})
+                .update(max_draft="six")
+            ),
+            "max_draft",
+        ),
+        (lambda d: d["config"].update(num_layers=None), "num_layers"),
+        (
+            lambda d: next(iter(d["plans"].values()))["measured"].update(confirmed_speedup="fast"),
+            "measured.confirmed_speedup",
+        ),
+    ],
+    ids=[
+        "list",
+        "string",
+        "files-list",
+        "no-backends",
+        "no-sha256",
+        "plan-field-type",
+        "config-field-type",
+        "measured-field-type",
+    ],
+)
 def test_damaged_manifest_is_one_line(artifact_copy, change, needle):
     edit_manifest(artifact_copy, change)
     assert_one_line_error(invoke("inspect", artifact_copy), needle)
@@ -309,8 +370,9 @@ def test_symlink_leaving_the_artifact_is_refused(artifact_copy, tmp_path):
     outside = tmp_path / "elsewhere.safetensors"
     shutil.move(inside, outside)
     inside.symlink_to(outside)  # same bytes, so the sha256 matches: only the location is wrong
-    assert_one_line_error(invoke("generate", artifact_copy, "--prompt", "x", "--max-new-tokens", "2"),
-                          "outside the artifact")
+    assert_one_line_error(
+        invoke("generate", artifact_copy, "--prompt", "x", "--max-new-tokens", "2"), "outside the artifact"
+    )
 
 
 def test_inspect_reports_unlisted_files(artifact_copy):
@@ -336,9 +398,28 @@ def test_next_build_removes_what_a_kill_left(tiny_model_dir, tmp_path):
 def test_sigterm_during_build_exits_143_and_leaves_nothing(tiny_model_dir, tmp_path):
     out = tmp_path / "out"
     process = subprocess.Popen(
-        [sys.executable, "-m", "speccompile.cli", "build", str(tiny_model_dir("llama")), "-o", str(out), "--method",
-         "bayes", "--trials", "100000", "--time-budget", "120", "--calibration-tokens", "8", "--quiet"],
-        stderr=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
+        [
+            sys.executable,
+            "-m",
+            "speccompile.cli",
+            "build",
+            str(tiny_model_dir("llama")),
+            "-o",
+            str(out),
+            "--method",
+            "bayes",
+            "--trials",
+            "100000",
+            "--time-budget",
+            "120",
+            "--calibration-tokens",
+            "8",
+            "--quiet",
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
     try:
         lines = []
         for line in process.stderr:  # wait until the build is under way (the lock is held)
@@ -409,7 +490,7 @@ def test_unexpected_errors_are_one_line_with_a_debug_hint():
     assert isinstance(debug.exception, RuntimeError)  # the traceback, for a bug report
 
 
-# -- issue 27: manifests that do not fit their weights, unbounded quotes, deep values, tiny temperatures ------
+# -- manifests that do not fit their weights, unbounded quotes, deep values, tiny temperatures ------
 
 
 GEOMETRY_EDITS = [  # (config change, words the error must hold)
@@ -486,8 +567,7 @@ def test_a_recursion_deep_value_in_a_plan_is_one_line(artifact_copy, depth):
 def test_a_tiny_temperature_decodes_like_greedy_in_the_cli(tiny_artifact, temperature):
     """softmax(logits / T) with T too small for the division to fit a float: the same tokens as greedy, no
     overflow warning, in the CLI (the server's test is in test_hostile_bodies.py: the same rule)."""
-    args = ("generate", tiny_artifact, "--prompt", "class Point:", "--max-new-tokens", "12", "--json",
-            "--no-speculate")
+    args = ("generate", tiny_artifact, "--prompt", "class Point:", "--max-new-tokens", "12", "--json", "--no-speculate")
     greedy = invoke(*args)
     tiny = invoke(*args, "--temperature", temperature, "--seed", "5")
     assert tiny.exit_code == 0 and "Warning" not in tiny.stderr, tiny.stderr

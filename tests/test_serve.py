@@ -18,14 +18,13 @@ import httpx
 import openai
 import pytest
 from click.testing import CliRunner
+from helpers_reliability import copy_with_chat_template
 from prometheus_client.parser import text_string_to_metric_families
 
 from speccompile.cli import main
-from speccompile.server.openai_api import StopCutter
 from speccompile.runtime import load
 from speccompile.server import create_app, serve_in_thread
-
-from helpers_reliability import copy_with_chat_template
+from speccompile.server.openai_api import StopCutter
 
 PROMPTS = ["def add(a, b):", "for i in range(10):", "class Point:", "import os\nimport sys\n"]
 API_KEY = "test-key-123"
@@ -101,15 +100,27 @@ def test_completion_greedy_equals_generate_token_for_token(client, chat_artifact
         assert extension(response)["mean_accepted"] == pytest.approx(expected["mean_accepted"])
         assert extension(response)["acceptance_rate"] == pytest.approx(expected["acceptance_rate"])
 
-        text, ids, last = streamed(client.completions.create(model="tiny", prompt=prompt, max_tokens=24,
-                                                             temperature=0, stream=True))
+        text, ids, last = streamed(
+            client.completions.create(model="tiny", prompt=prompt, max_tokens=24, temperature=0, stream=True)
+        )
         assert ids == expected["token_ids"] and text == expected["text"]
         assert last.choices[0].finish_reason == response.choices[0].finish_reason
 
 
 def test_sampled_with_seed_equals_generate_with_that_seed(client, chat_artifact, plan):
-    expected = cli_generate(chat_artifact, plan, PROMPTS[2], "--max-new-tokens", "24", "--temperature", "0.9",
-                            "--top-p", "0.95", "--seed", "7")
+    expected = cli_generate(
+        chat_artifact,
+        plan,
+        PROMPTS[2],
+        "--max-new-tokens",
+        "24",
+        "--temperature",
+        "0.9",
+        "--top-p",
+        "0.95",
+        "--seed",
+        "7",
+    )
     kwargs = dict(model="tiny", prompt=PROMPTS[2], max_tokens=24, temperature=0.9, top_p=0.95, seed=7)
     response = client.completions.create(**kwargs)
     assert extension(response)["token_ids"] == expected["token_ids"]
@@ -124,30 +135,41 @@ def test_chat_uses_the_tokenizers_template(client, model, chat_artifact):
 
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def add(a, b):"}]
     ids = AutoTokenizer.from_pretrained(chat_artifact / "tokenizer").apply_chat_template(
-        messages, add_generation_prompt=True, tokenize=True)
+        messages, add_generation_prompt=True, tokenize=True
+    )
     ids = ids["input_ids"] if isinstance(ids, dict) else ids
     expected = reference(model, ids, max_new_tokens=20, temperature=0)
     response = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
     assert extension(response)["token_ids"] == expected.token_ids
     assert response.choices[0].message.content == expected.text
     assert response.usage.prompt_tokens == len(ids)
-    text, token_ids, last = streamed(client.chat.completions.create(
-        model="tiny", messages=messages, max_completion_tokens=20, temperature=0, stream=True,
-        stream_options={"include_usage": True}), field="delta")
+    text, token_ids, last = streamed(
+        client.chat.completions.create(
+            model="tiny",
+            messages=messages,
+            max_completion_tokens=20,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        ),
+        field="delta",
+    )
     assert token_ids == expected.token_ids and text == expected.text
     assert last.choices[0].finish_reason in ("stop", "length")
 
 
 def test_stop_strings_cut_where_the_client_expects(client, model):
     full = reference(model, PROMPTS[0], max_new_tokens=40, temperature=0).text
-    stop = full[len(full) // 2: len(full) // 2 + 3]
+    stop = full[len(full) // 2 : len(full) // 2 + 3]
     assert stop.strip(), f"pick another slice of {full!r}"
     expected = full[: full.index(stop)]
-    response = client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=40, temperature=0,
-                                         stop=[stop, "never-produced"])
+    response = client.completions.create(
+        model="tiny", prompt=PROMPTS[0], max_tokens=40, temperature=0, stop=[stop, "never-produced"]
+    )
     assert response.choices[0].text == expected and response.choices[0].finish_reason == "stop"
-    text, _, last = streamed(client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=40, temperature=0,
-                                                       stop=stop, stream=True))
+    text, _, last = streamed(
+        client.completions.create(model="tiny", prompt=PROMPTS[0], max_tokens=40, temperature=0, stop=stop, stream=True)
+    )
     assert text == expected and last.choices[0].finish_reason == "stop"
 
 
@@ -224,12 +246,14 @@ BAD_INPUTS = [
 ]
 
 
-@pytest.mark.parametrize("endpoint,body,status,words", BAD_INPUTS,
-                         ids=[f"{i}-{e}-{s}" for i, (e, _, s, _) in enumerate(BAD_INPUTS)])
+@pytest.mark.parametrize(
+    "endpoint,body,status,words", BAD_INPUTS, ids=[f"{i}-{e}-{s}" for i, (e, _, s, _) in enumerate(BAD_INPUTS)]
+)
 def test_bad_input_gets_a_4xx_with_an_openai_error(server, endpoint, body, status, words):
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
-    response = httpx.post(f"{server}/v1/{endpoint}", content=raw, headers={"content-type": "application/json"},
-                          timeout=30)
+    response = httpx.post(
+        f"{server}/v1/{endpoint}", content=raw, headers={"content-type": "application/json"}, timeout=30
+    )
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert set(error) == {"message", "type", "param", "code"} and "\n" not in error["message"]
@@ -250,8 +274,11 @@ def test_after_bad_inputs_the_server_still_serves(server, client):
 
 def metric_values(url) -> dict:
     text = httpx.get(url + "/metrics").text
-    return {(s.name, tuple(sorted(s.labels.items()))): s.value
-            for family in text_string_to_metric_families(text) for s in family.samples}
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
 
 
 def test_metrics_count_requests_tokens_and_rejections(server, client):
@@ -316,7 +343,9 @@ def test_disconnect_mid_stream_frees_the_slot(one_slot_server):
         # leaving the block hangs up mid-stream
     wait_for(one_slot_server, lambda h: h["busy"] == 0)
     after = metric_values(one_slot_server)
-    assert after[("speccompile_cancelled_requests_total", ())] == before[("speccompile_cancelled_requests_total", ())] + 1
+    assert (
+        after[("speccompile_cancelled_requests_total", ())] == before[("speccompile_cancelled_requests_total", ())] + 1
+    )
     generated = after[("speccompile_completion_tokens_total", ())] - before[("speccompile_completion_tokens_total", ())]
     assert generated < LONG["max_tokens"]  # stopped early, not decoded to the end
     response = httpx.post(one_slot_server + "/v1/completions", json={"prompt": "x", "max_tokens": 4}, headers=auth())
@@ -330,8 +359,11 @@ def test_past_max_queue_gets_429_with_retry_after(one_slot_server):
         with http.stream("POST", one_slot_server + "/v1/completions", json=LONG, headers=auth()) as busy:
             lines = busy.iter_lines()
             assert next(lines).startswith("data: ")  # the slot is taken
-            waiter = threading.Thread(target=lambda: queued.setdefault("response", client.completions.create(
-                model="tiny", prompt="x", max_tokens=4, temperature=0)))
+            waiter = threading.Thread(
+                target=lambda: queued.setdefault(
+                    "response", client.completions.create(model="tiny", prompt="x", max_tokens=4, temperature=0)
+                )
+            )
             waiter.start()
             wait_for(one_slot_server, lambda h: h["queued"] == 1)
             with pytest.raises(openai.RateLimitError) as refused:
@@ -362,8 +394,12 @@ def test_cli_serve_answers_and_refuses_a_bad_plan(chat_artifact):
     assert result.exit_code == 1 and result.output.startswith("error: ") and "no-such-plan" in result.output
     port = free_port()
     env = {**os.environ, "SPECCOMPILE_API_KEY": API_KEY}
-    process = subprocess.Popen([sys.executable, "-m", "speccompile.cli", "serve", str(chat_artifact), "--port",
-                                str(port), "--slots", "2"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "speccompile.cli", "serve", str(chat_artifact), "--port", str(port), "--slots", "2"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+    )
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
@@ -396,8 +432,12 @@ def test_cli_serve_startup_errors_are_one_line_before_serving(chat_artifact, tak
     """Issue 27: a start-up failure is the CLI's one ``error:`` line and exit 1, and nothing claimed to be
     serving first (the socket is bound before the "serving" line; uvicorn's own log never runs)."""
     artifact, options = str(chat_artifact), ["--port", str(taken_port)]
-    words = {"port-taken": [str(taken_port), "already in use", "--port"], "host-not-here": ["10.255.255.1", "--host"],
-             "host-unknown": ["no-such-host.invalid", "--host"], "no-artifact": ["does not exist"]}[case]
+    words = {
+        "port-taken": [str(taken_port), "already in use", "--port"],
+        "host-not-here": ["10.255.255.1", "--host"],
+        "host-unknown": ["no-such-host.invalid", "--host"],
+        "no-artifact": ["does not exist"],
+    }[case]
     if case == "host-not-here":
         options = ["--host", "10.255.255.1", "--port", "0"]
     elif case == "host-unknown":

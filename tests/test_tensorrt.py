@@ -6,7 +6,7 @@
 - the backend's device-buffer bookkeeping (KV staging with 2D copies, early-exit hidden states in
   place, chunked prefill, profile choice) runs here with the *same ONNX graphs* executed by ONNX Runtime
   over host buffers (``HostMemory`` / ``OrtHostEngines`` below: the five memory calls and ``run`` of
-  ``runtime/tensorrt_backend.py``), and must decode exactly like the ONNX backend;
+  ``runtime/backends/tensorrt/backend.py``), and must decode exactly like the ONNX backend;
 - building real engines and decoding with them needs TensorRT and a GPU (``-m cuda``).
 """
 
@@ -25,15 +25,15 @@ from import_blocker import preamble
 
 from speccompile.exporters.onnx_export import export_onnx
 from speccompile.exporters.tensorrt import backend_record, engine_context, profile_shapes, step_tokens
+from speccompile.runtime.artifact.manifest import DraftPlan
+from speccompile.runtime.backends.onnx import OnnxBackend
+from speccompile.runtime.backends.tensorrt.backend import TensorRTBackend, check_target, refit_weights
+from speccompile.runtime.decoding.speculative import DecodeRequest, decode_all
 from speccompile.runtime.errors import ArtifactError, InputError
-from speccompile.runtime.manifest import DraftPlan
-from speccompile.runtime.onnx_backend import OnnxBackend
-from speccompile.runtime.speculative import DecodeRequest, decode_all
-from speccompile.runtime.tensorrt_backend import TensorRTBackend, check_target, refit_weights
 
 PROMPT = [5, 17, 42, 9, 100, 3, 77, 12, 40, 41, 42, 43, 8, 9, 10, 11, 12, 13, 200]
-SKIP = DraftPlan(name="layer-skip", skip_attn=[1], skip_mlp=[2], max_draft=4, threshold=0.0)
-EXIT = DraftPlan(name="early-exit", exit_layer=3, head="final", max_draft=3, threshold=0.0)
+SKIP = DraftPlan(name="layer-skip", skip_attn=[1], skip_mlp=[2], sources={"model": {"max_draft": 4, "threshold": 0.0}})
+EXIT = DraftPlan(name="early-exit", exit_layer=3, head="final", sources={"model": {"max_draft": 3, "threshold": 0.0}})
 H200 = {"gpu": "NVIDIA H200", "compute_capability": "9.0", "tensorrt_version": "10.13.3.9"}
 
 
@@ -82,8 +82,10 @@ class OrtHostEngines:
         import onnxruntime as ort
 
         self.record, self.calls = record, []
-        self.sessions = {key: ort.InferenceSession(str(root / g["file"]), providers=["CPUExecutionProvider"])
-                         for key, g in record["graphs"].items()}
+        self.sessions = {
+            key: ort.InferenceSession(str(root / g["file"]), providers=["CPUExecutionProvider"])
+            for key, g in record["graphs"].items()
+        }
 
     def run(self, key, profile, shapes, addresses) -> None:
         self.calls.append((key, profile, {n: tuple(s) for n, s in shapes.items()}))
@@ -143,8 +145,13 @@ def test_profiles_are_sized_from_the_context_and_the_plans(exported):
     context = engine_context(config)
     assert context == min(config.max_position_embeddings, 4096)
     assert engine_context(config, cap=64) == 64
-    lookup = DraftPlan(name="hybrid", skip_attn=[1], max_draft=6, lookup="ngram", lookup_max_draft=12) \
-        if "lookup" in DraftPlan.__dataclass_fields__ else SKIP
+    lookup = (
+        DraftPlan(
+            name="hybrid", skip_attn=[1], lookup="ngram", lookup_max_draft=12, sources={"model": {"max_draft": 6}}
+        )
+        if "lookup" in DraftPlan.__dataclass_fields__
+        else SKIP
+    )
     assert step_tokens({"s": SKIP}, context) == 8  # 4 drafts + 1, raised to the minimum of 8
     assert step_tokens({"s": lookup}, context) == (19 if lookup is not SKIP else 8)
     assert step_tokens({"s": lookup}, 6) == 6  # never past the context
@@ -177,19 +184,36 @@ def test_refit_names_map_to_weights_bin(exported):
         refit_weights(names, both, blob[: blob.size // 2])
 
 
-BLOCKER = preamble("tensorrt", "cuda") + """
+BLOCKER = (
+    preamble("tensorrt", "cuda")
+    + """
 sys.argv = ['speccompile'] + sys.argv[1:]
 from speccompile.cli import main
 main()
 """
+)
 
 
 def test_backend_tensorrt_without_tensorrt_is_one_line(tiny_model_dir, exported, tmp_path):
     """``build --backend tensorrt`` and opening a TensorRT backend, with TensorRT and cuda-python
     unimportable: one line naming the install, nothing written."""
-    result = subprocess.run([sys.executable, "-c", BLOCKER, "build", str(tiny_model_dir("llama")), "-o",
-                             str(tmp_path / "out"), "--backend", "tensorrt", "--quiet"],
-                            capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            BLOCKER,
+            "build",
+            str(tiny_model_dir("llama")),
+            "-o",
+            str(tmp_path / "out"),
+            "--backend",
+            "tensorrt",
+            "--quiet",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 1
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
@@ -198,17 +222,20 @@ def test_backend_tensorrt_without_tensorrt_is_one_line(tiny_model_dir, exported,
     decoder, root, both, _ = exported
     record = backend_record(both, dict(H200), {}, 64, 8, 16)
     (tmp_path / "record.json").write_text(json.dumps({"record": record, "config": decoder.config.__dict__}))
-    opener = BLOCKER.split("sys.argv")[0] + f"""
+    opener = (
+        BLOCKER.split("sys.argv")[0]
+        + f"""
 import json
 from speccompile.runtime.errors import BackendUnavailableError
-from speccompile.runtime.manifest import ArchConfig
-from speccompile.runtime.tensorrt_backend import TensorRTBackend
+from speccompile.runtime.artifact.manifest import ArchConfig
+from speccompile.runtime.backends.tensorrt.backend import TensorRTBackend
 data = json.load(open({str(tmp_path / "record.json")!r}))
 try:
     TensorRTBackend({str(root / "both")!r}, data["record"], ArchConfig(**data["config"]))
 except BackendUnavailableError as exc:
     print(exc)
 """
+    )
     opened = subprocess.run([sys.executable, "-c", opener], capture_output=True, text=True, timeout=120)
     assert opened.returncode == 0 and "pip install tensorrt" in opened.stdout, opened.stderr
     assert len(opened.stdout.strip().splitlines()) == 1
@@ -277,9 +304,21 @@ def test_tensorrt_artifact_decodes_losslessly(tiny_model_dir, tmp_path):
     from speccompile.runtime import load
 
     out = tmp_path / "trt"
-    build(BuildOptions(model=str(tiny_model_dir("llama")), out=out, method="cosine", max_draft=4, calibration_tokens=16,
-                       confirm_prompts=2, confirm_tokens=16, backends=("torch", "tensorrt"), device="cuda",
-                       show_progress=False), log=lambda m: None)
+    build(
+        BuildOptions(
+            model=str(tiny_model_dir("llama")),
+            out=out,
+            method="cosine",
+            max_draft=4,
+            calibration_tokens=16,
+            confirm_prompts=2,
+            confirm_tokens=16,
+            backends=("torch", "tensorrt"),
+            device="cuda",
+            show_progress=False,
+        ),
+        log=lambda m: None,
+    )
     model = load(out, backend="tensorrt", device="cuda")
     plain = model.generate(PROMPT, max_new_tokens=32, speculate=False).token_ids
     for name in model.manifest.plans:
@@ -300,7 +339,7 @@ def test_adding_engines_to_an_artifact_needs_onnx_graphs_and_tensorrt(tiny_artif
 
     from speccompile.exporters.onnx_export import export_onnx_weights
     from speccompile.exporters.tensorrt import main
-    from speccompile.runtime.manifest import file_record, read_manifest, write_manifest
+    from speccompile.runtime.artifact.manifest import file_record, read_manifest, write_manifest
 
     assert main([str(tiny_artifact)]) == 1  # torch only: no ONNX graphs to build from
     art = tmp_path / "with-onnx"
@@ -312,7 +351,10 @@ def test_adding_engines_to_an_artifact_needs_onnx_graphs_and_tensorrt(tiny_artif
         manifest.files[f"onnx/{path.name}"] = file_record(art, f"onnx/{path.name}")
     write_manifest(art, manifest)
     before = (art / "manifest.json").read_bytes()
-    script = BLOCKER.split("sys.argv")[0] + f"from speccompile.exporters.tensorrt import main\nsys.exit(main([{str(art)!r}]))\n"
+    script = (
+        BLOCKER.split("sys.argv")[0]
+        + f"from speccompile.exporters.tensorrt import main\nsys.exit(main([{str(art)!r}]))\n"
+    )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
     assert result.returncode == 1
     assert len(result.stderr.strip().splitlines()) == 1 and "pip install tensorrt" in result.stderr, result.stderr
@@ -325,7 +367,7 @@ def test_cuda_binding_without_a_gpu_is_one_line():
     pytest.importorskip("cuda.bindings")
     if torch.cuda.is_available():
         pytest.skip("a GPU is present: the no-GPU error cannot happen")
-    from speccompile.runtime.cuda_device import CudaMemory
+    from speccompile.runtime.backends.tensorrt.cuda import CudaMemory
     from speccompile.runtime.errors import BackendUnavailableError
 
     with pytest.raises(BackendUnavailableError) as error:

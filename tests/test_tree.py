@@ -1,4 +1,4 @@
-"""Token trees (runtime/tree.py) and lookahead decoding (runtime/lookahead.py) stay lossless.
+"""Token trees (runtime/tree.py) and lookahead decoding (runtime/drafting/lookahead.py) stay lossless.
 
 - every node's logits equal the full model's for its own root path (torch and ONNX Runtime), and a
   deliberately wrong tree mask is caught by that check;
@@ -14,31 +14,70 @@ import warnings
 import numpy as np
 import pytest
 import torch
-
 from lossless import assert_same_greedy, exact_marginals, next_token_logits, run
-from speccompile.runtime import tree
-from speccompile.runtime.manifest import DraftPlan
-from speccompile.runtime.ngram import NgramIndex
-from speccompile.runtime.sampling import SamplingParams
-from speccompile.runtime.torch_backend import TorchBackend
 from tiny_models import FAMILIES
 
+from speccompile.runtime import tree
+from speccompile.runtime.artifact.manifest import DraftPlan
+from speccompile.runtime.backends.torch.backend import TorchBackend
+from speccompile.runtime.drafting import options
+from speccompile.runtime.drafting.ngram import NgramIndex
+from speccompile.runtime.sampling import SamplingParams
+
 NEW_TOKENS = 40
-TREE = DraftPlan(name="tree", lookup=["ngram"], ngram_min=1, ngram_max=3, lookup_max_draft=4, lookup_branches=3,
-                 tree_nodes=8)
-WIDE = DraftPlan(name="wide", lookup=["ngram"], ngram_min=1, ngram_max=2, lookup_max_draft=3, lookup_branches=4,
-                 tree_nodes=10, short_ngram=1)
-LOOKAHEAD = DraftPlan(name="lookahead", lookup=["lookahead"], lookahead_window=4, lookahead_ngram=2)
-LOOKAHEAD_TREE = DraftPlan(name="lookahead-tree", lookup=["lookahead", "ngram"], ngram_min=1, lookup_max_draft=4,
-                           ngram_max=3, lookup_branches=3, tree_nodes=10, lookahead_window=3, lookahead_ngram=3)
-LOOKAHEAD_BEHIND = DraftPlan(name="lookahead-behind", lookup=["ngram", "lookahead"], ngram_min=2, ngram_max=3,
-                             lookup_max_draft=4, lookahead_window=2)
-LOGITSPEC = DraftPlan(name="logitspec", lookup=["ngram", "logitspec"], ngram_min=2, ngram_max=3, lookup_max_draft=4)
-LOGITSPEC_TREE = DraftPlan(name="logitspec-tree", lookup=["ngram", "logitspec"], ngram_min=1, ngram_max=3,
-                           lookup_max_draft=4, lookup_branches=3, tree_nodes=10, logitspec_top_k=3)
-RECYCLING = DraftPlan(name="recycling", lookup=["ngram", "recycling"], ngram_min=2, ngram_max=3, lookup_max_draft=4)
-RECYCLING_TREE = DraftPlan(name="recycling-tree", lookup=["recycling", "ngram"], ngram_min=1, ngram_max=3,
-                           lookup_max_draft=4, lookup_branches=3, tree_nodes=10)
+TREE = DraftPlan(
+    name="tree",
+    lookup=["ngram"],
+    lookup_max_draft=4,
+    lookup_branches=3,
+    tree_nodes=8,
+    sources={"ngram": {"min": 1, "max": 3}},
+)
+WIDE = DraftPlan(
+    name="wide",
+    lookup=["ngram"],
+    lookup_max_draft=3,
+    lookup_branches=4,
+    tree_nodes=10,
+    sources={"ngram": {"min": 1, "max": 2, "short": 1}},
+)
+LOOKAHEAD = DraftPlan(name="lookahead", lookup=["lookahead"], sources={"lookahead": {"window": 4, "ngram": 2}})
+LOOKAHEAD_TREE = DraftPlan(
+    name="lookahead-tree",
+    lookup=["lookahead", "ngram"],
+    lookup_max_draft=4,
+    lookup_branches=3,
+    tree_nodes=10,
+    sources={"ngram": {"min": 1, "max": 3}, "lookahead": {"window": 3, "ngram": 3}},
+)
+LOOKAHEAD_BEHIND = DraftPlan(
+    name="lookahead-behind",
+    lookup=["ngram", "lookahead"],
+    lookup_max_draft=4,
+    sources={"ngram": {"min": 2, "max": 3}, "lookahead": {"window": 2}},
+)
+LOGITSPEC = DraftPlan(
+    name="logitspec", lookup=["ngram", "logitspec"], lookup_max_draft=4, sources={"ngram": {"min": 2, "max": 3}}
+)
+LOGITSPEC_TREE = DraftPlan(
+    name="logitspec-tree",
+    lookup=["ngram", "logitspec"],
+    lookup_max_draft=4,
+    lookup_branches=3,
+    tree_nodes=10,
+    sources={"ngram": {"min": 1, "max": 3}, "logitspec": {"top_k": 3}},
+)
+RECYCLING = DraftPlan(
+    name="recycling", lookup=["ngram", "recycling"], lookup_max_draft=4, sources={"ngram": {"min": 2, "max": 3}}
+)
+RECYCLING_TREE = DraftPlan(
+    name="recycling-tree",
+    lookup=["recycling", "ngram"],
+    lookup_max_draft=4,
+    lookup_branches=3,
+    tree_nodes=10,
+    sources={"ngram": {"min": 1, "max": 3}},
+)
 #        input
 #        /    \
 #      n0      n3
@@ -108,7 +147,7 @@ def onnx_export(tiny_decoder, tmp_path_factory):
     """(family, variant) -> (decoder, ONNX backend over its exported graphs, whether they are the fused
     variant); variant "fused", "fused-padded" (a padding query row, as quantized exports have) or "standard"."""
     from speccompile.exporters.onnx_export import export_onnx
-    from speccompile.runtime.onnx_backend import OnnxBackend
+    from speccompile.runtime.backends.onnx import OnnxBackend
 
     cache = {}
 
@@ -116,8 +155,9 @@ def onnx_export(tiny_decoder, tmp_path_factory):
         if (family, variant) not in cache:
             _, decoder = tiny_decoder(family)
             root = tmp_path_factory.mktemp("tree") / f"{family}-{variant}"
-            record = export_onnx(decoder, {}, root / "onnx", variant=variant.split("-")[0],
-                                 pad_rows=variant.endswith("padded"))
+            record = export_onnx(
+                decoder, {}, root / "onnx", variant=variant.split("-")[0], pad_rows=variant.endswith("padded")
+            )
             fused = record["graphs"]["verify"].get("variant") == "fused"
             cache[family, variant] = decoder, OnnxBackend(root, record, decoder.config, threads=1), fused
         return cache[family, variant]
@@ -131,7 +171,9 @@ def test_onnx_tree_rows_are_the_full_models_logits_for_their_paths(family, onnx_
     assert fused and backend.tree_unsupported() is None
     windows = [w for w in map(decoder.config.window_of, range(decoder.config.num_layers)) if w is not None]
     length = 30 if not windows else min(windows) - len(PARENTS) - 1  # ORT verifies trees inside a sliding window
-    assert backend.tree_fits(length, len(PARENTS) + 1) and (not windows or not backend.tree_fits(length + 1, len(PARENTS) + 1))
+    assert backend.tree_fits(length, len(PARENTS) + 1) and (
+        not windows or not backend.tree_fits(length + 1, len(PARENTS) + 1)
+    )
     gen = torch.Generator().manual_seed(5)
     prompt = torch.randint(3, decoder.config.vocab_size, (length,), generator=gen).tolist()
     tokens = torch.randint(3, decoder.config.vocab_size, (len(PARENTS) + 1,), generator=gen).tolist()
@@ -139,8 +181,12 @@ def test_onnx_tree_rows_are_the_full_models_logits_for_their_paths(family, onnx_
     np.testing.assert_allclose(got, path_logits(decoder, prompt, tokens, PARENTS), atol=2e-4, rtol=1e-4)
     # the chain path through the same graph (zero bias) is unchanged: one step after the prompt
     backend.forward(prompt, 0)
-    np.testing.assert_allclose(backend.forward(tokens[:1], len(prompt))[0],
-                               path_logits(decoder, prompt, tokens[:1], [])[0], atol=2e-4, rtol=1e-4)
+    np.testing.assert_allclose(
+        backend.forward(tokens[:1], len(prompt))[0],
+        path_logits(decoder, prompt, tokens[:1], [])[0],
+        atol=2e-4,
+        rtol=1e-4,
+    )
 
 
 def test_a_wrong_tree_mask_is_caught(tiny_decoder, monkeypatch):
@@ -183,15 +229,20 @@ def check_tree_lossless(decoder, backend, plans, trees_expected: bool | None = T
             trees += stats.tree_rounds
     assert near_ties <= 1, f"{near_ties} near-tie divergences: too many to be rounding"
     if trees_expected is not None:
-        assert (trees > 0) == trees_expected, "no round verified a tree" if trees_expected else "a tree where none can run"
+        assert (trees > 0) == trees_expected, (
+            "no round verified a tree" if trees_expected else "a tree where none can run"
+        )
     return accepted
 
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_tree_plans_greedy_lossless_torch(family, tiny_decoder):
     _, decoder = tiny_decoder(family)
-    accepted = check_tree_lossless(decoder, TorchBackend(decoder), [TREE, WIDE, LOOKAHEAD, LOOKAHEAD_TREE, LOOKAHEAD_BEHIND, LOGITSPEC,
-                                                              LOGITSPEC_TREE, RECYCLING, RECYCLING_TREE])
+    accepted = check_tree_lossless(
+        decoder,
+        TorchBackend(decoder),
+        [TREE, WIDE, LOOKAHEAD, LOOKAHEAD_TREE, LOOKAHEAD_BEHIND, LOGITSPEC, LOGITSPEC_TREE, RECYCLING, RECYCLING_TREE],
+    )
     assert sum(accepted.values()) > 0
 
 
@@ -201,8 +252,12 @@ def test_tree_plans_greedy_lossless_onnx(family, onnx_export):
     # a windowed model verifies trees inside its window and first branches past it (these prompts start past
     # mistral's window of 24: first branches only; the test above verifies a tree inside it)
     windowed = any(map(decoder.config.window_of, range(decoder.config.num_layers)))
-    accepted = check_tree_lossless(decoder, backend, [TREE, WIDE, LOOKAHEAD, LOOKAHEAD_TREE, LOOKAHEAD_BEHIND, LOGITSPEC,
-                                                      LOGITSPEC_TREE, RECYCLING, RECYCLING_TREE], trees_expected=None if windowed else True)
+    accepted = check_tree_lossless(
+        decoder,
+        backend,
+        [TREE, WIDE, LOOKAHEAD, LOOKAHEAD_TREE, LOOKAHEAD_BEHIND, LOGITSPEC, LOGITSPEC_TREE, RECYCLING, RECYCLING_TREE],
+        trees_expected=None if windowed else True,
+    )
     assert sum(accepted.values()) > 0
 
 
@@ -220,7 +275,9 @@ def test_graphs_without_tree_inputs_draft_chains(onnx_export):
 VOCAB = 12
 # Every token is followed by three different ones (x + 1, x + 5, x + 7 mod 12): whatever is sampled first, the
 # next round's 1-gram lookup finds three continuations, a tree.
-PROMPT = [x % VOCAB for x in range(VOCAB)] + [5 * x % VOCAB for x in range(VOCAB)] + [7 * x % VOCAB for x in range(VOCAB)]
+PROMPT = (
+    [x % VOCAB for x in range(VOCAB)] + [5 * x % VOCAB for x in range(VOCAB)] + [7 * x % VOCAB for x in range(VOCAB)]
+)
 SAMPLES = 2000
 ALPHA = 1e-3
 
@@ -242,13 +299,20 @@ def test_tree_sampling_matches_target_distribution(small_vocab_llama, monkeypatc
     decoder = small_vocab_llama
     backend = TorchBackend(decoder)
     params = SamplingParams(temperature=1.0)
-    plan = DraftPlan(name="tree", lookup=["ngram"], ngram_min=1, ngram_max=2, lookup_max_draft=2, lookup_branches=3,
-                     tree_nodes=6)
+    plan = DraftPlan(
+        name="tree",
+        lookup=["ngram"],
+        lookup_max_draft=2,
+        lookup_branches=3,
+        tree_nodes=6,
+        sources={"ngram": {"min": 1, "max": 2}},
+    )
     target2, target3 = exact_marginals(next_token_logits(decoder), params, PROMPT, VOCAB)
     second, third, accepted, trees = sampled(backend, plan, params)
     assert trees > SAMPLES // 2 and 0 < accepted < 6 * SAMPLES
     assert chi_square_pvalue(second, target2) > ALPHA
     assert chi_square_pvalue(third, target3) > ALPHA
+
     # Negative control: accepting a rejected branch's sibling without renormalising the residual biases
     # the output, and the same test sees it.
     def biased(tokens, parents, logits, params, rng):
@@ -260,7 +324,7 @@ def test_tree_sampling_matches_target_distribution(small_vocab_llama, monkeypatc
                 return [c], sample(probabilities(logits[c + 1], params), rng)
         return [], sample(p, rng)
 
-    import speccompile.runtime.speculative as speculative
+    import speccompile.runtime.decoding.speculative as speculative
 
     monkeypatch.setattr(speculative, "sample_path", biased)
     second, third, _, _ = sampled(backend, plan, params)
@@ -270,8 +334,8 @@ def test_tree_sampling_matches_target_distribution(small_vocab_llama, monkeypatc
 def test_lookahead_window_is_a_jacobi_step_and_fills_the_pool(tiny_decoder):
     """After a round, the window holds the verifier's outputs past the committed tokens (one Jacobi step) and
     the pool the n-grams the rows produced; the window's guesses are accepted where they are right."""
-    from speccompile.runtime.drafters import RoundContext
-    from speccompile.runtime.lookahead import LookaheadDrafter
+    from speccompile.runtime.drafting.base import RoundContext
+    from speccompile.runtime.drafting.lookahead import LookaheadDrafter
 
     _, decoder = tiny_decoder("llama")
     backend = TorchBackend(decoder)
@@ -297,8 +361,8 @@ def test_lookahead_window_is_a_jacobi_step_and_fills_the_pool(tiny_decoder):
 def test_lookahead_pools_the_n_gram_of_every_row():
     """Each verify row is a Jacobi step for its own input: the input token's row and a pooled branch's rows add
     their n-grams to the pool, not only the window's rows."""
-    from speccompile.runtime.drafters import Draft, RoundContext
-    from speccompile.runtime.lookahead import LookaheadDrafter
+    from speccompile.runtime.drafting.base import Draft, RoundContext
+    from speccompile.runtime.drafting.lookahead import LookaheadDrafter
 
     drafter = LookaheadDrafter(window=2, ngram=2, branches=2)
     history = [1, 2, 3]
@@ -314,14 +378,36 @@ def test_lookahead_pools_the_n_gram_of_every_row():
     assert drafter.pool[7] == [(7, 13)] and drafter.pool[8] == [(8, 14)]  # the window's rows
 
 
-@pytest.mark.parametrize("plan", [
-    DraftPlan(name="la", lookup=["lookahead", "ngram"], ngram_min=1, ngram_max=2, lookup_max_draft=2,
-              lookup_branches=3, tree_nodes=6, lookahead_window=2),
-    DraftPlan(name="ls", lookup=["logitspec", "ngram"], ngram_min=1, ngram_max=2, lookup_max_draft=2,
-              lookup_branches=3, tree_nodes=6, logitspec_top_k=3),
-    DraftPlan(name="rc", lookup=["recycling", "ngram"], ngram_min=1, ngram_max=2, lookup_max_draft=2,
-              lookup_branches=3, tree_nodes=6),
-], ids=["lookahead", "logitspec", "recycling"])
+@pytest.mark.parametrize(
+    "plan",
+    [
+        DraftPlan(
+            name="la",
+            lookup=["lookahead", "ngram"],
+            lookup_max_draft=2,
+            lookup_branches=3,
+            tree_nodes=6,
+            sources={"ngram": {"min": 1, "max": 2}, "lookahead": {"window": 2}},
+        ),
+        DraftPlan(
+            name="ls",
+            lookup=["logitspec", "ngram"],
+            lookup_max_draft=2,
+            lookup_branches=3,
+            tree_nodes=6,
+            sources={"ngram": {"min": 1, "max": 2}, "logitspec": {"top_k": 3}},
+        ),
+        DraftPlan(
+            name="rc",
+            lookup=["recycling", "ngram"],
+            lookup_max_draft=2,
+            lookup_branches=3,
+            tree_nodes=6,
+            sources={"ngram": {"min": 1, "max": 2}},
+        ),
+    ],
+    ids=["lookahead", "logitspec", "recycling"],
+)
 def test_output_reading_sources_sample_the_target_distribution(small_vocab_llama, plan):
     """Lookahead's window, LogitSpec's guesses and the recycled tokens come from earlier verifier outputs, never from this round's
     random draws, so the tree rejection keeps the full model's distribution."""
@@ -362,9 +448,20 @@ def test_lookahead_build_tunes_by_running_and_stays_lossless(backend, tiny_model
     from speccompile.build import BuildOptions, build
     from speccompile.runtime.model import load
 
-    out = build(BuildOptions(model=str(tiny_model_dir("llama")), out=tmp_path / "la", method="lookahead",
-                             backends=(backend,), max_draft=4, calibration_tokens=16, confirm_prompts=2,
-                             confirm_tokens=16, show_progress=False), log=lambda message: None)
+    out = build(
+        BuildOptions(
+            model=str(tiny_model_dir("llama")),
+            out=tmp_path / "la",
+            method="lookahead",
+            backends=(backend,),
+            max_draft=4,
+            calibration_tokens=16,
+            confirm_prompts=2,
+            confirm_tokens=16,
+            show_progress=False,
+        ),
+        log=lambda message: None,
+    )
     model = load(out)
     plan = model.manifest.plans["lookahead"]
     assert "lookahead" in plan.lookup and plan.measured["method"] == "lookahead"
@@ -385,21 +482,33 @@ def test_no_trees_builds_chains_only(tiny_model_dir, tmp_path):
     from speccompile.build import BuildOptions, build
     from speccompile.runtime.model import load
 
-    out = build(BuildOptions(model=str(tiny_model_dir("llama")), out=tmp_path / "chains", method="lookahead",
-                             backends=("torch",), max_draft=4, calibration_tokens=16, confirm_prompts=2,
-                             confirm_tokens=16, show_progress=False, trees=False), log=lambda message: None)
+    out = build(
+        BuildOptions(
+            model=str(tiny_model_dir("llama")),
+            out=tmp_path / "chains",
+            method="lookahead",
+            backends=("torch",),
+            max_draft=4,
+            calibration_tokens=16,
+            confirm_prompts=2,
+            confirm_tokens=16,
+            show_progress=False,
+            trees=False,
+        ),
+        log=lambda message: None,
+    )
     manifest = load(out).manifest
     assert manifest.tuning["token_trees"] is False
     assert "trees" not in manifest.plans["lookup"].measured
     for plan in manifest.plans.values():
-        assert plan.lookup_branches == 1 and plan.tree_nodes == 0 and plan.draft_branches == 1, plan.name
+        assert plan.lookup_branches == 1 and plan.tree_nodes == 0 and options(plan, "model").branches == 1, plan.name
 
 
 def test_token_recycling_keeps_every_rows_top_tokens_and_drafts_them(tiny_decoder):
     """After a round, each verify row's best tokens are its input token's successors (rejected rows too), best
     first; the next round drafts the input token's best successors, each followed greedily through the table."""
-    from speccompile.runtime.drafters import Draft, RoundContext
-    from speccompile.runtime.recycling import RECYCLED, RecyclingDrafter
+    from speccompile.runtime.drafting.base import Draft, RoundContext
+    from speccompile.runtime.drafting.recycling import RECYCLED, RecyclingDrafter
 
     _, decoder = tiny_decoder("llama")
     backend = TorchBackend(decoder)
@@ -443,9 +552,20 @@ def test_a_tree_priced_above_its_chain_races_the_chain_in_confirmation(tiny_mode
         return estimate, rounds
 
     monkeypatch.setattr(lookup_autotune, "score_lookup", tree_priced_high)
-    out = build(BuildOptions(model=str(tiny_model_dir("llama")), out=tmp_path / "race", method="lookup",
-                             backends=("torch",), max_draft=4, calibration_tokens=16, confirm_prompts=2,
-                             confirm_tokens=16, show_progress=False), log=lambda message: None)
+    out = build(
+        BuildOptions(
+            model=str(tiny_model_dir("llama")),
+            out=tmp_path / "race",
+            method="lookup",
+            backends=("torch",),
+            max_draft=4,
+            calibration_tokens=16,
+            confirm_prompts=2,
+            confirm_tokens=16,
+            show_progress=False,
+        ),
+        log=lambda message: None,
+    )
     model = load(out)
     tree, chain = model.manifest.plans["lookup"], model.manifest.plans[lookup_autotune.CHAIN_PLAN]
     assert tree.lookup_branches > 1 and tree.tree_nodes > 0

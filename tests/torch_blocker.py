@@ -3,7 +3,7 @@
     python tests/torch_blocker.py ARTIFACT PROMPT_JSON NEW_TOKENS PLAN
 
 installs a ``sys.meta_path`` finder that raises ImportError for torch / transformers *before anything
-else is imported*, loads the artifact through ``speccompile.runtime`` + ``speccompile.runtime.onnx_backend``,
+else is imported*, loads the artifact through ``speccompile.runtime`` + ``speccompile.runtime.backends.onnx``,
 decodes greedily (plain and speculatively with PLAN) and prints one JSON line.
 """
 
@@ -22,11 +22,12 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 def main() -> None:
     root, prompt, new_tokens, plan_name = sys.argv[1], json.loads(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
     import speccompile.runtime as rt
-    from speccompile.runtime.onnx_backend import OnnxBackend
-    from speccompile.runtime.speculative import DecodeRequest, decode_all
+    from speccompile.runtime.backends.onnx import OnnxBackend
+    from speccompile.runtime.decoding.speculative import DecodeRequest, decode_all
 
     try:
         import torch  # noqa: F401
+
         blocked = False
     except ImportError:
         blocked = True

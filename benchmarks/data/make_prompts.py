@@ -13,8 +13,7 @@ SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 
 def chat(user: str) -> str:
-    return (f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n"
-            "<|im_start|>assistant\n")
+    return f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\n{user}<|im_end|>\n<|im_start|>assistant\n"
 
 
 PROMPTS = [

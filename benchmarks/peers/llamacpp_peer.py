@@ -1,4 +1,4 @@
-"""llama.cpp as a peer (issues 21, 22), in its own venv (``llama-cpp-python`` built from source, ``gguf``).
+"""llama.cpp as a peer, in its own venv (``llama-cpp-python`` built from source, ``gguf``).
 
     python llamacpp_peer.py convert SOURCE.gguf OUT.gguf --quant f32|q8_0|q4_0|same
     python llamacpp_peer.py bench MODEL.gguf IDS.json [--max-new-tokens 96] [--threads 2] [--eos 1,2]
@@ -78,9 +78,12 @@ def bench(args) -> None:
     prompts = json.load(open(args.ids_file))
     eos = {int(t) for t in args.eos.split(",") if t}
     common = dict(n_ctx=2048, n_threads=args.threads, n_threads_batch=args.threads, verbose=False, seed=0)
-    engines = {"plain": Llama(args.model, **common),
-               "prompt_lookup": Llama(args.model, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=5, max_ngram_size=3),
-                                      **common)}
+    engines = {
+        "plain": Llama(args.model, **common),
+        "prompt_lookup": Llama(
+            args.model, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=5, max_ngram_size=3), **common
+        ),
+    }
 
     def decode(llm, ids, limit):
         out = []
@@ -111,8 +114,15 @@ def curve(args) -> None:
     import llama_cpp
     from llama_cpp import Llama
 
-    llm = Llama(args.model, n_ctx=args.context + args.max_k + 8, n_batch=512, n_threads=args.threads,
-                n_threads_batch=args.threads, verbose=False, logits_all=True)
+    llm = Llama(
+        args.model,
+        n_ctx=args.context + args.max_k + 8,
+        n_batch=512,
+        n_threads=args.threads,
+        n_threads_batch=args.threads,
+        verbose=False,
+        logits_all=True,
+    )
     rng = np.random.default_rng(0)
     vocab = llm.n_vocab()
     prefix = rng.integers(100, vocab, args.context).tolist()

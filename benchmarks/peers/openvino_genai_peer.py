@@ -1,4 +1,4 @@
-"""OpenVINO GenAI as a peer (issues 21, 22): plain decoding and its own prompt lookup on the same token ids.
+"""OpenVINO GenAI as a peer: plain decoding and its own prompt lookup on the same token ids.
 
 Runs in its own venv (``openvino-genai``; see ``benchmarks/peer_compare.py``, which sets it up and calls
 this), never imports speccompile:
@@ -39,8 +39,10 @@ def curve(args, properties: dict) -> None:
     rng = np.random.default_rng(0)
 
     def infer(ids: list[int], pos: int) -> None:
-        feed = {"input_ids": np.asarray([ids], dtype=np.int64),
-                "attention_mask": np.ones((1, pos + len(ids)), dtype=np.int64)}
+        feed = {
+            "input_ids": np.asarray([ids], dtype=np.int64),
+            "attention_mask": np.ones((1, pos + len(ids)), dtype=np.int64),
+        }
         if "position_ids" in names:
             feed["position_ids"] = np.arange(pos, pos + len(ids), dtype=np.int64)[None]
         if "beam_idx" in names:
@@ -108,7 +110,7 @@ def main() -> None:
             seconds = time.perf_counter() - start
             out = list(result.tokens[0])
             if out[: len(ids)] == list(ids):  # some pipelines echo the prompt
-                out = out[len(ids):]
+                out = out[len(ids) :]
             report[mode]["new_tokens"] += len(out)
             report[mode]["seconds"] += seconds
             report[mode]["outputs"].append(out)
@@ -116,7 +118,8 @@ def main() -> None:
     report["properties"] = {k: str(v) for k, v in properties.items()}
     if args.precision == "default":  # what "default" is on this CPU (bf16 where AMX or AVX-512 BF16 is present)
         report["properties"]["INFERENCE_PRECISION_HINT (plugin default)"] = str(
-            ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT"))
+            ov.Core().get_property("CPU", "INFERENCE_PRECISION_HINT")
+        )
     json.dump(report, sys.stdout)
 
 

@@ -9,6 +9,7 @@ context length, last window partial, token-weighted mean, fp32.
                                                                 # same Python stdlib as in metrics.json)
   python3 models/refcoder/evaluate.py --ckpt /tmp/refcoder_main_ckpt/last.pt --whole-heldout
 """
+
 import argparse
 import json
 import math
@@ -50,7 +51,7 @@ else:
     text = (Path(args.model) / "heldout_sample.txt").read_bytes().decode("utf-8")
 ids = torch.tensor(tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 n = len(ids) - 1
-wins = [(ids[i:min(i + T, n)], ids[i + 1:min(i + T, n) + 1]) for i in range(0, n, T)]
+wins = [(ids[i : min(i + T, n)], ids[i + 1 : min(i + T, n) + 1]) for i in range(0, n, T)]
 
 
 @torch.no_grad()
@@ -71,7 +72,7 @@ tot, cnt, correct = 0.0, 0, 0
 agree, ex_top1, ex_loss = [0] * L, [0] * L, [0.0] * L
 with torch.no_grad():
     for j in range(0, len(wins), 16):
-        group = wins[j:j + 16]
+        group = wins[j : j + 16]
         if len({len(g[0]) for g in group}) == 1:
             batches = [(torch.stack([g[0] for g in group]), torch.stack([g[1] for g in group]))]
         else:
@@ -90,13 +91,17 @@ with torch.no_grad():
                 ex_top1[e] += (t1 == y).sum().item()
                 ex_loss[e] += F.cross_entropy(lg.reshape(-1, lg.size(-1)), y.reshape(-1), reduction="sum").item()
 
-res = {"text": "whole held-out split" if args.whole_heldout else "heldout_sample.txt", "tokens": cnt,
-       "loss": tot / cnt, "ppl": math.exp(tot / cnt), "top1": correct / cnt,
-       "exit_agreement": {str(e + 1): agree[e] / cnt for e in range(L - 1)},
-       "exit_top1": {str(e + 1): ex_top1[e] / cnt for e in range(L)},
-       "exit_loss": {str(e + 1): ex_loss[e] / cnt for e in range(L)}}
-print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items()
-                  if not isinstance(v, dict)}))
+res = {
+    "text": "whole held-out split" if args.whole_heldout else "heldout_sample.txt",
+    "tokens": cnt,
+    "loss": tot / cnt,
+    "ppl": math.exp(tot / cnt),
+    "top1": correct / cnt,
+    "exit_agreement": {str(e + 1): agree[e] / cnt for e in range(L - 1)},
+    "exit_top1": {str(e + 1): ex_top1[e] / cnt for e in range(L)},
+    "exit_loss": {str(e + 1): ex_loss[e] / cnt for e in range(L)},
+}
+print(json.dumps({k: (round(v, 4) if isinstance(v, float) else v) for k, v in res.items() if not isinstance(v, dict)}))
 print("exit agreement:", {k: round(v, 3) for k, v in res["exit_agreement"].items()})
 if args.json:
     Path(args.json).write_text(json.dumps(res, indent=2) + "\n")

@@ -19,6 +19,7 @@ Reproduce the shipped model (see README.md for the exact commands used):
   nice -n 15 python3 models/refcoder/train.py --baseline --out /tmp/refcoder_baseline ...
   nice -n 15 python3 models/refcoder/train.py --out models/refcoder ...
 """
+
 import argparse
 import ast
 import hashlib
@@ -26,7 +27,6 @@ import json
 import math
 import os
 import random
-import shutil
 import sys
 import sysconfig
 import time
@@ -57,11 +57,19 @@ p.add_argument("--seq-len", type=int, default=256)
 # optimisation
 p.add_argument("--batch-size", type=int, default=16)
 p.add_argument("--max-steps", type=int, default=2000, help="length of the LR schedule")
-p.add_argument("--stop-at-step", type=int, default=None,
-               help="stop early at this step, keeping the --max-steps schedule (used for the baseline)")
-p.add_argument("--time-budget-min", type=float, default=None,
-               help="safety net: if wall time would overrun, the cosine schedule is compressed so the run "
-                    "still anneals and ends within this budget (progress = max(step/max_steps, t/budget))")
+p.add_argument(
+    "--stop-at-step",
+    type=int,
+    default=None,
+    help="stop early at this step, keeping the --max-steps schedule (used for the baseline)",
+)
+p.add_argument(
+    "--time-budget-min",
+    type=float,
+    default=None,
+    help="safety net: if wall time would overrun, the cosine schedule is compressed so the run "
+    "still anneals and ends within this budget (progress = max(step/max_steps, t/budget))",
+)
 p.add_argument("--lr", type=float, default=3e-3)
 p.add_argument("--min-lr-frac", type=float, default=0.1)
 p.add_argument("--warmup", type=int, default=100)
@@ -71,13 +79,21 @@ p.add_argument("--bf16", action="store_true", help="bf16 autocast for the forwar
 # self-speculation friendly training
 p.add_argument("--baseline", action="store_true", help="plain LM loss: no early-exit loss, no layer dropout")
 p.add_argument("--exit-weight", type=float, default=0.5, help="total weight of the early-exit losses")
-p.add_argument("--exit-frac", type=float, default=0.125,
-               help="fraction of positions (random each step) on which every intermediate exit is scored")
+p.add_argument(
+    "--exit-frac",
+    type=float,
+    default=0.125,
+    help="fraction of positions (random each step) on which every intermediate exit is scored",
+)
 p.add_argument("--layer-drop-max", type=float, default=0.05, help="layer dropout of the last block (linear in depth)")
 # eval / bookkeeping
 p.add_argument("--eval-interval", type=int, default=250)
-p.add_argument("--snapshot-step", type=int, default=None,
-               help="run the full exit-agreement eval at this step too (to compare with the baseline)")
+p.add_argument(
+    "--snapshot-step",
+    type=int,
+    default=None,
+    help="run the full exit-agreement eval at this step too (to compare with the baseline)",
+)
 p.add_argument("--ckpt-interval", type=int, default=250)
 p.add_argument("--baseline-metrics", default=None, help="metrics.json of the baseline run, merged into ours")
 p.add_argument("--heldout-pct", type=int, default=5)
@@ -150,13 +166,14 @@ corpus_info = {
     "split_rule": f"int(sha1(relpath)[:8], 16) % 100 < {args.heldout_pct} -> held out",
     "excluded": "site-packages/, any directory named test/tests/idle_test, files named test_*.py",
 }
-print(f"corpus: python {corpus_info['python_version']}, {len(train_files)} train files "
-      f"({corpus_info['bytes_train']/1e6:.1f} MB), {len(held_files)} held-out files")
+print(
+    f"corpus: python {corpus_info['python_version']}, {len(train_files)} train files "
+    f"({corpus_info['bytes_train'] / 1e6:.1f} MB), {len(held_files)} held-out files"
+)
 
 # ----------------------------------------------------------------------------- 2. tokenizer
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers  # noqa: E402
-from transformers import (GenerationConfig, LlamaConfig, LlamaForCausalLM,  # noqa: E402
-                          PreTrainedTokenizerFast)
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast  # noqa: E402
 
 tok_key = f"{list_hash(train_files)[:12]}_v{args.vocab_size}"
 tok_path = data_dir / f"tokenizer_{tok_key}.json"
@@ -165,13 +182,24 @@ if not tok_path.exists():
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     bpe.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=args.vocab_size, min_frequency=2, special_tokens=SPECIALS,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=args.vocab_size,
+        min_frequency=2,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
     bpe.train_from_iterator((docs[r] for r in train_files), trainer)
     bpe.save(str(tok_path))
-tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(tok_path)),
-                                    eos_token=EOS, bos_token=BOS, pad_token=PAD, unk_token=UNK,
-                                    model_max_length=1024, model_input_names=["input_ids", "attention_mask"])
+tokenizer = PreTrainedTokenizerFast(
+    tokenizer_object=Tokenizer.from_file(str(tok_path)),
+    eos_token=EOS,
+    bos_token=BOS,
+    pad_token=PAD,
+    unk_token=UNK,
+    model_max_length=1024,
+    model_input_names=["input_ids", "attention_mask"],
+)
 tokenizer.add_bos_token = False
 EOS_ID = tokenizer.convert_tokens_to_ids(EOS)
 assert EOS_ID == 0 and len(tokenizer) == args.vocab_size
@@ -227,9 +255,13 @@ def cut_prompts(files, per_file=4, lo=100, hi=600):
         for node in ast.walk(tree):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 body0 = node.body[0]
-                if (isinstance(body0, ast.Expr) and isinstance(body0.value, ast.Constant)
-                        and isinstance(body0.value.value, str) and len(node.body) > 1):
-                    text = "".join(lines[node.lineno - 1:body0.end_lineno]).rstrip("\n")
+                if (
+                    isinstance(body0, ast.Expr)
+                    and isinstance(body0.value, ast.Constant)
+                    and isinstance(body0.value.value, str)
+                    and len(node.body) > 1
+                ):
+                    text = "".join(lines[node.lineno - 1 : body0.end_lineno]).rstrip("\n")
                     if lo <= len(text) <= hi:
                         got.append(("docstring", node.lineno, text))
                 start = node.lineno - 1
@@ -244,7 +276,7 @@ def cut_prompts(files, per_file=4, lo=100, hi=600):
             elif isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno >= 6:
                 start = node.lineno - 1
                 end = start + 1
-                while end < node.end_lineno and len("".join(lines[start:end + 1])) <= min(hi, 420):
+                while end < node.end_lineno and len("".join(lines[start : end + 1])) <= min(hi, 420):
                     end += 1
                 text = "".join(lines[start:end]).rstrip("\n")
                 if lo <= len(text) <= hi:
@@ -271,24 +303,37 @@ prompts = cut_prompts(order)
 with open(out_dir / "prompts.jsonl", "w", encoding="utf-8") as f:
     for pr in prompts:
         f.write(json.dumps(pr) + "\n")
-print(f"heldout_sample.txt: {len(sample_files)} files, {len(sample_text.encode())/1e3:.0f} KB;  "
-      f"prompts.jsonl: {len(prompts)} prompts")
+print(
+    f"heldout_sample.txt: {len(sample_files)} files, {len(sample_text.encode()) / 1e3:.0f} KB;  "
+    f"prompts.jsonl: {len(prompts)} prompts"
+)
 if args.prep_only:
     sys.exit(0)
 
 # ----------------------------------------------------------------------------- 4. model
 config = LlamaConfig(
-    vocab_size=args.vocab_size, hidden_size=args.d_model, intermediate_size=args.d_ff,
-    num_hidden_layers=args.n_layer, num_attention_heads=args.n_head, num_key_value_heads=args.n_head,
-    max_position_embeddings=1024, rope_theta=10000.0, rms_norm_eps=1e-5, initializer_range=0.02,
-    tie_word_embeddings=True, bos_token_id=tokenizer.bos_token_id, eos_token_id=EOS_ID,
-    pad_token_id=tokenizer.pad_token_id, attention_bias=False, mlp_bias=False,
+    vocab_size=args.vocab_size,
+    hidden_size=args.d_model,
+    intermediate_size=args.d_ff,
+    num_hidden_layers=args.n_layer,
+    num_attention_heads=args.n_head,
+    num_key_value_heads=args.n_head,
+    max_position_embeddings=1024,
+    rope_theta=10000.0,
+    rms_norm_eps=1e-5,
+    initializer_range=0.02,
+    tie_word_embeddings=True,
+    bos_token_id=tokenizer.bos_token_id,
+    eos_token_id=EOS_ID,
+    pad_token_id=tokenizer.pad_token_id,
+    attention_bias=False,
+    mlp_bias=False,
 )
 config._attn_implementation = "sdpa"
 model = LlamaForCausalLM(config)
 L = config.num_hidden_layers
 n_params = sum(p.numel() for p in model.parameters())
-print(f"model: {L} layers, d={args.d_model}, heads={args.n_head}, ff={args.d_ff}, params {n_params/1e6:.2f}M")
+print(f"model: {L} layers, d={args.d_model}, heads={args.n_head}, ff={args.d_ff}, params {n_params / 1e6:.2f}M")
 
 
 def hidden_states(x, skip=()):
@@ -320,8 +365,12 @@ with torch.no_grad():
 # ----------------------------------------------------------------------------- 5. training setup
 decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
 no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-opt = torch.optim.AdamW([{"params": decay, "weight_decay": args.weight_decay},
-                         {"params": no_decay, "weight_decay": 0.0}], lr=args.lr, betas=(0.9, 0.95), eps=1e-8)
+opt = torch.optim.AdamW(
+    [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+    lr=args.lr,
+    betas=(0.9, 0.95),
+    eps=1e-8,
+)
 
 
 def lr_at(progress_steps, total):
@@ -345,8 +394,8 @@ class Batches:
             starts = np.arange(off, len(self.ids) - self.T - 1, self.T)
             self.queue += list(self.rng.permutation(starts))
             self.epoch += 1
-        s, self.queue = self.queue[:self.B], self.queue[self.B:]
-        chunk = torch.stack([self.ids[i:i + self.T + 1] for i in s])
+        s, self.queue = self.queue[: self.B], self.queue[self.B :]
+        chunk = torch.stack([self.ids[i : i + self.T + 1] for i in s])
         return chunk[:, :-1], chunk[:, 1:]
 
 
@@ -360,7 +409,7 @@ exit_w = args.exit_weight / (L - 1)  # uniform over exits 1..L-1
 def windows(ids, T):
     """Non-overlapping windows: inputs ids[i:i+T], targets ids[i+1:i+T+1], last one partial."""
     n = len(ids) - 1
-    return [(ids[i:min(i + T, n)], ids[i + 1:min(i + T, n) + 1]) for i in range(0, n, T)]
+    return [(ids[i : min(i + T, n)], ids[i + 1 : min(i + T, n) + 1]) for i in range(0, n, T)]
 
 
 @torch.no_grad()
@@ -374,9 +423,12 @@ def evaluate(ids, with_exits=False, bs=16):
     exit_loss = torch.zeros(L, dtype=torch.float64)
     ws = windows(ids, args.seq_len)
     for j in range(0, len(ws), bs):
-        group = ws[j:j + bs]
-        for x, y in ([(torch.stack([g[0] for g in group]), torch.stack([g[1] for g in group]))]
-                     if len({len(g[0]) for g in group}) == 1 else [(g[0][None], g[1][None]) for g in group]):
+        group = ws[j : j + bs]
+        for x, y in (
+            [(torch.stack([g[0] for g in group]), torch.stack([g[1] for g in group]))]
+            if len({len(g[0]) for g in group}) == 1
+            else [(g[0][None], g[1][None]) for g in group]
+        ):
             hs = hidden_states(x) if with_exits else [model.model(x).last_hidden_state]
             logits = (exit_logits(hs[-1]) if with_exits else model.lm_head(hs[-1])).float()
             tot_loss += F.cross_entropy(logits.view(-1, logits.size(-1)), y.reshape(-1), reduction="sum").item()
@@ -410,8 +462,13 @@ ck = ckpt_dir / "last.pt"
 if ck.exists() and not args.trial:  # resume (checkpoints live in /tmp, never in the repo)
     state = torch.load(ck, weights_only=False)
     model.load_state_dict(state["model"]), opt.load_state_dict(state["opt"])
-    step, tokens_seen, train_time, history, snapshot = (state["step"], state["tokens_seen"], state["train_time"],
-                                                        state["history"], state["snapshot"])
+    step, tokens_seen, train_time, history, snapshot = (
+        state["step"],
+        state["tokens_seen"],
+        state["train_time"],
+        state["history"],
+        state["snapshot"],
+    )
     batches.rng.bit_generator.state, batches.queue, batches.epoch = state["data_rng"], state["queue"], state["epoch"]
     torch.set_rng_state(state["torch_rng"])
     random.setstate(state["py_rng"])
@@ -473,29 +530,52 @@ while step < stop:
     step += 1
     tokens_seen += x.numel()
     pbar.update(1)
-    pbar.set_postfix(loss=f"{loss_final.item():.3f}", lr=f"{lr:.1e}",
-                     tok_s=f"{tokens_seen / max(1e-9, time.time() - t_seg):.0f}",
-                     thr=n_thr if args.threads > 1 else 1)
+    pbar.set_postfix(
+        loss=f"{loss_final.item():.3f}",
+        lr=f"{lr:.1e}",
+        tok_s=f"{tokens_seen / max(1e-9, time.time() - t_seg):.0f}",
+        thr=n_thr if args.threads > 1 else 1,
+    )
 
     if step % args.eval_interval == 0 or step == stop or step == args.snapshot_step:
         full = step == args.snapshot_step or step == stop
         ev = evaluate(sample_ids, with_exits=full)
-        rec = {"step": step, "tokens_seen": tokens_seen, "train_loss": loss_final.item(),
-               "wall_s": round(time.time() - t_seg, 1), **{k: ev[k] for k in ("loss", "ppl", "top1")}}
+        rec = {
+            "step": step,
+            "tokens_seen": tokens_seen,
+            "train_loss": loss_final.item(),
+            "wall_s": round(time.time() - t_seg, 1),
+            **{k: ev[k] for k in ("loss", "ppl", "top1")},
+        }
         history.append(rec)
         tqdm.write(json.dumps(rec))
         if step == args.snapshot_step:
             snapshot = {"step": step, "tokens_seen": tokens_seen, **ev}
             tqdm.write("snapshot exit agreement: " + json.dumps(ev["exit_agreement"]))
     if not args.trial and (step % args.ckpt_interval == 0 or step == stop):
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "step": step,
-                    "tokens_seen": tokens_seen, "train_time": time.time() - t_seg, "history": history,
-                    "snapshot": snapshot, "data_rng": batches.rng.bit_generator.state, "queue": batches.queue,
-                    "epoch": batches.epoch, "torch_rng": torch.get_rng_state(), "py_rng": random.getstate()}, ck)
+        torch.save(
+            {
+                "model": model.state_dict(),
+                "opt": opt.state_dict(),
+                "step": step,
+                "tokens_seen": tokens_seen,
+                "train_time": time.time() - t_seg,
+                "history": history,
+                "snapshot": snapshot,
+                "data_rng": batches.rng.bit_generator.state,
+                "queue": batches.queue,
+                "epoch": batches.epoch,
+                "torch_rng": torch.get_rng_state(),
+                "py_rng": random.getstate(),
+            },
+            ck,
+        )
 pbar.close()
 wall_train = time.time() - t_seg
-print(f"trained {step} steps, {tokens_seen:,} tokens in {wall_train/60:.1f} min "
-      f"({tokens_seen / wall_train:.0f} tok/s); time budget bound: {time_bound}")
+print(
+    f"trained {step} steps, {tokens_seen:,} tokens in {wall_train / 60:.1f} min "
+    f"({tokens_seen / wall_train:.0f} tok/s); time budget bound: {time_bound}"
+)
 if args.trial:
     sys.exit(0)
 
@@ -503,20 +583,29 @@ if args.trial:
 final = evaluate(sample_ids, with_exits=True)
 t0 = time.time()
 full_heldout = evaluate(held_ids)
-print(f"held-out sample: loss {final['loss']:.4f} ppl {final['ppl']:.2f} top1 {final['top1']:.4f};  "
-      f"whole held-out split: loss {full_heldout['loss']:.4f} ({time.time() - t0:.0f}s)")
+print(
+    f"held-out sample: loss {final['loss']:.4f} ppl {final['ppl']:.2f} top1 {final['top1']:.4f};  "
+    f"whole held-out split: loss {full_heldout['loss']:.4f} ({time.time() - t0:.0f}s)"
+)
 print("exit agreement: " + json.dumps({k: round(v, 3) for k, v in final["exit_agreement"].items()}))
 
-model.generation_config = GenerationConfig(bos_token_id=tokenizer.bos_token_id, eos_token_id=EOS_ID,
-                                           pad_token_id=tokenizer.pad_token_id, max_length=1024)
+model.generation_config = GenerationConfig(
+    bos_token_id=tokenizer.bos_token_id, eos_token_id=EOS_ID, pad_token_id=tokenizer.pad_token_id, max_length=1024
+)
 model.eval()
 samples = []
 for pr in [q for q in prompts if q["kind"] == "docstring"][:3]:
     enc = tokenizer(pr["prompt"], return_tensors="pt", add_special_tokens=False)
     with torch.no_grad():
         gen = model.generate(**enc, max_new_tokens=96, do_sample=False)
-    samples.append({"file": pr["file"], "kind": pr["kind"], "prompt": pr["prompt"],
-                    "completion": tokenizer.decode(gen[0, enc["input_ids"].shape[1]:])})
+    samples.append(
+        {
+            "file": pr["file"],
+            "kind": pr["kind"],
+            "prompt": pr["prompt"],
+            "completion": tokenizer.decode(gen[0, enc["input_ids"].shape[1] :]),
+        }
+    )
 print("greedy sample:\n" + samples[0]["prompt"] + "<<<COMPLETION>>>" + samples[0]["completion"])
 
 for f in out_dir.glob("*.safetensors"):
@@ -524,37 +613,71 @@ for f in out_dir.glob("*.safetensors"):
 model.save_pretrained(out_dir, safe_serialization=True)
 tokenizer.save_pretrained(out_dir)
 metrics = {
-    "model": "refcoder", "run": "baseline" if args.baseline else "main",
-    "held_out_loss": final["loss"], "perplexity": final["ppl"], "top1": final["top1"],
+    "model": "refcoder",
+    "run": "baseline" if args.baseline else "main",
+    "held_out_loss": final["loss"],
+    "perplexity": final["ppl"],
+    "top1": final["top1"],
     "heldout_sample_tokens": final["tokens"],
     "eval_protocol": f"heldout_sample.txt tokenized as one string (no special tokens added; the literal "
-                     f"{EOS} separators become the EOS id), non-overlapping windows of {args.seq_len} tokens "
-                     f"(inputs ids[i:i+{args.seq_len}], targets shifted by one, last window partial), "
-                     f"token-weighted mean cross-entropy, fp32",
-    "whole_heldout_split": {"loss": full_heldout["loss"], "ppl": full_heldout["ppl"], "top1": full_heldout["top1"],
-                            "tokens": full_heldout["tokens"]},
+    f"{EOS} separators become the EOS id), non-overlapping windows of {args.seq_len} tokens "
+    f"(inputs ids[i:i+{args.seq_len}], targets shifted by one, last window partial), "
+    f"token-weighted mean cross-entropy, fp32",
+    "whole_heldout_split": {
+        "loss": full_heldout["loss"],
+        "ppl": full_heldout["ppl"],
+        "top1": full_heldout["top1"],
+        "tokens": full_heldout["tokens"],
+    },
     "exit_agreement": {"main" if not args.baseline else "baseline": final["exit_agreement"]},
-    "exit_top1": final["exit_top1"], "exit_loss": final["exit_loss"],
-    "tokens_seen": tokens_seen, "steps": step, "wall_time_s": round(wall_train, 1),
-    "wall_time_total_s": round(time.time() - t_start, 1), "time_budget_bound": time_bound,
-    "n_params": n_params, "python_version": corpus_info["python_version"],
+    "exit_top1": final["exit_top1"],
+    "exit_loss": final["exit_loss"],
+    "tokens_seen": tokens_seen,
+    "steps": step,
+    "wall_time_s": round(wall_train, 1),
+    "wall_time_total_s": round(time.time() - t_start, 1),
+    "time_budget_bound": time_bound,
+    "n_params": n_params,
+    "python_version": corpus_info["python_version"],
     "sha256_train_file_list": corpus_info["sha256_train_file_list"],
     "sha256_heldout_file_list": corpus_info["sha256_heldout_file_list"],
-    "config": {"n_layer": L, "d_model": args.d_model, "n_head": args.n_head, "d_ff": args.d_ff,
-               "vocab_size": args.vocab_size, "seq_len": args.seq_len, "tied_embeddings": True},
+    "config": {
+        "n_layer": L,
+        "d_model": args.d_model,
+        "n_head": args.n_head,
+        "d_ff": args.d_ff,
+        "vocab_size": args.vocab_size,
+        "seq_len": args.seq_len,
+        "tied_embeddings": True,
+    },
     "recipe": {k: v for k, v in vars(args).items() if k not in ("baseline_metrics",)},
     "command": "nice -n 15 python3 " + " ".join(sys.argv),
     "machine": "2-core AMD EPYC CPU (no GPU), torch threads=2, niced (nice -n 15), shared with other work",
-    "torch_version": torch.__version__, "transformers_version": __import__("transformers").__version__,
-    "corpus": corpus_info, "history": history, "snapshot_at_baseline_steps": snapshot,
+    "torch_version": torch.__version__,
+    "transformers_version": __import__("transformers").__version__,
+    "corpus": corpus_info,
+    "history": history,
+    "snapshot_at_baseline_steps": snapshot,
     "greedy_samples": samples,
 }
 if args.baseline_metrics:
     bm = json.loads(Path(args.baseline_metrics).read_text())
     metrics["exit_agreement"]["baseline"] = bm["exit_agreement"]["baseline"]
-    metrics["baseline"] = {k: bm[k] for k in ("held_out_loss", "perplexity", "top1", "tokens_seen", "steps",
-                                              "wall_time_s", "exit_top1", "exit_loss", "command",
-                                              "whole_heldout_split")}
+    metrics["baseline"] = {
+        k: bm[k]
+        for k in (
+            "held_out_loss",
+            "perplexity",
+            "top1",
+            "tokens_seen",
+            "steps",
+            "wall_time_s",
+            "exit_top1",
+            "exit_loss",
+            "command",
+            "whole_heldout_split",
+        )
+    }
     if snapshot:
         metrics["exit_agreement"]["main_at_baseline_steps"] = snapshot["exit_agreement"]
 (out_dir / "metrics.json").write_text(json.dumps(metrics, indent=2) + "\n")

@@ -1,12 +1,12 @@
 """The backend interface: run segments on a static KV cache; nothing about draft plans.
 
-Draft-and-verify needs four things from a backend (DESIGN.md sections 2-3): run blocks ``a..b`` with
+Draft-and-verify needs four things from a backend (docs/design.md sections 2-3): run blocks ``a..b`` with
 a set of sublayers skipped at given positions, optionally keeping the hidden states there (``run``,
 ``runtime/segments.py``); a head, the shared one or a plan's draft head (part of a segment, loaded
 by ``load_draft_head``); a static cache sized by ``reserve`` and rolled back by starting the next
 call at an earlier position; and ``replica`` (one cache per concurrent sequence over shared weights).
 What a plan is, which segments its draft step and verify run, and whether the verify reuses the
-draft's prefix, is decided once, by its draft kind (``runtime/draft_kinds/``).
+draft's prefix, is decided once, by its draft kind (``runtime/drafting/kinds/``).
 
 ``draft``, ``verify`` and ``check_plans`` below are conveniences that hand the call to the plan's
 kind; a backend does not override them.
@@ -20,8 +20,9 @@ from typing import Sequence
 
 import numpy as np
 
+from ..artifact.manifest import ArchConfig, DraftPlan
+from ..drafting import describe
 from ..errors import ArtifactError
-from ..manifest import ArchConfig, DraftPlan
 from ..segments import Segment, full_model
 
 
@@ -64,6 +65,11 @@ class Backend(ABC):
         """Make ready now whatever ``segment`` builds on its first run (the torch int8 twin: about a second for
         SmolLM2-135M), so that cost falls at load and not inside the first request's decode. Default: nothing."""
 
+    def device_round(self, drafter, seed: int | None):
+        """A round that stays on this backend's device for ``drafter`` (called as ``round(ctx, stats)``), or None: the
+        host round of ``runtime/decoding/speculative.py`` runs. Only the torch backend on CUDA has one."""
+        return None
+
     # -- token trees (``runtime/tree.py``): backends that can verify them override these three ----------
     def tree_unsupported(self) -> str | None:
         """None when ``forward_tree`` works here, else why not (a short phrase)."""
@@ -92,7 +98,7 @@ class Backend(ABC):
 
     def draft(self, plan: DraftPlan, token: int, pos: int) -> np.ndarray:
         """One draft step of ``plan`` (its kind decides the segments): logits ``[vocab]``."""
-        from ..draft_kinds import kind_of
+        from ..drafting.kinds import kind_of
 
         return kind_of(plan, self.config.num_layers).draft(self, token, pos)
 
@@ -100,13 +106,13 @@ class Backend(ABC):
         """Full-model logits for a round's ``tokens``; ``n_reuse`` of them already ran ``plan``'s prefix."""
         if plan is None:
             return self.forward(tokens, pos)
-        from ..draft_kinds import kind_of
+        from ..drafting.kinds import kind_of
 
         return kind_of(plan, self.config.num_layers).verify(self, tokens, pos, n_reuse)
 
     def _plan_segments(self, plans: dict[str, DraftPlan]):
         """(name, plan, segment, why this backend cannot run it or None) for every segment of ``plans``."""
-        from ..draft_kinds import kind_of
+        from ..drafting.kinds import kind_of
 
         for name, plan in plans.items():
             for segment in kind_of(plan, self.config.num_layers).segments():
@@ -122,7 +128,7 @@ class Backend(ABC):
         """Refuse, before any work, a plan whose segments this backend cannot run (one line each)."""
         for name, plan, _, reason in self._plan_segments(plans):
             if reason is not None:
-                raise ArtifactError(f"plan {name!r} ({plan.describe()}) cannot run on the {self.name} backend: {reason}")
+                raise ArtifactError(f"plan {name!r} ({describe(plan)}) cannot run on the {self.name} backend: {reason}")
 
 
 __all__ = ["Backend", "Segment"]

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..manifest import DraftPlan
+from ..artifact.manifest import DraftPlan
 from ..segments import FINAL_HEAD, Segment, full_model
 
 HIDDEN_OUTPUTS = ("hidden", "last_hidden")
@@ -43,8 +43,12 @@ def segments_from_plan_records(record: dict[str, Any], plans: dict[str, DraftPla
             found[rec["suffix"]] = {"start": e, "stop": L}
             found[rec["head"]] = {"head_only": True, "head": FINAL_HEAD}
         elif rec.get("kind") == "layer_skip" and plan is not None:
-            found[rec["draft"]] = {"start": 0, "stop": L, "skip_attn": sorted(set(plan.skip_attn)),
-                                   "skip_mlp": sorted(set(plan.skip_mlp))}
+            found[rec["draft"]] = {
+                "start": 0,
+                "stop": L,
+                "skip_attn": sorted(set(plan.skip_attn)),
+                "skip_mlp": sorted(set(plan.skip_mlp)),
+            }
         if rec.get("draft_head") and plan is not None:
             found[rec["draft_head"]] = {"head_only": True, "head": plan.draft_head_file}
     return found
@@ -53,8 +57,9 @@ def segments_from_plan_records(record: dict[str, Any], plans: dict[str, DraftPla
 class GraphIndex:
     """Segments -> the graph keys that compute them, in order."""
 
-    def __init__(self, record: dict[str, Any], plans: dict[str, DraftPlan], num_layers: int,
-                 opened: set[str] | None = None):
+    def __init__(
+        self, record: dict[str, Any], plans: dict[str, DraftPlan], num_layers: int, opened: set[str] | None = None
+    ):
         self.num_layers = num_layers
         graphs: dict[str, dict] = record.get("graphs", {})
         legacy = segments_from_plan_records(record, plans, num_layers)
@@ -67,13 +72,21 @@ class GraphIndex:
             seg = graph.get("segment") or legacy.get(key)
             if seg is None:
                 continue
-            self.kv_layers[key] = {int(i["name"].split(".")[1]) for i in graph.get("inputs", [])
-                                   if i["name"].startswith("past_key_values.")}
+            self.kv_layers[key] = {
+                int(i["name"].split(".")[1])
+                for i in graph.get("inputs", [])
+                if i["name"].startswith("past_key_values.")
+            }
             if seg.get("head_only"):
                 self.heads.setdefault(seg["head"], key)
                 continue
-            blocks = (seg["start"], seg["stop"], tuple(seg.get("skip_attn", ())), tuple(seg.get("skip_mlp", ())),
-                      seg.get("precision"))
+            blocks = (
+                seg["start"],
+                seg["stop"],
+                tuple(seg.get("skip_attn", ())),
+                tuple(seg.get("skip_mlp", ())),
+                seg.get("precision"),
+            )
             outputs = _outputs(graph)
             if "logits" in outputs:
                 self.blocks.setdefault((blocks, FINAL_HEAD), key)
@@ -127,8 +140,9 @@ class GraphIndex:
         return None
 
 
-def full_model_without_verify(record: dict[str, Any], plans: dict[str, DraftPlan],
-                              num_layers: int | None = None) -> list[str] | None:
+def full_model_without_verify(
+    record: dict[str, Any], plans: dict[str, DraftPlan], num_layers: int | None = None
+) -> list[str] | None:
     """The graph keys that compute the full model when the whole-model ``verify`` graph is left unopened, or
     None when it is needed: when the other graphs compose the full model and none of them runs every block
     from the tokens (an export whose plans all exit at one block: prefix + suffix), a backend that packs

@@ -18,15 +18,22 @@ from pathlib import Path
 
 import numpy as np
 
-from speccompile.runtime.adapter import DraftHead
+from speccompile.runtime.drafting.kinds.adapter import DraftHead
 
 from .onnx_graph import GraphBuilder
 
 LOGITS, HIDDEN, LAST_HIDDEN = "logits", "hidden", "last_hidden"
 
 
-def build_blocks(g: GraphBuilder, start: int, stop: int, skip_attn=frozenset(), skip_mlp=frozenset(),
-                 from_tokens: bool = True, output: str = LOGITS) -> GraphBuilder:
+def build_blocks(
+    g: GraphBuilder,
+    start: int,
+    stop: int,
+    skip_attn=frozenset(),
+    skip_mlp=frozenset(),
+    from_tokens: bool = True,
+    output: str = LOGITS,
+) -> GraphBuilder:
     """Fill ``g`` (a fresh graph of any variant) with blocks ``start..stop-1`` and its output."""
     c = g.c
     attn_layers = [i for i in range(start, stop) if i not in skip_attn]
@@ -36,7 +43,7 @@ def build_blocks(g: GraphBuilder, start: int, stop: int, skip_attn=frozenset(), 
     delta = None if from_tokens else g.residual_start(h)
     for i in range(start, stop):
         run_attn, run_mlp = i not in skip_attn, i not in skip_mlp
-        pre = (lambda name: f"layers.{i}.{name}" if c.pre_norm else None)  # noqa: E731
+        pre = lambda name: f"layers.{i}.{name}" if c.pre_norm else None  # noqa: E731
 
         def post(branch: str, name: str) -> str:
             return g.norm(branch, f"layers.{i}.{name}") if c.post_norm else branch
@@ -95,8 +102,10 @@ def load_draft_head(plan, config, draft_heads: dict[str, Path] | None) -> DraftH
 
     source = (draft_heads or {}).get(plan.draft_head_file)
     if source is None:
-        raise SpeccompileError(f"plan {plan.name!r} has a draft head ({plan.draft_head_file}) but the ONNX export was not "
-                               "given the file; rebuild the artifact")
+        raise SpeccompileError(
+            f"plan {plan.name!r} has a draft head ({plan.draft_head_file}) but the ONNX export was not "
+            "given the file; rebuild the artifact"
+        )
     return DraftHead.load(Path(source), config.hidden_size, config.vocab_size)
 
 

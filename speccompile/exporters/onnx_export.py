@@ -13,7 +13,7 @@ Names follow optimum: ``input_ids``, ``past_key_values.{i}.key/value``, ``logits
 KV layout ``[batch, kv_heads, len, head_dim]``; dynamic batch / seq / past. Every initializer is stored as
 external data in ``weights.bin`` next to the graphs (64-byte aligned, de-duplicated by dtype + shape +
 bytes). The manifest record lists every tensor's offset, so a runtime can read the file once and hand the
-same buffers to every session (``runtime/backends/onnx_backend.py``).
+same buffers to every session (``runtime/backends/onnx.py``).
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ import numpy as np
 import onnx
 from onnx import TensorProto
 
-from speccompile.runtime.draft_kinds import kind_of
-from speccompile.runtime.draft_kinds.precision import parse_precision
-from speccompile.runtime.manifest import ArchConfig, DraftPlan
+from speccompile.runtime.artifact.manifest import ArchConfig, DraftPlan
+from speccompile.runtime.drafting.kinds import kind_of
+from speccompile.runtime.drafting.kinds.precision import parse_precision
 from speccompile.runtime.segments import FINAL_HEAD, Segment, full_model
 
 from .onnx_blocks import HIDDEN, LAST_HIDDEN, LOGITS, build_blocks, draft_head_graph, load_draft_head
@@ -42,8 +42,12 @@ ALIGN = 64
 FORMAT_VERSION = 1
 VARIANTS = ("standard", "fused")
 
-_DTYPE_NAMES = {np.dtype(np.float32): "float32", np.dtype(np.float16): "float16", np.dtype(np.int64): "int64",
-                np.dtype(np.uint8): "uint8"}
+_DTYPE_NAMES = {
+    np.dtype(np.float32): "float32",
+    np.dtype(np.float16): "float16",
+    np.dtype(np.int64): "int64",
+    np.dtype(np.uint8): "uint8",
+}
 
 
 def fused_supports(config: ArchConfig) -> bool:
@@ -59,8 +63,15 @@ def safe_name(name: str) -> str:
 class _Lowering:
     """Segments -> graphs of one variant, each built once; ``graphs`` in the order they were needed."""
 
-    def __init__(self, config: ArchConfig, dtype: np.dtype, weights: dict[str, np.ndarray], graph_class: type[GraphBuilder],
-                 graph_options: dict[str, Any], draft_heads: dict[str, Path] | None):
+    def __init__(
+        self,
+        config: ArchConfig,
+        dtype: np.dtype,
+        weights: dict[str, np.ndarray],
+        graph_class: type[GraphBuilder],
+        graph_options: dict[str, Any],
+        draft_heads: dict[str, Path] | None,
+    ):
         self.config, self.dtype, self.weights, self.draft_heads = config, dtype, weights, draft_heads
         self.graph_class, self.graph_options = graph_class, graph_options
         self.graphs: dict[str, GraphBuilder] = {}
@@ -71,9 +82,15 @@ class _Lowering:
         """The graph keys that compute ``segment`` (``plan`` names the graphs only it needs); none when this
         variant cannot (a precision segment needs the fused variant's ``MatMulNBits``): the backend then
         refuses the plan in one line (and float32 weights, which the quantizer reads)."""
-        if segment.precision is not None and not (issubclass(self.graph_class, FusedGraph) and self.dtype == np.float32):
+        if segment.precision is not None and not (
+            issubclass(self.graph_class, FusedGraph) and self.dtype == np.float32
+        ):
             return []
-        if segment.head == FINAL_HEAD and not segment.keep_hidden and (segment.from_tokens or self.graph_class.head_after_hidden):
+        if (
+            segment.head == FINAL_HEAD
+            and not segment.keep_hidden
+            and (segment.from_tokens or self.graph_class.head_after_hidden)
+        ):
             return [self._blocks(segment, LOGITS, plan)]
         body = self._blocks(segment, HIDDEN if segment.from_tokens else LAST_HIDDEN, plan)
         if segment.head is None:
@@ -96,8 +113,9 @@ class _Lowering:
         if precision is not None:
             key = safe_name(f"{key}.{precision}")
         graph = self._new(key, precision)
-        self.graphs[key] = build_blocks(graph, start, stop, frozenset(skip_attn), frozenset(skip_mlp), segment.from_tokens,
-                                        output)
+        self.graphs[key] = build_blocks(
+            graph, start, stop, frozenset(skip_attn), frozenset(skip_mlp), segment.from_tokens, output
+        )
         record = {"start": start, "stop": stop}
         if skip_attn or skip_mlp:
             record.update(skip_attn=list(skip_attn), skip_mlp=list(skip_mlp))
@@ -112,8 +130,9 @@ class _Lowering:
         if precision is not None:  # a precision self-draft: the fused graph on weight-only quantized products
             scheme, block_size, symmetric = parse_precision(precision)
             tag = f"{scheme}.b{block_size}{'s' if symmetric else ''}"
-            options = dict(options, quantizer=Quantizer(scheme, block_size, DEFAULT_ACCURACY_LEVEL, symmetric, tag),
-                           pad_rows=False)  # a draft need not round like the verify; padding only costs it
+            options = dict(
+                options, quantizer=Quantizer(scheme, block_size, DEFAULT_ACCURACY_LEVEL, symmetric, tag), pad_rows=False
+            )  # a draft need not round like the verify; padding only costs it
         elif key == "verify" and issubclass(self.graph_class, FusedGraph):
             options = dict(options, tree=True)  # the full model also verifies token trees (runtime/tree.py)
         return self.graph_class(key, self.config, self.dtype, self.weights, **options)
@@ -129,14 +148,21 @@ class _Lowering:
             key = f"draft_head.{name}"
             if key not in self.graphs:  # no KV: always the standard variant (nothing for an in-place cache to do)
                 g = GraphBuilder(key, self.config, self.dtype, self.weights)
-                self.graphs[key] = draft_head_graph(g, load_draft_head(plan, self.config, self.draft_heads),
-                                                    f"draft_heads.{name}")
+                self.graphs[key] = draft_head_graph(
+                    g, load_draft_head(plan, self.config, self.draft_heads), f"draft_heads.{name}"
+                )
         self.segments[key] = {"head_only": True, "head": head}
         return key
 
 
-def export_onnx(decoder, plans: dict[str, DraftPlan], out_dir: Path, dtype: str = "float32",
-                relative_to: Path | None = None, **options) -> dict[str, Any]:
+def export_onnx(
+    decoder,
+    plans: dict[str, DraftPlan],
+    out_dir: Path,
+    dtype: str = "float32",
+    relative_to: Path | None = None,
+    **options,
+) -> dict[str, Any]:
     """Write the ONNX graphs of ``decoder`` (a ``runtime.decoder.Decoder``; its ``config`` and
     ``state_dict()`` are used) and of ``plans``' drafts, plus one shared ``weights.bin``, into
     ``out_dir``; return the manifest record for ``backends["onnx"]``.
@@ -147,11 +173,21 @@ def export_onnx(decoder, plans: dict[str, DraftPlan], out_dir: Path, dtype: str 
     return export_onnx_weights(decoder.config, decoder.state_dict(), plans, out_dir, dtype, relative_to, **options)
 
 
-def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan], out_dir: Path,
-                        dtype: str = "float32", relative_to: Path | None = None, variant: str = "standard",
-                        quantize: str | None = None, block_size: int = DEFAULT_BLOCK_SIZE,
-                        accuracy_level: int = DEFAULT_ACCURACY_LEVEL, pack: bool = True, pad_rows: bool | None = None,
-                        draft_heads: dict[str, Path] | None = None) -> dict[str, Any]:
+def export_onnx_weights(
+    config: ArchConfig,
+    weights,
+    plans: dict[str, DraftPlan],
+    out_dir: Path,
+    dtype: str = "float32",
+    relative_to: Path | None = None,
+    variant: str = "standard",
+    quantize: str | None = None,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
+    pack: bool = True,
+    pad_rows: bool | None = None,
+    draft_heads: dict[str, Path] | None = None,
+) -> dict[str, Any]:
     """``export_onnx`` from an ``ArchConfig`` and canonical weights (name -> torch tensor or numpy array,
     as in weights/model.safetensors; a tied lm_head may be absent). No torch needed for numpy weights.
 
@@ -179,8 +215,10 @@ def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan]
         quantizer = Quantizer(quantize, block_size, accuracy_level)
     if variant == "fused" and not fused_supports(config):
         if quantizer is not None:
-            raise ValueError(f"{config.model_type}: the fused graphs (which --quantize needs) do not support this "
-                             "model; export without --quantize")
+            raise ValueError(
+                f"{config.model_type}: the fused graphs (which --quantize needs) do not support this "
+                "model; export without --quantize"
+            )
         variant = "standard"  # the portable graphs: ONNX Runtime runs them too, with the past KV copied per call
     np_dtype = np.dtype(dtype)
     out_dir = Path(out_dir)
@@ -210,13 +248,22 @@ def export_onnx_weights(config: ArchConfig, weights, plans: dict[str, DraftPlan]
         onnx.save_model(_with_external_weights(g, tensors), str(path))
         if g.variant == "standard":  # the checker does not know ONNX Runtime's contrib ops
             onnx.checker.check_model(str(path), full_check=True)
-        graph_records[key] = {"file": rel(path), "variant": g.variant, "inputs": g.input_records,
-                              "outputs": g.output_records, "initializers": list(g.used),
-                              "segment": lowering.segments[key]}
+        graph_records[key] = {
+            "file": rel(path),
+            "variant": g.variant,
+            "inputs": g.input_records,
+            "outputs": g.output_records,
+            "initializers": list(g.used),
+            "segment": lowering.segments[key],
+        }
     precision_graphs = {key for key, seg in lowering.segments.items() if seg.get("precision")}
     others = {name for key, g in lowering.graphs.items() if key not in precision_graphs for name in g.used}
-    draft_only = {tensors[name]["offset"]: tensors[name]["nbytes"] for key in precision_graphs
-                  for name in lowering.graphs[key].used if name not in others}
+    draft_only = {
+        tensors[name]["offset"]: tensors[name]["nbytes"]
+        for key in precision_graphs
+        for name in lowering.graphs[key].used
+        if name not in others
+    }
     return {
         "format_version": FORMAT_VERSION,
         "opset": OPSET,
@@ -252,8 +299,12 @@ def _write_weights(graphs: dict[str, GraphBuilder], weights: dict[str, np.ndarra
                 f.write(b"\0" * pad)
                 offset += pad
                 f.write(data)
-                by_content[key] = {"offset": offset, "nbytes": len(data), "dtype": _DTYPE_NAMES[arr.dtype],
-                                   "shape": list(arr.shape)}
+                by_content[key] = {
+                    "offset": offset,
+                    "nbytes": len(data),
+                    "dtype": _DTYPE_NAMES[arr.dtype],
+                    "shape": list(arr.shape),
+                }
                 offset += len(data)
             tensors[name] = dict(by_content[key])
     return tensors, offset, weights_path

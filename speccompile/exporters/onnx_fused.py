@@ -27,7 +27,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from speccompile.runtime.manifest import ArchConfig
+from speccompile.runtime.artifact.manifest import ArchConfig
 
 from .onnx_graph import GraphBuilder, elem_name
 from .onnx_quant import CONTRIB, Quantizer
@@ -46,8 +46,9 @@ class FusedGraph(GraphBuilder):
     variant = "fused"
     head_after_hidden = False
 
-    def __init__(self, *args, quantizer: Quantizer | None = None, pack: bool = True, pad_rows: bool = True,
-                 tree: bool = False):
+    def __init__(
+        self, *args, quantizer: Quantizer | None = None, pack: bool = True, pad_rows: bool = True, tree: bool = False
+    ):
         super().__init__(*args)
         self.quantizer, self.pack, self.pad_rows, self.tree = quantizer, pack, pad_rows, tree
         self.position_ids = self.attention_bias = None  # a tree-capable graph's inputs (``declare_positions``)
@@ -83,7 +84,9 @@ class FusedGraph(GraphBuilder):
             if self.gqa_rotary:
                 self.ropes[table] = self.gqa_rope_cache(table)
             else:
-                cos, sin = self.rope(self.pos, table)  # [seq, rot]; broadcast over heads of [batch, seq, heads, head_dim]
+                cos, sin = self.rope(
+                    self.pos, table
+                )  # [seq, rot]; broadcast over heads of [batch, seq, heads, head_dim]
                 self.ropes[table] = self.op("Unsqueeze", cos, self.ints(1)), self.op("Unsqueeze", sin, self.ints(1))
 
     def residual_start(self, h: str) -> str:
@@ -95,8 +98,9 @@ class FusedGraph(GraphBuilder):
         return self.op("Mul", h, self.const(np.array(0.0, self.dtype)))
 
     # -- the variant's ops -------------------------------------------------------------------------
-    def matmul(self, x: str, weights: str | tuple[str, str, str], in_features: int, out_features: int,
-               bias: str = "") -> str:
+    def matmul(
+        self, x: str, weights: str | tuple[str, str, str], in_features: int, out_features: int, bias: str = ""
+    ) -> str:
         """``x @ W^T + bias``: FusedMatMul on a float weight, or MatMulNBits on quantized (packed, scales, zero
         points) weights."""
         if isinstance(weights, str):
@@ -106,8 +110,16 @@ class FusedGraph(GraphBuilder):
         args = [x, *weights, "", bias]
         while args[-1] == "":
             args.pop()
-        return self.op("MatMulNBits", *args, domain=CONTRIB, K=in_features, N=out_features, bits=q.bits,
-                       block_size=q.block_size, accuracy_level=q.accuracy_level)
+        return self.op(
+            "MatMulNBits",
+            *args,
+            domain=CONTRIB,
+            K=in_features,
+            N=out_features,
+            bits=q.bits,
+            block_size=q.block_size,
+            accuracy_level=q.accuracy_level,
+        )
 
     def linear(self, x: str, prefix: str, out_features: int) -> str:
         return self.linear_cat(x, [prefix], out_features)
@@ -120,7 +132,9 @@ class FusedGraph(GraphBuilder):
         (or two)."""
         biases = [f"{p}.bias" in self.weights for p in prefixes]
         if len(prefixes) > 1 and (not self.pack or len(set(biases)) > 1):
-            return self.op("Concat", *[self.linear(x, p, self.weights[f"{p}.weight"].shape[0]) for p in prefixes], axis=-1)
+            return self.op(
+                "Concat", *[self.linear(x, p, self.weights[f"{p}.weight"].shape[0]) for p in prefixes], axis=-1
+            )
 
         def cat(names: list[str]) -> str:
             return self.w(names[0]) if len(names) == 1 else self.op("Concat", *[self.w(n) for n in names], axis=0)
@@ -146,7 +160,9 @@ class FusedGraph(GraphBuilder):
         c = self.c
         if c.norm == "layer":
             return super().norm(x, prefix)
-        return self.op("SimplifiedLayerNormalization", x, self.w(f"{prefix}.weight"), axis=-1, epsilon=float(c.norm_eps))
+        return self.op(
+            "SimplifiedLayerNormalization", x, self.w(f"{prefix}.weight"), axis=-1, epsilon=float(c.norm_eps)
+        )
 
     def add_norm(self, h: str, delta: str | None, prefix: str | None) -> tuple[str, str]:
         """(norm(h + delta), h + delta), the residual add fused into the norm that follows it."""
@@ -154,11 +170,26 @@ class FusedGraph(GraphBuilder):
             return super().add_norm(h, delta, prefix)
         c = self.c
         if c.norm == "layer":
-            outs = self.op("SkipLayerNormalization", delta, h, self.w(f"{prefix}.weight"), self.w(f"{prefix}.bias"),
-                           n_out=4, domain=CONTRIB, epsilon=float(c.norm_eps))
+            outs = self.op(
+                "SkipLayerNormalization",
+                delta,
+                h,
+                self.w(f"{prefix}.weight"),
+                self.w(f"{prefix}.bias"),
+                n_out=4,
+                domain=CONTRIB,
+                epsilon=float(c.norm_eps),
+            )
         else:
-            outs = self.op("SkipSimplifiedLayerNormalization", delta, h, self.w(f"{prefix}.weight"), n_out=4,
-                           domain=CONTRIB, epsilon=float(c.norm_eps))
+            outs = self.op(
+                "SkipSimplifiedLayerNormalization",
+                delta,
+                h,
+                self.w(f"{prefix}.weight"),
+                n_out=4,
+                domain=CONTRIB,
+                epsilon=float(c.norm_eps),
+            )
         return outs[0], outs[3]
 
     def add_branches(self, h: str, branches: list[str]) -> tuple[str, str | None]:
@@ -210,10 +241,20 @@ class FusedGraph(GraphBuilder):
             out_name = f"gqa_{i}_padded"
         present = [f"present.{i}.key", f"present.{i}.value"]
         self._n += 1
-        self.nodes.append(helper.make_node(
-            "GroupQueryAttention", args, [out_name] + present, name=f"n{self._n}", domain=CONTRIB, num_heads=nh,
-            kv_num_heads=nkv, scale=float(c.scale), do_rotary=int(do_rotary),
-            local_window_size=int(c.window_of(i)) if c.window_of(i) is not None else -1))
+        self.nodes.append(
+            helper.make_node(
+                "GroupQueryAttention",
+                args,
+                [out_name] + present,
+                name=f"n{self._n}",
+                domain=CONTRIB,
+                num_heads=nh,
+                kv_num_heads=nkv,
+                scale=float(c.scale),
+                do_rotary=int(do_rotary),
+                local_window_size=int(c.window_of(i)) if c.window_of(i) is not None else -1,
+            )
+        )
         if self.pad_rows:
             out_name = self.op("Slice", out_name, self.ints(0), self.padding(past_k)[3], self.ints(1))
         for name in present:
@@ -240,7 +281,9 @@ class FusedGraph(GraphBuilder):
         GroupQueryAttention's growing-cache mode) the padding row always fits."""
         if self._padding is None:
             total64 = self.op("Cast", self.op("Unsqueeze", self.total_len, self.ints(0)), to=TensorProto.INT64)
-            full = self.op("Equal", self.op("Shape", past_k, start=2, end=3), total64)  # a static cache with no slot left
+            full = self.op(
+                "Equal", self.op("Shape", past_k, start=2, end=3), total64
+            )  # a static cache with no slot left
             extra = self.op("Cast", self.op("Not", full), to=TensorProto.INT64)  # [1]: 1, or 0 when full
             pads = self.op("Mul", self.ints(0, 0, 0, 0, 1, 0), extra)  # after the last row of seq
             extra32 = self.op("Cast", extra, to=TensorProto.INT32)
@@ -271,8 +314,9 @@ class FusedGraph(GraphBuilder):
             total = self.op("Add", total, self.const(1, np.int64))
         pos = self.op("Range", self.const(0, np.int64), total, self.const(1, np.int64))
         inv_freq = "rope_local_inv_freq" if table == "local" else "rope_inv_freq"
-        angles = self.op("Mul", self.op("Unsqueeze", self.op("Cast", pos, to=TensorProto.FLOAT), self.ints(-1)),
-                         self.w(inv_freq))
+        angles = self.op(
+            "Mul", self.op("Unsqueeze", self.op("Cast", pos, to=TensorProto.FLOAT), self.ints(-1)), self.w(inv_freq)
+        )
         return self.rope_scaled(angles, table)
 
     def to_model(self) -> onnx.ModelProto:

@@ -8,7 +8,7 @@ dict, not traced with ``torch.onnx.export``:
   after-the-fact de-duplication of exporter output;
 - linear layers use the canonical ``[out, in]`` weights transposed inside the op (``Gemm(transB=1)``,
   ``FusedMatMul(transB=1)``), so no exporter-made transposed copies appear;
-- the families differ only by ``ArchConfig`` switches, exactly as in ``runtime/decoder.py``, whose forward
+- the families differ only by ``ArchConfig`` switches, exactly as in ``runtime/backends/torch/decoder.py``, whose forward
   pass this mirrors op for op; export is instant and independent of the torch exporter's behaviour.
 
 As in onnxruntime-genai's ``builder.py``, a layer is described once (``onnx_blocks.build_blocks``) and the
@@ -26,19 +26,27 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper
 
-from speccompile.runtime.manifest import ArchConfig
+from speccompile.runtime.artifact.manifest import ArchConfig
 
 OPSET = 18
 IR_VERSION = 8
 
-NP_TO_ONNX = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.float16): TensorProto.FLOAT16,
-              np.dtype(np.int64): TensorProto.INT64, np.dtype(np.uint8): TensorProto.UINT8,
-              np.dtype(np.int32): TensorProto.INT32}
+NP_TO_ONNX = {
+    np.dtype(np.float32): TensorProto.FLOAT,
+    np.dtype(np.float16): TensorProto.FLOAT16,
+    np.dtype(np.int64): TensorProto.INT64,
+    np.dtype(np.uint8): TensorProto.UINT8,
+    np.dtype(np.int32): TensorProto.INT32,
+}
 
 
 def elem_name(elem: int) -> str:
-    return {TensorProto.FLOAT: "float32", TensorProto.FLOAT16: "float16", TensorProto.INT64: "int64",
-            TensorProto.INT32: "int32"}[elem]
+    return {
+        TensorProto.FLOAT: "float32",
+        TensorProto.FLOAT16: "float16",
+        TensorProto.INT64: "int64",
+        TensorProto.INT32: "int32",
+    }[elem]
 
 
 class GraphBuilder:
@@ -77,8 +85,14 @@ class GraphBuilder:
         arr = np.asarray(value, dtype=dtype)
         self._n += 1
         name = f"const_{self._n}"
-        self.nodes.append(helper.make_node("Constant", [], [name], value=helper.make_tensor(
-            name, NP_TO_ONNX[arr.dtype], arr.shape, arr.flatten().tolist())))
+        self.nodes.append(
+            helper.make_node(
+                "Constant",
+                [],
+                [name],
+                value=helper.make_tensor(name, NP_TO_ONNX[arr.dtype], arr.shape, arr.flatten().tolist()),
+            )
+        )
         return name
 
     def ints(self, *values: int) -> str:
@@ -113,8 +127,9 @@ class GraphBuilder:
 
     def to_model(self) -> onnx.ModelProto:
         graph = helper.make_graph(self.nodes, self.name.replace(".", "_"), self.inputs, self.outputs)
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="speccompile",
-                                 ir_version=IR_VERSION)
+        return helper.make_model(
+            graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="speccompile", ir_version=IR_VERSION
+        )
 
     # -- inputs ------------------------------------------------------------------------------------
     def tokens_input(self) -> str:
@@ -144,7 +159,9 @@ class GraphBuilder:
             for table in {c.rotary_of(i) for i in attn_layers} - {None}:
                 self.ropes[table] = self.rope(self.pos, table)
             total = self.op("Add", past_len, seq)
-            self.masks = {window: self.mask(self.pos, total, window) for window in {c.window_of(i) for i in attn_layers}}
+            self.masks = {
+                window: self.mask(self.pos, total, window) for window in {c.window_of(i) for i in attn_layers}
+            }
         elif learned_from_tokens:
             self.pos = self.add_input("position_ids", TensorProto.INT64, ["batch", "seq"])
 
@@ -159,7 +176,11 @@ class GraphBuilder:
         if c.embed_scale is not None:
             h = self.op("Mul", h, self.const(np.array(c.embed_scale, self.dtype)))
         if c.positions == "learned":
-            pid = self.op("Add", self.pos, self.const(int(c.position_offset), np.int64)) if c.position_offset else self.pos
+            pid = (
+                self.op("Add", self.pos, self.const(int(c.position_offset), np.int64))
+                if c.position_offset
+                else self.pos
+            )
             h = self.op("Add", h, self.op("Gather", self.w("pos_embed.weight"), pid, axis=0))
         return h
 
@@ -194,8 +215,9 @@ class GraphBuilder:
         probs = self.op("Softmax", self.linear(x, f"{p}.router", c.num_experts), axis=-1)
         top_w, top_i = self.op("TopK", probs, self.ints(c.experts_per_token), axis=-1, n_out=2)
         top_w = self.op("Div", top_w, self.op("ReduceSum", top_w, self.ints(-1), keepdims=1))
-        routing = self.op("ScatterElements", self.op("Mul", probs, self.const(np.array(0.0, self.dtype))), top_i, top_w,
-                          axis=-1)
+        routing = self.op(
+            "ScatterElements", self.op("Mul", probs, self.const(np.array(0.0, self.dtype))), top_i, top_w, axis=-1
+        )
         out = None
         for e in range(c.num_experts):
             weight = self.op("Slice", routing, self.ints(e), self.ints(e + 1), self.ints(-1))
@@ -219,7 +241,9 @@ class GraphBuilder:
     def rope(self, pos: str, table: str = "global") -> tuple[str, str]:
         """cos/sin ``[seq, rotary_dim]`` at positions ``pos``, from the ``rope_inv_freq`` weight."""
         inv_freq = "rope_local_inv_freq" if table == "local" else "rope_inv_freq"
-        f = self.op("Mul", self.op("Unsqueeze", self.op("Cast", pos, to=TensorProto.FLOAT), self.ints(-1)), self.w(inv_freq))
+        f = self.op(
+            "Mul", self.op("Unsqueeze", self.op("Cast", pos, to=TensorProto.FLOAT), self.ints(-1)), self.w(inv_freq)
+        )
         return self.rope_scaled(self.op("Concat", f, f, axis=-1), table)
 
     def rope_scaled(self, angles: str, table: str) -> tuple[str, str]:
@@ -257,7 +281,9 @@ class GraphBuilder:
         if window is not None:
             lo = self.op("Sub", q_pos, self.const(int(window), np.int64))
             allowed = self.op("And", allowed, self.op("Greater", k_pos, lo))
-        return self.op("Where", allowed, self.const(np.array(0.0, self.dtype)), self.const(np.array(-np.inf, self.dtype)))
+        return self.op(
+            "Where", allowed, self.const(np.array(0.0, self.dtype)), self.const(np.array(-np.inf, self.dtype))
+        )
 
     def head(self, h: str, delta: str | None) -> str:
         """Final norm and lm_head (+ its bias, logit scale, softcap: ``Decoder.head``) on the stream ``h + delta``."""
@@ -286,8 +312,14 @@ class GraphBuilder:
     def norm(self, x: str, prefix: str) -> str:
         c = self.c
         if c.norm == "layer":
-            return self.op("LayerNormalization", x, self.w(f"{prefix}.weight"), self.w(f"{prefix}.bias"),
-                           axis=-1, epsilon=float(c.norm_eps))
+            return self.op(
+                "LayerNormalization",
+                x,
+                self.w(f"{prefix}.weight"),
+                self.w(f"{prefix}.bias"),
+                axis=-1,
+                epsilon=float(c.norm_eps),
+            )
         x32 = x if self.dtype == np.float32 else self.op("Cast", x, to=TensorProto.FLOAT)
         ms = self.op("ReduceMean", self.op("Mul", x32, x32), self.ints(-1), keepdims=1)
         inv = self.op("Reciprocal", self.op("Sqrt", self.op("Add", ms, self.const(np.float32(c.norm_eps)))))

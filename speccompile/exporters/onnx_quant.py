@@ -27,8 +27,9 @@ class Quantizer:
     ``weights.bin`` however many graphs use it; the float weight is then used by no graph (except the
     embedding table, which stays a float ``Gather``)."""
 
-    def __init__(self, scheme: str, block_size: int, accuracy_level: int, symmetric: bool = False,
-                 tag: str | None = None):
+    def __init__(
+        self, scheme: str, block_size: int, accuracy_level: int, symmetric: bool = False, tag: str | None = None
+    ):
         if scheme not in QUANT_BITS:
             raise ValueError(f"unknown quantization {scheme!r}; use one of {sorted(QUANT_BITS)}")
         if block_size < 16 or block_size & (block_size - 1):
@@ -40,9 +41,15 @@ class Quantizer:
         self.tag = tag or scheme
 
     def record(self) -> dict[str, Any]:
-        return {"scheme": self.scheme, "bits": self.bits, "block_size": self.block_size, "symmetric": self.symmetric,
-                "accuracy_level": self.accuracy_level, "op": f"{CONTRIB}.MatMulNBits",
-                "quantizer": "onnxruntime quantize_matmul_%dbits" % self.bits}
+        return {
+            "scheme": self.scheme,
+            "bits": self.bits,
+            "block_size": self.block_size,
+            "symmetric": self.symmetric,
+            "accuracy_level": self.accuracy_level,
+            "op": f"{CONTRIB}.MatMulNBits",
+            "quantizer": "onnxruntime quantize_matmul_%dbits" % self.bits,
+        }
 
     def tensors(self, weights: dict[str, np.ndarray], name: str) -> tuple[str, str, str | None]:
         """Names of (packed, scales, zero_points or None) for canonical weight ``name`` [out, in]."""

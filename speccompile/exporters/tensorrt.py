@@ -5,7 +5,7 @@ The ORT EP builds its engines (and their weight copies) inside each session at f
 range it happens to see, and keeps the KV traffic inside ORT; building the engines here lets the
 artifact carry them prebuilt with known profiles, weight-stripped (every weight stays once in
 ``onnx/weights.bin``), guarded by the GPU and TensorRT version they were built for, and lets the
-runtime keep the KV cache in its own device buffers (``runtime/tensorrt_backend.py``).
+runtime keep the KV cache in its own device buffers (``runtime/backends/tensorrt/backend.py``).
 
 - One engine per graph the plans need (``verify``, ``skip.<plan>``, ``prefix.E`` / ``suffix.E`` /
   ``head``), parsed from the *standard* ONNX graphs (ONNX ops only: TensorRT's parser does not know
@@ -35,9 +35,10 @@ import sys
 from pathlib import Path
 from typing import Any, Callable
 
+from speccompile.runtime.artifact.manifest import ArchConfig, DraftPlan
 from speccompile.runtime.backends.graph_index import full_model_without_verify
+from speccompile.runtime.drafting import has_model_part, options
 from speccompile.runtime.errors import SpeccompileError
-from speccompile.runtime.manifest import ArchConfig, DraftPlan
 
 ENGINE_DIR = "tensorrt"
 TIMING_CACHE = f"{ENGINE_DIR}/timing.cache"
@@ -49,8 +50,8 @@ FORMAT_VERSION = 1
 
 def require_tensorrt():
     """TensorRT and cuda-python, or the one-line error naming the install (checked before a build starts)."""
-    from speccompile.runtime.cuda_device import cuda_runtime
-    from speccompile.runtime.tensorrt_backend import tensorrt_module
+    from speccompile.runtime.backends.tensorrt.backend import tensorrt_module
+    from speccompile.runtime.backends.tensorrt.cuda import cuda_runtime
 
     trt = tensorrt_module()
     cuda_runtime()
@@ -66,13 +67,15 @@ def step_tokens(plans: dict[str, DraftPlan], context: int) -> int:
     """The longest verify a round of these plans can ask for: 1 + model draft + lookup draft."""
     room = 0
     for plan in plans.values():
-        model = plan.max_draft if getattr(plan, "has_model_draft", True) else 0
+        model = options(plan, "model").max_draft if has_model_part(plan) else 0
         lookup = getattr(plan, "lookup_max_draft", 0) if getattr(plan, "lookup", None) else 0
         room = max(room, model + lookup)
     return max(1, min(context, max(MIN_STEP_TOKENS, room + 1)))
 
 
-def profile_shapes(graph: dict[str, Any], context: int, step: int, prefill: int, decodes_one: bool = True) -> list[dict]:
+def profile_shapes(
+    graph: dict[str, Any], context: int, step: int, prefill: int, decodes_one: bool = True
+) -> list[dict]:
     """``[step, prefill]`` profiles of one graph: per input name, ``(min, opt, max)`` shapes.
 
     Symbolic dims of the exported graphs: ``batch`` (always 1 here), ``seq`` (tokens of the call) and
@@ -95,14 +98,24 @@ def profile_shapes(graph: dict[str, Any], context: int, step: int, prefill: int,
 
 def _check(ok, what: str) -> None:
     if not ok:
-        raise SpeccompileError(f"TensorRT could not {what}; rerun with --debug for TensorRT's log, or use --backend onnx")
+        raise SpeccompileError(
+            f"TensorRT could not {what}; rerun with --debug for TensorRT's log, or use --backend onnx"
+        )
 
 
-def build_engines(root: Path, onnx_record: dict, plans: dict[str, DraftPlan], config: ArchConfig, device: str = "cuda",
-                  fp16: bool = True, context_cap: int = DEFAULT_CONTEXT_CAP, log: Callable[[str], None] = lambda m: None) -> dict:
+def build_engines(
+    root: Path,
+    onnx_record: dict,
+    plans: dict[str, DraftPlan],
+    config: ArchConfig,
+    device: str = "cuda",
+    fp16: bool = True,
+    context_cap: int = DEFAULT_CONTEXT_CAP,
+    log: Callable[[str], None] = lambda m: None,
+) -> dict:
     """Build one engine per graph of ``onnx_record`` (files relative to ``root``) into ``root/tensorrt``;
     return the manifest's ``backends["tensorrt"]`` record."""
-    from speccompile.runtime.cuda_device import CudaMemory
+    from speccompile.runtime.backends.tensorrt.cuda import CudaMemory
 
     trt = require_tensorrt()
     fp16 = fp16 and hasattr(trt.BuilderFlag, "FP16")  # TensorRT 11 dropped it (strongly typed networks only)
@@ -112,7 +125,9 @@ def build_engines(root: Path, onnx_record: dict, plans: dict[str, DraftPlan], co
     (root / ENGINE_DIR).mkdir(parents=True, exist_ok=True)
     context = engine_context(config, context_cap)
     step, prefill = step_tokens(plans, context), min(PREFILL_TOKENS, context)
-    split = full_model_without_verify(onnx_record, plans, config.num_layers)  # e.g. early exits at one block: no verify engine
+    split = full_model_without_verify(
+        onnx_record, plans, config.num_layers
+    )  # e.g. early exits at one block: no verify engine
     logger = trt.Logger(trt.Logger.WARNING)
     builder = trt.Builder(logger)
     timing_cache = None
@@ -124,8 +139,10 @@ def build_engines(root: Path, onnx_record: dict, plans: dict[str, DraftPlan], co
         parser = trt.OnnxParser(network, logger)
         if not parser.parse_from_file(str(root / graph["file"])):
             first = str(parser.get_error(0)) if parser.num_errors else "unknown error"
-            raise SpeccompileError(f"TensorRT could not parse {graph['file']} ({first.splitlines()[0][:160]}); "
-                                   "use --backend onnx for this model")
+            raise SpeccompileError(
+                f"TensorRT could not parse {graph['file']} ({first.splitlines()[0][:160]}); "
+                "use --backend onnx for this model"
+            )
         builder_config = builder.create_builder_config()
         if fp16:
             builder_config.set_flag(trt.BuilderFlag.FP16)
@@ -155,8 +172,9 @@ def build_engines(root: Path, onnx_record: dict, plans: dict[str, DraftPlan], co
     return record
 
 
-def backend_record(onnx_record: dict, target: dict, engines: dict, context: int, step: int, prefill: int,
-                   fp16: bool = True) -> dict:
+def backend_record(
+    onnx_record: dict, target: dict, engines: dict, context: int, step: int, prefill: int, fp16: bool = True
+) -> dict:
     """The manifest's ``backends["tensorrt"]``: where the engines are, what they were built for and with
     which profiles, plus the ONNX graph table and the one weights file they are refitted from, and (``full_split``)
     the graphs that compute the full model where no ``verify`` engine is built."""
@@ -174,8 +192,13 @@ def backend_record(onnx_record: dict, target: dict, engines: dict, context: int,
     }
 
 
-def export_tensorrt(root: Path, ir, onnx_record: dict | None, model_plans: dict[str, DraftPlan],
-                    log: Callable[[str], None] = lambda m: None) -> dict:
+def export_tensorrt(
+    root: Path,
+    ir,
+    onnx_record: dict | None,
+    model_plans: dict[str, DraftPlan],
+    log: Callable[[str], None] = lambda m: None,
+) -> dict:
     """The ``tensorrt`` backend files of ``ir`` under ``root``: reuses the artifact's standard ONNX
     export when there is one, else exports standard graphs (into ``onnx/`` or, next to a fused ONNX
     export, ``tensorrt/onnx/``) and builds the engines from them."""
@@ -184,23 +207,26 @@ def export_tensorrt(root: Path, ir, onnx_record: dict | None, model_plans: dict[
 
         folder = root / ("onnx" if onnx_record is None else f"{ENGINE_DIR}/onnx")
         dtype = "float16" if ir.dtype == "float16" else "float32"
-        onnx_record = export_onnx_weights(ir.config, ir.weights, model_plans, folder, dtype, relative_to=root,
-                                          variant="standard")
+        onnx_record = export_onnx_weights(
+            ir.config, ir.weights, model_plans, folder, dtype, relative_to=root, variant="standard"
+        )
     return build_engines(root, onnx_record, model_plans, ir.config, device=getattr(ir, "device", "cuda"), log=log)
 
 
 def add_engines(root: Path, device: str = "cuda", log: Callable[[str], None] = lambda m: None) -> dict:
     """Build the TensorRT engines of an existing artifact from its standard ONNX graphs, here, and add
     the ``tensorrt`` backend to its manifest (rewritten atomically). Needs no torch."""
+    from speccompile.runtime.artifact.manifest import MANIFEST_NAME, file_record, read_manifest
     from speccompile.runtime.errors import ArtifactError
-    from speccompile.runtime.manifest import MANIFEST_NAME, file_record, read_manifest
 
     root = Path(root)
     manifest = read_manifest(root)
     onnx_record = manifest.backends.get("onnx")
     if onnx_record is None or onnx_record.get("variant", "standard") != "standard":
-        raise ArtifactError(f"{str(root)!r} has no standard ONNX graphs to build TensorRT engines from; rebuild it with "
-                            "--backend onnx (or --backend tensorrt on this machine)")
+        raise ArtifactError(
+            f"{str(root)!r} has no standard ONNX graphs to build TensorRT engines from; rebuild it with "
+            "--backend onnx (or --backend tensorrt on this machine)"
+        )
     require_tensorrt()
     plans = {name: plan for name, plan in manifest.plans.items() if getattr(plan, "has_model_draft", True)}
     record = build_engines(root, onnx_record, plans, manifest.config, device=device, log=log)
@@ -215,9 +241,10 @@ def add_engines(root: Path, device: str = "cuda", log: Callable[[str], None] = l
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m speccompile.exporters.tensorrt",
-                                     description="Add TensorRT engines to an ONNX artifact, on the GPU that will run it "
-                                                 "(no torch needed).")
+    parser = argparse.ArgumentParser(
+        prog="python -m speccompile.exporters.tensorrt",
+        description="Add TensorRT engines to an ONNX artifact, on the GPU that will run it (no torch needed).",
+    )
     parser.add_argument("artifact")
     parser.add_argument("--device", default="cuda", help="cuda or cuda:N (default: cuda)")
     args = parser.parse_args(argv)
@@ -227,13 +254,24 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     target = record["target"]
-    print(f"added {len(record['engines'])} TensorRT engines for {target['gpu']} (TensorRT {target['tensorrt_version']}) "
-          f"to {args.artifact}")
+    print(
+        f"added {len(record['engines'])} TensorRT engines for {target['gpu']} (TensorRT {target['tensorrt_version']}) "
+        f"to {args.artifact}"
+    )
     return 0
 
 
-__all__ = ["ENGINE_DIR", "add_engines", "backend_record", "build_engines", "engine_context", "export_tensorrt", "profile_shapes", "require_tensorrt",
-           "step_tokens"]
+__all__ = [
+    "ENGINE_DIR",
+    "add_engines",
+    "backend_record",
+    "build_engines",
+    "engine_context",
+    "export_tensorrt",
+    "profile_shapes",
+    "require_tensorrt",
+    "step_tokens",
+]
 
 
 if __name__ == "__main__":

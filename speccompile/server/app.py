@@ -37,13 +37,27 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from speccompile.server.openai_api import (
-    COMPLETIONS_DEFAULT_MAX_TOKENS, APIError, BaseRequest, ChatFormat, ChatRequest, ChatTemplate, CompletionFormat,
-    CompletionRequest, Outcome, SamplingOptions, StopCutter, check_sampling, completion_prompt_ids, error_response,
-    parse_request, refuse_unsupported, sse_event,
-)
 from speccompile.runtime import InputError, SpeculativeModel, load
 from speccompile.runtime.errors import SpeccompileError, quote
+from speccompile.server.openai_api import (
+    COMPLETIONS_DEFAULT_MAX_TOKENS,
+    APIError,
+    BaseRequest,
+    ChatFormat,
+    ChatRequest,
+    ChatTemplate,
+    CompletionFormat,
+    CompletionRequest,
+    Outcome,
+    SamplingOptions,
+    StopCutter,
+    check_sampling,
+    completion_prompt_ids,
+    error_response,
+    parse_request,
+    refuse_unsupported,
+    sse_event,
+)
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 log = logging.getLogger("speccompile.server")
@@ -51,8 +65,15 @@ log = logging.getLogger("speccompile.server")
 
 # -- decoding in a slot ----------------------------------------------------------------------------------
 
-def decode_in_slot(replica: SpeculativeModel, prompt_ids: list[int], options: SamplingOptions, stream_kwargs: dict,
-                   emit: Callable[[str, list[int]], None] | None, cancelled: threading.Event) -> Outcome:
+
+def decode_in_slot(
+    replica: SpeculativeModel,
+    prompt_ids: list[int],
+    options: SamplingOptions,
+    stream_kwargs: dict,
+    emit: Callable[[str, list[int]], None] | None,
+    cancelled: threading.Event,
+) -> Outcome:
     """Run one request on ``replica`` (in a worker thread). ``emit(text, token_ids)`` gets each round's
     sendable text; decoding stops after the round in which a stop string appears or ``cancelled`` is set."""
     start = time.perf_counter()
@@ -82,7 +103,7 @@ def decode_in_slot(replica: SpeculativeModel, prompt_ids: list[int], options: Sa
     seconds = time.perf_counter() - start
     if ended_by is None:  # ran to the end: the runtime's own stats
         result = stream.result
-        tail = cutter.feed(result.text[len(raw_text):]) if result.text.startswith(raw_text) else ""
+        tail = cutter.feed(result.text[len(raw_text) :]) if result.text.startswith(raw_text) else ""
         tail += cutter.flush()
         if tail:
             sent.append(tail)
@@ -90,14 +111,32 @@ def decode_in_slot(replica: SpeculativeModel, prompt_ids: list[int], options: Sa
                 emit(tail, [])
         s = result.stats
         finish = "stop" if cutter.stopped or s.stop_reason == "eos" else "length"
-        return Outcome("".join(sent), list(result.token_ids), len(prompt_ids), finish, seconds,
-                       s.rounds if s.speculative else None, s.mean_accepted, s.acceptance_rate,
-                       "stop_string" if cutter.stopped else s.stop_reason,
-                       drafted=s.drafted if s.speculative else None, accepted=s.accepted if s.speculative else None)
+        return Outcome(
+            "".join(sent),
+            list(result.token_ids),
+            len(prompt_ids),
+            finish,
+            seconds,
+            s.rounds if s.speculative else None,
+            s.mean_accepted,
+            s.acceptance_rate,
+            "stop_string" if cutter.stopped else s.stop_reason,
+            drafted=s.drafted if s.speculative else None,
+            accepted=s.accepted if s.speculative else None,
+        )
     # Stopped early (stop string, client gone): the runtime publishes its stats only when a stream runs to
     # the end, so the round statistics of this request are unknown (null), not guessed.
-    return Outcome("".join(sent), produced, len(prompt_ids), "stop" if ended_by == "stop_string" else "cancelled",
-                   seconds, None, None, None, ended_by)
+    return Outcome(
+        "".join(sent),
+        produced,
+        len(prompt_ids),
+        "stop" if ended_by == "stop_string" else "cancelled",
+        seconds,
+        None,
+        None,
+        None,
+        ended_by,
+    )
 
 
 class SlotPool:
@@ -128,9 +167,14 @@ class SlotPool:
         if not free.empty() and self.waiting == 0:  # never overtake a request already waiting
             return free.get_nowait()
         if self.waiting >= self.max_queue:
-            raise APIError(429, f"all {self.size} slots are busy and {self.waiting} requests are queued "
-                                f"(--max-queue {self.max_queue}); retry later", code="rate_limit_exceeded",
-                           kind="rate_limit_error", headers={"Retry-After": str(retry_after)})
+            raise APIError(
+                429,
+                f"all {self.size} slots are busy and {self.waiting} requests are queued "
+                f"(--max-queue {self.max_queue}); retry later",
+                code="rate_limit_exceeded",
+                kind="rate_limit_error",
+                headers={"Retry-After": str(retry_after)},
+            )
         self.waiting += 1
         try:
             return await free.get()
@@ -143,31 +187,39 @@ class SlotPool:
 
 # -- metrics ---------------------------------------------------------------------------------------------
 
+
 class ServerMetrics:
     """Prometheus metrics in the app's own registry (several apps can live in one process)."""
 
     def __init__(self, pool: SlotPool):
         self.registry = CollectorRegistry()
         r = self.registry
-        self.requests = Counter("speccompile_requests", "HTTP requests answered, by endpoint and status",
-                                ["endpoint", "status"], registry=r)
+        self.requests = Counter(
+            "speccompile_requests", "HTTP requests answered, by endpoint and status", ["endpoint", "status"], registry=r
+        )
         self.rejected = Counter("speccompile_rejected_requests", "Requests refused with 429 (queue full)", registry=r)
         self.prompt_tokens = Counter("speccompile_prompt_tokens", "Prompt tokens of decoded requests", registry=r)
         self.completion_tokens = Counter("speccompile_completion_tokens", "Tokens generated", registry=r)
         self.decode_seconds = Counter("speccompile_decode_seconds", "Seconds slots spent decoding", registry=r)
         self.rounds = Counter("speccompile_verify_rounds", "Speculative verify rounds", registry=r)
-        self.drafted = Counter("speccompile_drafted_tokens", "Tokens drafted (requests that ran to the end)",
-                               registry=r)
+        self.drafted = Counter(
+            "speccompile_drafted_tokens", "Tokens drafted (requests that ran to the end)", registry=r
+        )
         self.accepted = Counter("speccompile_accepted_tokens", "Drafted tokens the verifier accepted", registry=r)
         self.cancelled = Counter("speccompile_cancelled_requests", "Streams whose client went away", registry=r)
-        self.last_tokens_per_s = Gauge("speccompile_tokens_per_second", "Tokens/s of the last finished request",
-                                       registry=r)
+        self.last_tokens_per_s = Gauge(
+            "speccompile_tokens_per_second", "Tokens/s of the last finished request", registry=r
+        )
         self._totals = {"rounds": 0, "round_tokens": 0.0, "drafted": 0, "accepted": 0}
         self._lock = threading.Lock()
-        Gauge("speccompile_mean_accepted_tokens", "Tokens per verify round over all requests (verifier's included)",
-              registry=r).set_function(lambda: self._ratio("round_tokens", "rounds"))
-        Gauge("speccompile_acceptance_rate", "Accepted / drafted tokens over requests that ran to the end",
-              registry=r).set_function(lambda: self._ratio("accepted", "drafted"))
+        Gauge(
+            "speccompile_mean_accepted_tokens",
+            "Tokens per verify round over all requests (verifier's included)",
+            registry=r,
+        ).set_function(lambda: self._ratio("round_tokens", "rounds"))
+        Gauge(
+            "speccompile_acceptance_rate", "Accepted / drafted tokens over requests that ran to the end", registry=r
+        ).set_function(lambda: self._ratio("accepted", "drafted"))
         Gauge("speccompile_queue_depth", "Requests waiting for a slot", registry=r).set_function(lambda: pool.waiting)
         Gauge("speccompile_slots_busy", "Slots decoding a request", registry=r).set_function(lambda: pool.busy)
         Gauge("speccompile_slots", "Slots (concurrent sequences)", registry=r).set(pool.size)
@@ -200,6 +252,7 @@ class ServerMetrics:
 
 # -- the guard at the door: API key, body size, request counts, the last line against crashes ---------
 
+
 class RequestGuard:
     """Pure ASGI middleware (it never buffers a response, so streaming and disconnects pass through):
     401 for a wrong API key on /v1/*, 413 for a body over the limit, and per-status request counts.
@@ -216,8 +269,11 @@ class RequestGuard:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         path = scope["path"]
-        endpoint = path if path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health",
-                                    "/metrics") else "other"
+        endpoint = (
+            path
+            if path in ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics")
+            else "other"
+        )
         status_seen = {}
 
         async def counting_send(message):
@@ -227,8 +283,9 @@ class RequestGuard:
             await send(message)
 
         if self.api_key and path.startswith("/v1/") and not self._authorized(scope):
-            return await error_response(401, "invalid or missing API key; send 'Authorization: Bearer <key>'",
-                                        code="invalid_api_key")(scope, receive, counting_send)
+            return await error_response(
+                401, "invalid or missing API key; send 'Authorization: Bearer <key>'", code="invalid_api_key"
+            )(scope, receive, counting_send)
         headers = dict(scope.get("headers") or [])
         length = headers.get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_body_bytes:
@@ -247,15 +304,19 @@ class RequestGuard:
         try:
             await self.app(scope, receive, counting_send)
         except Exception as exc:
-            log.error("%s %s failed: %s: %s", scope["method"], path, type(exc).__name__, quote(str(exc), 200),
-                      exc_info=exc)
+            log.error(
+                "%s %s failed: %s: %s", scope["method"], path, type(exc).__name__, quote(str(exc), 200), exc_info=exc
+            )
             if "status" in status_seen:  # a stream already under way: end it (the client sees it cut short)
                 with contextlib.suppress(Exception):
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
                 return
-            await error_response(500, f"internal error ({type(exc).__name__}); the server logged it and keeps serving: "
-                                      "please report it", kind="server_error", code="internal_error")(
-                scope, receive, counting_send)
+            await error_response(
+                500,
+                f"internal error ({type(exc).__name__}); the server logged it and keeps serving: please report it",
+                kind="server_error",
+                code="internal_error",
+            )(scope, receive, counting_send)
 
     def _authorized(self, scope) -> bool:
         header = dict(scope.get("headers") or []).get(b"authorization", b"").decode("latin-1")
@@ -263,8 +324,11 @@ class RequestGuard:
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
     async def _too_large(self, scope, receive, send):
-        response = error_response(413, f"the request body is over {self.max_body_bytes} bytes; send a shorter "
-                                       f"prompt", code="request_too_large")
+        response = error_response(
+            413,
+            f"the request body is over {self.max_body_bytes} bytes; send a shorter prompt",
+            code="request_too_large",
+        )
         await response(scope, receive, send)
 
 
@@ -284,6 +348,7 @@ def _replay(body: bytes, receive):
 
 # -- the app ---------------------------------------------------------------------------------------------
 
+
 @dataclass
 class ServerState:
     model: SpeculativeModel
@@ -302,25 +367,43 @@ class ServerState:
         return max(1, min(60, math.ceil(sum(recent) / len(recent)))) if recent else 1
 
 
-def create_app(artifact_or_model: str | Path | SpeculativeModel, *, slots: int = 1, max_queue: int = 16,
-               plan: str | None = None, api_key: str | None = None, backend: str | None = None, device: str = "cpu",
-               max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, model_name: str | None = None,
-               speculate: bool = True) -> FastAPI:
+def create_app(
+    artifact_or_model: str | Path | SpeculativeModel,
+    *,
+    slots: int = 1,
+    max_queue: int = 16,
+    plan: str | None = None,
+    api_key: str | None = None,
+    backend: str | None = None,
+    device: str = "cpu",
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+    model_name: str | None = None,
+    speculate: bool = True,
+) -> FastAPI:
     """An OpenAI-compatible ASGI app serving one artifact with ``slots`` concurrent sequences that share
     one copy of the weights. Pass an artifact folder (loaded with ``load``) or an already loaded model."""
     if slots < 1:
         raise InputError(f"slots must be at least 1 (got {slots})")
     if max_queue < 0:
         raise InputError(f"max_queue must be 0 or more (got {max_queue})")
-    model = artifact_or_model if isinstance(artifact_or_model, SpeculativeModel) else load(
-        artifact_or_model, backend=backend, device=device)
+    model = (
+        artifact_or_model
+        if isinstance(artifact_or_model, SpeculativeModel)
+        else load(artifact_or_model, backend=backend, device=device)
+    )
     if plan is not None:
         model.plan(plan)  # unknown plan names fail now, not on the first request
     pool = SlotPool([model] + [model.replica() for _ in range(slots - 1)], max_queue)
     metrics = ServerMetrics(pool)
-    state = ServerState(model=model, model_name=model_name or model.root.resolve().name, pool=pool, metrics=metrics,
-                        executor=ThreadPoolExecutor(max_workers=slots, thread_name_prefix="speccompile-slot"),
-                        chat=ChatTemplate.from_artifact(model.root), stream_kwargs=dict(speculate=speculate, plan=plan))
+    state = ServerState(
+        model=model,
+        model_name=model_name or model.root.resolve().name,
+        pool=pool,
+        metrics=metrics,
+        executor=ThreadPoolExecutor(max_workers=slots, thread_name_prefix="speccompile-slot"),
+        chat=ChatTemplate.from_artifact(model.root),
+        stream_kwargs=dict(speculate=speculate, plan=plan),
+    )
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -339,13 +422,21 @@ def create_app(artifact_or_model: str | Path | SpeculativeModel, *, slots: int =
 
     @app.exception_handler(StarletteHTTPException)
     async def on_http_error(request, exc: StarletteHTTPException):
-        return error_response(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
-                              kind="invalid_request_error" if exc.status_code < 500 else "server_error")
+        return error_response(
+            exc.status_code,
+            f"{exc.detail}: {request.method} {request.url.path}",
+            kind="invalid_request_error" if exc.status_code < 500 else "server_error",
+        )
 
     @app.get("/health")
     async def health():
-        return {"status": "ok", "model": state.model_name, "slots": pool.size, "busy": pool.busy,
-                "queued": pool.waiting}
+        return {
+            "status": "ok",
+            "model": state.model_name,
+            "slots": pool.size,
+            "busy": pool.busy,
+            "queued": pool.waiting,
+        }
 
     @app.get("/metrics")
     async def prometheus_metrics():
@@ -378,9 +469,14 @@ def create_app(artifact_or_model: str | Path | SpeculativeModel, *, slots: int =
         _check_model(state, req.model)
         refuse_unsupported(req)
         if state.chat is None:
-            raise APIError(400, f"the tokenizer of '{state.model_name}' has no chat template, so /v1/chat/completions "
-                                "cannot build a prompt; use /v1/completions, or add a chat_template to the artifact's "
-                                "tokenizer_config.json", "messages", code="no_chat_template")
+            raise APIError(
+                400,
+                f"the tokenizer of '{state.model_name}' has no chat template, so /v1/chat/completions "
+                "cannot build a prompt; use /v1/completions, or add a chat_template to the artifact's "
+                "tokenizer_config.json",
+                "messages",
+                code="no_chat_template",
+            )
         ids = state.chat.prompt_ids(req.messages)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         options = check_sampling(req, max_tokens, len(ids), model.context)
@@ -391,16 +487,21 @@ def create_app(artifact_or_model: str | Path | SpeculativeModel, *, slots: int =
 
 def _check_model(state: ServerState, name: str | None) -> None:
     if name is not None and name != state.model_name:
-        raise APIError(404, f"model {quote(name)} is not served here; this server serves '{state.model_name}'",
-                       "model", code="model_not_found")
+        raise APIError(
+            404,
+            f"model {quote(name)} is not served here; this server serves '{state.model_name}'",
+            "model",
+            code="model_not_found",
+        )
 
 
 def _model_card(state: ServerState) -> dict:
     return {"id": state.model_name, "object": "model", "created": state.created, "owned_by": "speccompile"}
 
 
-async def _respond(state: ServerState, req: BaseRequest, prompt_ids: list[int], options: SamplingOptions,
-                   fmt: CompletionFormat):
+async def _respond(
+    state: ServerState, req: BaseRequest, prompt_ids: list[int], options: SamplingOptions, fmt: CompletionFormat
+):
     """Take a slot (or 429), decode in the slot's worker thread, answer as one JSON body or as SSE."""
     loop = asyncio.get_running_loop()
     replica = await state.pool.acquire(state.retry_after())
@@ -412,8 +513,9 @@ async def _respond(state: ServerState, req: BaseRequest, prompt_ids: list[int], 
 
     def job() -> Outcome:
         try:
-            outcome = decode_in_slot(replica, prompt_ids, options, state.stream_kwargs, emit if req.stream else None,
-                                     cancelled)
+            outcome = decode_in_slot(
+                replica, prompt_ids, options, state.stream_kwargs, emit if req.stream else None, cancelled
+            )
             state.durations.append(outcome.seconds)
             del state.durations[:-100]
             state.metrics.record(outcome)
@@ -465,11 +567,13 @@ async def _respond(state: ServerState, req: BaseRequest, prompt_ids: list[int], 
         finally:
             cancelled.set()  # a no-op when decoding already ended; otherwise the slot frees after this round
 
-    return StreamingResponse(sse(), media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    return StreamingResponse(
+        sse(), media_type="text/event-stream", headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+    )
 
 
 # -- running it ------------------------------------------------------------------------------------------
+
 
 def bind_socket(host: str, port: int) -> socket.socket:
     """A TCP socket bound to ``host``:``port`` (not yet listening), or an InputError naming the problem and
@@ -477,25 +581,33 @@ def bind_socket(host: str, port: int) -> socket.socket:
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except (socket.gaierror, UnicodeError, OverflowError, ValueError) as exc:
-        raise InputError(f"cannot listen on --host {quote(host)} ({getattr(exc, 'strerror', None) or exc}); use an "
-                         "address of this machine, e.g. 127.0.0.1 or 0.0.0.0") from None
+        raise InputError(
+            f"cannot listen on --host {quote(host)} ({getattr(exc, 'strerror', None) or exc}); use an "
+            "address of this machine, e.g. 127.0.0.1 or 0.0.0.0"
+        ) from None
     sock = socket.socket(family, kind, proto)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind(address)
     except OSError as exc:
         sock.close()
-        hints = {errno.EADDRINUSE: f"port {port} on {host} is already in use; stop the other server or pick another "
-                                   "--port",
-                 errno.EACCES: f"port {port} needs privileges on this system; use a port above 1023",
-                 errno.EADDRNOTAVAIL: f"--host {quote(host)} is not an address of this machine; use 127.0.0.1, 0.0.0.0 "
-                                      "or one of its interfaces' addresses"}
+        hints = {
+            errno.EADDRINUSE: f"port {port} on {host} is already in use; stop the other server or pick another --port",
+            errno.EACCES: f"port {port} needs privileges on this system; use a port above 1023",
+            errno.EADDRNOTAVAIL: f"--host {quote(host)} is not an address of this machine; use 127.0.0.1, 0.0.0.0 "
+            "or one of its interfaces' addresses",
+        }
         raise InputError(hints.get(exc.errno, f"cannot listen on {host}:{port} ({exc.strerror})")) from None
     return sock
 
 
-def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_level: str = "info",
-               announce: Callable[[str], None] | None = None) -> None:
+def run_server(
+    app: FastAPI,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "info",
+    announce: Callable[[str], None] | None = None,
+) -> None:
     """Serve ``app`` with uvicorn until interrupted. The socket is bound first, so a taken port or a bad
     host is an InputError (the CLI's one ``error:`` line) before ``announce(url)`` says it is serving."""
     import uvicorn
@@ -509,8 +621,10 @@ def run_server(app: FastAPI, host: str = "127.0.0.1", port: int = 8000, log_leve
     finally:
         sock.close()
     if not server.started:
-        raise SpeccompileError("the server stopped while starting (see the log above); check the artifact and the "
-                               "options, then run `speccompile serve` again")
+        raise SpeccompileError(
+            "the server stopped while starting (see the log above); check the artifact and the "
+            "options, then run `speccompile serve` again"
+        )
 
 
 @contextlib.contextmanager

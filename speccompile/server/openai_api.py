@@ -20,8 +20,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from speccompile.runtime import InputError, SpeculativeModel
+from speccompile.runtime.artifact.schema import check_json_shape
 from speccompile.runtime.errors import one_line, quote
-from speccompile.runtime.schema import check_json_shape
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # the OpenAI API's default for /v1/completions
 MAX_STOP_STRINGS = 8
@@ -33,11 +33,19 @@ MAX_KEY = 256
 
 # -- errors --------------------------------------------------------------------------------------------
 
+
 class APIError(InputError):
     """A request the server refuses: HTTP status plus an OpenAI-style error body (one-line message)."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        kind: str = "invalid_request_error",
+        headers: dict[str, str] | None = None,
+    ):
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, str(self), param, code, kind
         self.headers = headers or {}
@@ -52,11 +60,23 @@ class SafeJSONResponse(JSONResponse):
         return json.dumps(content, ensure_ascii=True, allow_nan=False, separators=(",", ":")).encode("ascii")
 
 
-def error_response(status: int, message: str, param: str | None = None, code: str | None = None,
-                   kind: str = "invalid_request_error", headers: dict[str, str] | None = None) -> JSONResponse:
+def error_response(
+    status: int,
+    message: str,
+    param: str | None = None,
+    code: str | None = None,
+    kind: str = "invalid_request_error",
+    headers: dict[str, str] | None = None,
+) -> JSONResponse:
     """The OpenAI error body; the message on one bounded line, the param a bounded name."""
-    body = {"error": {"message": one_line(message), "type": kind, "param": None if param is None else one_line(param, 120),
-                      "code": code}}
+    body = {
+        "error": {
+            "message": one_line(message),
+            "type": kind,
+            "param": None if param is None else one_line(param, 120),
+            "code": code,
+        }
+    }
     return SafeJSONResponse(body, status_code=status, headers=headers)
 
 
@@ -76,6 +96,7 @@ def validation_message(exc: ValidationError) -> tuple[str, str | None]:
 
 
 # -- request bodies --------------------------------------------------------------------------------------
+
 
 class BaseRequest(BaseModel):
     """Fields shared by both endpoints. Unknown fields are refused (400), as the OpenAI API does, so a
@@ -140,17 +161,26 @@ def parse_request(raw: bytes, schema: type[BaseRequest]) -> BaseRequest:
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise APIError(400, f"the request body is not valid JSON ({exc}); send a JSON object") from None
     except ValueError as exc:  # NaN / Infinity, or an integer over sys.get_int_max_str_digits() digits
-        raise APIError(400, f"the request body holds a value this server does not accept ({exc}); send plain "
-                            "JSON numbers") from None
+        raise APIError(
+            400, f"the request body holds a value this server does not accept ({exc}); send plain JSON numbers"
+        ) from None
     except RecursionError:
-        raise APIError(400, f"the request body is nested too deeply (at most {MAX_BODY_DEPTH} levels); send a "
-                            "flatter JSON object") from None
+        raise APIError(
+            400, f"the request body is nested too deeply (at most {MAX_BODY_DEPTH} levels); send a flatter JSON object"
+        ) from None
     if not isinstance(data, dict):
         raise APIError(400, f"the request body must be a JSON object, not {type(data).__name__}")
     try:
-        check_json_shape(data, "", max_depth=MAX_BODY_DEPTH, max_string=len(raw), max_key=MAX_KEY, error=InputError,
-                         fix=f"send a JSON object of UTF-8 text, nested at most {MAX_BODY_DEPTH} deep",
-                         what="field ")
+        check_json_shape(
+            data,
+            "",
+            max_depth=MAX_BODY_DEPTH,
+            max_string=len(raw),
+            max_key=MAX_KEY,
+            error=InputError,
+            fix=f"send a JSON object of UTF-8 text, nested at most {MAX_BODY_DEPTH} deep",
+            what="field ",
+        )
     except InputError as exc:
         raise APIError(400, str(exc), getattr(exc, "field", None)) from None
     try:
@@ -163,15 +193,22 @@ def parse_request(raw: bytes, schema: type[BaseRequest]) -> BaseRequest:
 def refuse_unsupported(req: BaseRequest) -> None:
     """400 for OpenAI parameters this server does not implement, instead of silently ignoring them."""
     unsupported = {
-        "n": req.n != 1, "presence_penalty": req.presence_penalty != 0, "frequency_penalty": req.frequency_penalty != 0,
-        "logit_bias": bool(req.logit_bias), "logprobs": bool(getattr(req, "logprobs", None)),
-        "top_logprobs": bool(getattr(req, "top_logprobs", None)), "echo": bool(getattr(req, "echo", False)),
-        "best_of": (getattr(req, "best_of", None) or 1) != 1, "suffix": getattr(req, "suffix", None) is not None,
+        "n": req.n != 1,
+        "presence_penalty": req.presence_penalty != 0,
+        "frequency_penalty": req.frequency_penalty != 0,
+        "logit_bias": bool(req.logit_bias),
+        "logprobs": bool(getattr(req, "logprobs", None)),
+        "top_logprobs": bool(getattr(req, "top_logprobs", None)),
+        "echo": bool(getattr(req, "echo", False)),
+        "best_of": (getattr(req, "best_of", None) or 1) != 1,
+        "suffix": getattr(req, "suffix", None) is not None,
     }
     for name, used in unsupported.items():
         if used:
             hint = "; send one request per completion" if name in ("n", "best_of") else ""
-            raise APIError(400, f"'{name}' is not supported by this server{hint}", param=name, code="unsupported_parameter")
+            raise APIError(
+                400, f"'{name}' is not supported by this server{hint}", param=name, code="unsupported_parameter"
+            )
 
 
 @dataclass
@@ -186,14 +223,21 @@ class SamplingOptions:
     stops: list[str]
 
     def stream_kwargs(self) -> dict:
-        return dict(max_new_tokens=self.max_tokens, temperature=self.temperature, top_p=self.top_p,
-                    top_k=self.top_k, seed=self.seed)
+        return dict(
+            max_new_tokens=self.max_tokens,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            seed=self.seed,
+        )
 
 
 def check_sampling(req: BaseRequest, max_tokens: int | None, prompt_tokens: int, context: int) -> SamplingOptions:
     """Range checks with messages naming the value and the fix; max_tokens defaults to the rest of the context."""
     if not 0.0 <= req.temperature <= 2.0:  # any value in between is safe (runtime/sampling.py)
-        raise APIError(400, f"temperature must be between 0 and 2 (got {req.temperature}); use 0 for greedy", "temperature")
+        raise APIError(
+            400, f"temperature must be between 0 and 2 (got {req.temperature}); use 0 for greedy", "temperature"
+        )
     if not 0.0 < req.top_p <= 1.0:
         raise APIError(400, f"top_p must be in (0, 1] (got {req.top_p})", "top_p")
     if req.top_k < 0:
@@ -201,18 +245,26 @@ def check_sampling(req: BaseRequest, max_tokens: int | None, prompt_tokens: int,
     if req.seed is not None and not 0 <= req.seed < 2**63:
         raise APIError(400, f"seed must be an integer in 0..2**63-1 (got {quote(req.seed)})", "seed")
     if prompt_tokens >= context:
-        raise APIError(400, f"the prompt is {prompt_tokens} tokens but the model's context is {context}; shorten "
-                            "the prompt", "prompt", code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"the prompt is {prompt_tokens} tokens but the model's context is {context}; shorten the prompt",
+            "prompt",
+            code="context_length_exceeded",
+        )
     room = context - prompt_tokens
     if max_tokens is None:
         max_tokens = room
     if max_tokens < 1:
         raise APIError(400, f"max_tokens must be at least 1 (got {quote(max_tokens)})", "max_tokens")
     if max_tokens > room:
-        raise APIError(400, f"the prompt is {prompt_tokens} tokens and max_tokens is {max_tokens}: together "
-                            f"{prompt_tokens + max_tokens}, over the model's context of {context} tokens; "
-                            f"lower max_tokens to at most {max(room, 0)} or shorten the prompt", "max_tokens",
-                       code="context_length_exceeded")
+        raise APIError(
+            400,
+            f"the prompt is {prompt_tokens} tokens and max_tokens is {max_tokens}: together "
+            f"{prompt_tokens + max_tokens}, over the model's context of {context} tokens; "
+            f"lower max_tokens to at most {max(room, 0)} or shorten the prompt",
+            "max_tokens",
+            code="context_length_exceeded",
+        )
     stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     if len(stops) > MAX_STOP_STRINGS:
         raise APIError(400, f"at most {MAX_STOP_STRINGS} stop strings are supported (got {len(stops)})", "stop")
@@ -221,12 +273,14 @@ def check_sampling(req: BaseRequest, max_tokens: int | None, prompt_tokens: int,
 
 # -- prompts: plain text, token ids, chat ----------------------------------------------------------------
 
+
 def completion_prompt_ids(model: SpeculativeModel, prompt) -> list[int]:
     """One prompt (text or token ids) -> token ids; batches are refused, not silently truncated."""
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
-            raise APIError(400, f"batched prompts ({len(prompt)}) are not supported; send one request per prompt",
-                           "prompt")
+            raise APIError(
+                400, f"batched prompts ({len(prompt)}) are not supported; send one request per prompt", "prompt"
+            )
         prompt = prompt[0]
     if isinstance(prompt, str):
         if not prompt.strip():
@@ -256,10 +310,13 @@ class ChatTemplate:
             raise jinja2.exceptions.TemplateError(message)
 
         def tojson(value, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-            return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                              sort_keys=sort_keys)
+            return json.dumps(
+                value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+            )
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"]
+        )
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -293,14 +350,19 @@ class ChatTemplate:
         import jinja2
 
         try:
-            return self._template.render(messages=messages, add_generation_prompt=True, tools=None, documents=None,
-                                         **self._special_tokens)
+            return self._template.render(
+                messages=messages, add_generation_prompt=True, tools=None, documents=None, **self._special_tokens
+            )
         except jinja2.exceptions.TemplateError as exc:
             raise APIError(400, f"the model's chat template refused these messages: {exc}", "messages") from None
         except (TypeError, ValueError, LookupError, AttributeError, ArithmeticError, RecursionError) as exc:
             # A template written for other message shapes (e.g. content parts where it expects a string).
-            raise APIError(400, f"the model's chat template cannot render these messages ({type(exc).__name__}: "
-                                f"{quote(str(exc), 120)})", "messages") from None
+            raise APIError(
+                400,
+                f"the model's chat template cannot render these messages ({type(exc).__name__}: "
+                f"{quote(str(exc), 120)})",
+                "messages",
+            ) from None
 
     def prompt_ids(self, messages: list[ChatMessage]) -> list[int]:
         if not messages:
@@ -318,8 +380,11 @@ def tokenize(encode, field: str) -> list[int]:
     try:
         return encode()
     except (TypeError, ValueError, UnicodeError) as exc:  # tokenizers raises TypeError for text it cannot read
-        raise APIError(400, f"the tokenizer cannot encode the {field} ({type(exc).__name__}: {quote(str(exc), 120)}); "
-                            "send UTF-8 text", field) from None
+        raise APIError(
+            400,
+            f"the tokenizer cannot encode the {field} ({type(exc).__name__}: {quote(str(exc), 120)}); send UTF-8 text",
+            field,
+        ) from None
 
 
 def _message_dict(message: ChatMessage, index: int) -> dict:
@@ -329,14 +394,18 @@ def _message_dict(message: ChatMessage, index: int) -> dict:
         texts = []
         for part in content:
             if part.get("type") != "text" or not isinstance(part.get("text"), str):
-                raise APIError(400, f"messages[{index}]: only text content parts are supported "
-                                    f"(got type {part.get('type')!r})", "messages")
+                raise APIError(
+                    400,
+                    f"messages[{index}]: only text content parts are supported (got type {part.get('type')!r})",
+                    "messages",
+                )
             texts.append(part["text"])
         content = "".join(texts)
     return {**message.model_dump(exclude_none=True), "content": content or ""}
 
 
 # -- stop strings ----------------------------------------------------------------------------------------
+
 
 class StopCutter:
     """Cut streamed text at the first stop string, as OpenAI clients expect: the stop string itself is
@@ -374,6 +443,7 @@ class StopCutter:
 
 # -- what a request produced ---------------------------------------------------------------------
 
+
 @dataclass
 class Outcome:
     """What one request produced: the text sent (stop strings cut), every generated token and the stats."""
@@ -391,17 +461,26 @@ class Outcome:
     accepted: int | None = None
 
     def usage(self) -> dict:
-        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": len(self.token_ids),
-                "total_tokens": self.prompt_tokens + len(self.token_ids)}
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": len(self.token_ids),
+            "total_tokens": self.prompt_tokens + len(self.token_ids),
+        }
 
     def extension(self) -> dict:
         """The ``speccompile`` field of a response: round statistics, ignored by standard clients."""
-        return {"mean_accepted": self.mean_accepted, "acceptance_rate": self.acceptance_rate, "rounds": self.rounds,
-                "stop_reason": self.stop_reason, "token_ids": self.token_ids,
-                "tokens_per_s": len(self.token_ids) / self.seconds if self.seconds > 0 else None}
+        return {
+            "mean_accepted": self.mean_accepted,
+            "acceptance_rate": self.acceptance_rate,
+            "rounds": self.rounds,
+            "stop_reason": self.stop_reason,
+            "token_ids": self.token_ids,
+            "tokens_per_s": len(self.token_ids) / self.seconds if self.seconds > 0 else None,
+        }
 
 
 # -- response formats ------------------------------------------------------------------------------------
+
 
 @dataclass
 class CompletionFormat:
@@ -414,8 +493,12 @@ class CompletionFormat:
 
     def full(self, outcome: Outcome) -> dict:
         choice = {"index": 0, "text": outcome.text, "logprobs": None, "finish_reason": outcome.finish_reason}
-        return {**self._base("text_completion"), "choices": [choice], "usage": outcome.usage(),
-                "speccompile": outcome.extension()}
+        return {
+            **self._base("text_completion"),
+            "choices": [choice],
+            "usage": outcome.usage(),
+            "speccompile": outcome.extension(),
+        }
 
     def first_chunk(self) -> dict | None:
         return None
@@ -437,10 +520,18 @@ class ChatFormat(CompletionFormat):
     id: str = field(default_factory=lambda: "chatcmpl-" + secrets.token_hex(12))
 
     def full(self, outcome: Outcome) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": outcome.text}, "logprobs": None,
-                  "finish_reason": outcome.finish_reason}
-        return {**self._base("chat.completion"), "choices": [choice], "usage": outcome.usage(),
-                "speccompile": outcome.extension()}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": outcome.text},
+            "logprobs": None,
+            "finish_reason": outcome.finish_reason,
+        }
+        return {
+            **self._base("chat.completion"),
+            "choices": [choice],
+            "usage": outcome.usage(),
+            "speccompile": outcome.extension(),
+        }
 
     def first_chunk(self) -> dict:
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}

@@ -1,0 +1,341 @@
+"""PyTorch backend: the canonical decoder (or the generic path's) on a static KV cache.
+
+It runs segments (``runtime/segments.py``) and knows nothing of draft plans: draft kinds
+(``runtime/drafting/kinds/``) say which segments a draft step and a verify run. The cache is one
+``KVCache`` plus a hidden-state buffer ``[1, max_len, d]`` for segments that keep their output
+(early-exit prefix reuse); rollback is only a smaller position next time.
+
+CUDA graphs (opt-in: ``cuda_graphs=True``, or ``SPECCOMPILE_CUDA_GRAPHS=1`` for artifacts opened with
+``load``): on a CUDA device every segment of up to ``GRAPH_TOKENS`` tokens that ends in the shared head
+(or in none) is captured once and replayed (``runtime/backends/torch/graphs.py``), through the same decoder
+with tensor positions; prompts run eagerly. On CPU the flag is ignored and every call runs eagerly.
+
+Rounds on the device (``runtime/backends/torch/device_round.py``): on CUDA a speculative round keeps drafted tokens and
+acceptance on the GPU, one host read per round (``device_round``); on CPU the host round is faster and
+runs (``round_on_device=True`` or ``SPECCOMPILE_DEVICE_ROUND=1`` forces the device round anywhere, ``0``
+turns it off).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Callable, Sequence
+
+import numpy as np
+import torch
+from safetensors.torch import load_file
+
+from ...artifact.manifest import ArchConfig
+from ...drafting.kinds.adapter import DraftHead, load_draft_head
+from ...errors import ArtifactError, BackendUnavailableError
+from ...segments import FINAL_HEAD, Segment
+from ..base import Backend
+from .cpu_linear import use_streaming_linears
+from .decoder import Decoder, KVCache, build_decoder, pack_projections, run_segment
+from .int8_twin import int8_kernel_missing, int8_twin, set_input_scales
+
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+GRAPH_TOKENS = 32  # longest step replayed from a CUDA graph (verify rounds); longer ones (prompts) run eagerly
+GRAPH_CACHE_STEP = 256  # with graphs on, caches grow in these steps: a new cache means recapturing every graph
+
+
+def device_round_requested() -> bool | None:
+    """``SPECCOMPILE_DEVICE_ROUND``: 1 the device round everywhere, 0 never, unset on CUDA only (None)."""
+    value = os.environ.get("SPECCOMPILE_DEVICE_ROUND", "").strip().lower()
+    return None if value in ("", "auto") else value in ("1", "true", "yes", "on")
+
+
+def cuda_graphs_requested() -> bool:
+    """``SPECCOMPILE_CUDA_GRAPHS=1`` turns CUDA graphs on for backends opened from an artifact."""
+    return os.environ.get("SPECCOMPILE_CUDA_GRAPHS", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def check_device(device: str) -> None:
+    """A one-line error for a device PyTorch cannot use, instead of its AssertionError / RuntimeError."""
+    try:
+        parsed = torch.device(device)
+    except (RuntimeError, ValueError, TypeError):
+        raise BackendUnavailableError(f"unknown device {device!r}; use cpu, cuda or cuda:N") from None
+    if parsed.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if (parsed.index or 0) >= count:
+            raise BackendUnavailableError(
+                f"device {device!r} needs a CUDA GPU that PyTorch can see (it sees {count}); use --device cpu"
+            )
+    elif parsed.type != "cpu":
+        raise BackendUnavailableError(f"device {device!r} is not supported by the torch backend; use cpu or cuda")
+
+
+class TorchBackend(Backend):
+    name = "torch"
+
+    def __init__(
+        self,
+        decoder: Decoder,
+        device: str | None = None,
+        cuda_graphs: bool = False,
+        capture: Callable | None = None,
+        round_on_device: bool | None = None,
+    ):
+        """``cuda_graphs`` replays fixed-shape steps from CUDA graphs when ``device`` is CUDA (ignored on
+        CPU). ``capture`` replaces the graph capture (``torch_graphs.eager_capture`` runs the same static
+        steps without graphs, on any device: how the bookkeeping is tested on CPU). ``round_on_device``:
+        speculative rounds stay on the device (``device_round``); None: on CUDA only, or as
+        ``SPECCOMPILE_DEVICE_ROUND`` says."""
+        self.decoder = decoder
+        self.config: ArchConfig = decoder.config
+        self.device = device or str(decoder.embed.weight.device)  # default: wherever the weights are
+        self.dtype = decoder.embed.weight.dtype
+        self.cache: KVCache | None = None
+        self.hidden: torch.Tensor | None = None
+        self.max_len = 0
+        self.cuda_graphs, self._capture = cuda_graphs, capture
+        self.round_on_device = device_round_requested() if round_on_device is None else round_on_device
+        self.static = None  # torch_graphs.StaticSteps over the current cache, when graphs are on
+        self.draft_heads: dict[str, tuple[DraftHead, TorchDraftHead]] = {}  # draft head file -> kernel
+        if torch.device(self.device).type == "cpu":
+            # q/k/v and gate/up as one product each, then the faster CPU form of small-row products,
+            # measured on the products a step runs (runtime/backends/torch/cpu_linear.py)
+            packed = pack_projections(decoder) if isinstance(decoder, Decoder) else []
+            use_streaming_linears(decoder, packed)
+
+    @property
+    def graphed(self) -> bool:
+        if getattr(self.decoder, "whole_blocks", False):  # the generic path runs eagerly
+            return False
+        return self._capture is not None or (self.cuda_graphs and torch.device(self.device).type == "cuda")
+
+    @property
+    def reuses_prefix(self) -> bool:
+        return getattr(self.decoder, "prefix_reuse", True)
+
+    @classmethod
+    def from_files(
+        cls,
+        weights_path: Path,
+        config: ArchConfig,
+        dtype: str = "float32",
+        device: str = "cpu",
+        cuda_graphs: bool | None = None,
+        int8_scales: Path | None = None,
+    ):
+        """``int8_scales``: the int8 twin's SmoothQuant scales (``runtime/int8_twin.set_input_scales``)."""
+        weights = load_file(str(weights_path), device="cpu")
+        graphs = cuda_graphs_requested() if cuda_graphs is None else cuda_graphs
+        backend = cls(
+            build_decoder(config, weights, dtype=DTYPES[dtype], device=device), device=device, cuda_graphs=graphs
+        )
+        if int8_scales is not None:
+            set_input_scales(backend.decoder, load_file(str(int8_scales), device="cpu"))
+        return backend
+
+    def replica(self) -> "TorchBackend":
+        """Another backend over the same weights with its own KV cache (one per concurrent sequence)."""
+        other = TorchBackend(
+            self.decoder,
+            device=self.device,
+            cuda_graphs=self.cuda_graphs,
+            capture=self._capture,
+            round_on_device=self.round_on_device,
+        )
+        other.draft_heads = self.draft_heads
+        return other
+
+    def reserve(self, max_len: int) -> None:
+        """Make sure the static cache holds ``max_len`` positions; reuse it across requests. With graphs
+        on, the cache grows in steps of ``GRAPH_CACHE_STEP`` (a new cache invalidates every graph)."""
+        if self.cache is None or self.cache.max_len < max_len:
+            size = max_len
+            if self.graphed:
+                rounded = -(-max_len // GRAPH_CACHE_STEP) * GRAPH_CACHE_STEP
+                size = max(max_len, min(rounded, self.config.max_position_embeddings))
+            self.cache = self.decoder.new_cache(size, dtype=self.dtype, device=self.device)
+            self.hidden = torch.zeros(1, size, self.config.hidden_size, dtype=self.dtype, device=self.device)
+            self.static = self._static_steps() if self.graphed else None
+        self.max_len = max_len
+
+    def _static_steps(self):
+        from .graphs import StaticSteps, cuda_capture_with
+
+        capture = self._capture or cuda_capture_with(torch.cuda.graph_pool_handle())
+        return StaticSteps(self.decoder, self.cache, self.hidden, capture, max_tokens=GRAPH_TOKENS)
+
+    # -- the backend interface ---------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, segment: Segment, pos: int, tokens: Sequence[int] | None = None, count: int = 0) -> np.ndarray | None:
+        ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device) if segment.from_tokens else None
+        out = self.run_tensor(segment, pos, ids, count)
+        return None if out is None else out.float().cpu().numpy()
+
+    @torch.inference_mode()
+    def run_tensor(
+        self, segment: Segment, pos: int, ids: torch.Tensor | None = None, count: int = 0
+    ) -> torch.Tensor | None:
+        """``run`` on device tensors, reading nothing back: token ids ``[T]`` (long, on this device) when
+        the segment starts at block 0; the logits ``[T, vocab]`` stay on the device (the model's dtype; a
+        draft head's over the whole vocabulary, ``-inf`` outside its own)."""
+        t = ids.shape[0] if segment.from_tokens else count
+        if (
+            self.static is not None
+            and self.static.fits(t)
+            and segment.head in (None, FINAL_HEAD)
+            and not segment.precision
+        ):
+            out = self.static.run(segment, pos, ids, t)
+        else:
+            decoder = int8_twin(self.decoder) if segment.precision else self.decoder  # made once per decoder
+            head = decoder.head if segment.head in (None, FINAL_HEAD) else self._draft_head(segment.head)[1].full_logits
+            out = run_segment(
+                decoder, segment, None if ids is None else ids.view(1, -1), pos, self.cache, self.hidden, head, count
+            )
+        return None if out is None else out[0]
+
+    def device_round(self, drafter, seed: int | None):
+        """The speculative round of ``runtime.speculative.decode`` when it stays on this device
+        (``runtime/backends/torch/device_round.py``), or None: the host round runs."""
+        on_device = self.round_on_device
+        if on_device is None:
+            on_device = torch.device(self.device).type == "cuda"
+        if not on_device or drafter is None:
+            return None
+        from .device_round import DeviceRound
+
+        return DeviceRound.for_drafter(self, drafter, seed)
+
+    def prepare(self, segment: Segment) -> None:
+        if segment.precision:
+            int8_twin(self.decoder)  # quantizing ~120 products takes about a second (SmolLM2-135M)
+
+    def unsupported(self, segment: Segment) -> str | None:
+        if segment.precision is not None:
+            return self._precision_unsupported(segment.precision)
+        if getattr(self.decoder, "whole_blocks", False) and segment.skip_attn != segment.skip_mlp:
+            return "the generic torch path skips whole blocks only (skip_attn must equal skip_mlp)"
+        return None
+
+    # -- precision self-drafts (draft_kinds/precision.py): the decoder's int8 twin ------------------------
+    def _precision_unsupported(self, precision: str) -> str | None:
+        from ...drafting.kinds.precision import parse_precision
+
+        scheme = parse_precision(precision)[0]
+        if scheme != "int8":  # _weight_int4pack_mm_for_cpu: 5x slower than the fp32 product here (int8_twin.py)
+            return (
+                f"{precision} precision drafts run on ONNX Runtime only (torch has no fast CPU {scheme} product); "
+                "use an int8 precision draft on torch, or build with --backend onnx"
+            )
+        if not isinstance(self.decoder, Decoder):
+            return "the generic torch path has no int8 precision draft (its model is transformers' own)"
+        if torch.device(self.device).type != "cpu":
+            return "int8 precision drafts on torch run on CPU (fbgemm / oneDNN); on a GPU build with --backend onnx"
+        return int8_kernel_missing()
+
+    # -- token trees (runtime/tree.py) ----------------------------------------------------------------
+    def tree_unsupported(self) -> str | None:
+        if not isinstance(self.decoder, Decoder):
+            return "the generic torch path has no tree attention"
+        return None
+
+    @torch.inference_mode()
+    def forward_tree(self, tokens: Sequence[int], parents: Sequence[int], pos: int) -> np.ndarray:
+        from ...tree import attention_rows, depths
+
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
+        depth = torch.tensor([0] + depths(parents), dtype=torch.long, device=self.device)
+        rows = torch.from_numpy(attention_rows(parents)).to(self.device)
+        return self.decoder.forward_tree(ids, pos, self.cache, depth, rows)[0].float().cpu().numpy()
+
+    @torch.inference_mode()
+    def keep_rows(self, pos: int, moves: Sequence[tuple[int, int]]) -> None:
+        if not moves:
+            return
+        src = torch.tensor([pos + a for a, _ in moves], device=self.device)
+        dst = torch.tensor([pos + b for _, b in moves], device=self.device)
+        for buf in (self.cache.k, self.cache.v):  # [layers, batch, kv_heads, max_len, head_dim]
+            buf.index_copy_(3, dst, buf.index_select(3, src))
+
+    # -- draft heads: trained exit adapters and reduced vocabularies (runtime/drafting/kinds/adapter.py) ------------
+    def load_draft_head(self, head_file: str, root: Path | None) -> None:
+        c = self.config
+        head = load_draft_head(Path(root or ".") / head_file, c.hidden_size, c.vocab_size)
+        cached = self.draft_heads.get(head_file)
+        if cached is None or cached[0] is not head:
+            self.draft_heads[head_file] = (head, TorchDraftHead.from_draft_head(self.decoder, head))
+
+    def _draft_head(self, head_file: str) -> tuple[DraftHead, "TorchDraftHead"]:
+        if head_file not in self.draft_heads:
+            raise ArtifactError(
+                f"draft head {head_file!r} was not loaded; open the artifact with speccompile.runtime.load"
+            )
+        return self.draft_heads[head_file]
+
+
+class TorchDraftHead(torch.nn.Module):
+    """A draft head in torch: the exit adapter (a gated MLP added to the residual stream, no KV), then the
+    model's own final norm and the lm_head rows of the draft vocabulary (all rows when not reduced). The
+    model's modules are held, not registered, so training this module never touches the target."""
+
+    def __init__(self, decoder: Decoder, width: int | None, vocab: np.ndarray | None = None):
+        super().__init__()
+        from .decoder import _ACTIVATIONS, Norm
+
+        c, d = decoder.config, decoder.config.hidden_size
+        weight, dtype = decoder.embed.weight, decoder.embed.weight.dtype
+        self.norm = self.gate = self.up = self.down = None
+        if width:
+            self.norm = Norm(c, d).to(weight.device, dtype)
+            self.gate, self.up = (
+                torch.nn.Linear(d, width, bias=False, device=weight.device, dtype=dtype) for _ in "gu"
+            )
+            self.down = torch.nn.Linear(width, d, bias=False, device=weight.device, dtype=dtype)
+            torch.nn.init.zeros_(self.down.weight)  # an untrained adapter is exactly the shared-head exit
+        self.act = _ACTIVATIONS[c.activation]
+        rows = decoder.lm_head.weight.detach()
+        if vocab is not None:
+            rows = rows[torch.as_tensor(vocab, dtype=torch.long, device=rows.device)].clone()
+        elif rows.is_inference():  # weights made under inference_mode cannot take part in training
+            rows = rows.clone()
+        final = Norm(c, d).to(weight.device, dtype)  # a copy of the model's final norm (d weights), frozen
+        final.load_state_dict({name: t.clone() for name, t in decoder.norm.state_dict().items()})
+        self._shared = (final.requires_grad_(False), rows)  # a tuple: not parameters of this module
+        self.vocab = None if vocab is None else torch.as_tensor(vocab, dtype=torch.long, device=rows.device)
+        self.vocab_size = c.vocab_size
+
+    def adapt(self, h: torch.Tensor) -> torch.Tensor:
+        if self.gate is None:
+            return h
+        x = self.norm(h)
+        return h + self.down(self.act(self.gate(x)) * self.up(x))
+
+    def forward(self, h: torch.Tensor) -> torch.Tensor:
+        """Hidden states after block E ``[..., d]`` -> draft logits over the draft vocabulary ``[..., N]``."""
+        norm, rows = self._shared
+        return torch.nn.functional.linear(norm(self.adapt(h)), rows)
+
+    def full_logits(self, h: torch.Tensor) -> torch.Tensor:
+        """``forward`` over the whole vocabulary: ``-inf`` outside the draft vocabulary."""
+        logits = self(h)
+        if self.vocab is None:
+            return logits
+        full = logits.new_full(logits.shape[:-1] + (self.vocab_size,), float("-inf"))
+        full[..., self.vocab] = logits
+        return full
+
+    def adapter_arrays(self) -> dict[str, np.ndarray]:
+        if self.gate is None:
+            return {}
+        return {f"adapter.{name}": t.detach().float().cpu().numpy() for name, t in self.state_dict().items()}
+
+    @classmethod
+    def from_draft_head(cls, decoder: Decoder, head: DraftHead) -> "TorchDraftHead":
+        width = head.adapter["adapter.gate.weight"].shape[0] if head.has_adapter else None
+        kernel = cls(decoder, width, head.vocab)
+        if width:
+            weight = decoder.embed.weight
+            kernel.load_state_dict(
+                {
+                    name.removeprefix("adapter."): torch.from_numpy(a).to(weight.device, weight.dtype)
+                    for name, a in head.adapter.items()
+                }
+            )
+        return kernel.eval().requires_grad_(False)

@@ -1,0 +1,264 @@
+"""Linear layers for a few token rows on CPU: three forms of the same product, chosen by measurement.
+
+Decoding and verifying multiply one to a few dozen token rows by every weight matrix, so a step is a
+stream over the weights. ``F.linear(x, W)`` computes ``x @ W^T``, and how fast BLAS streams the weights
+for one to sixteen rows depends on the CPU and the BLAS build:
+
+- on this project's 2-core AMD EPYC, torch's MKL took 42 ms for SmolLM2-135M's 211 products with one row
+  and 70 ms with two, where the same products written ``W @ x^T`` with at least two columns (the
+  *streaming* form) took 17 ms and 16 ms;
+- on its 2-core Intel Xeon (AVX-512), ``F.linear`` streams one to three rows near the memory bandwidth
+  (19-21 ms for the 121 packed products) but four rows take 34 ms, eight 44 ms and twelve 53 ms: MKL
+  re-packs every weight on each call at those shapes. The *packed* form packs each weight once, at load,
+  into MKL's own GEMM layout (``cblas_sgemm_pack`` through ``torch.ops.mkl._mkl_reorder_linear_weight``,
+  what inductor's freezing pass uses) and multiplies by it (``cblas_sgemm_compute``): 19, 22, 27 and 30 ms
+  for 1, 4, 8 and 12 rows. A pack made for ``MAX_ROWS`` rows serves every count up to it (checked once
+  per process, ``mkl_packing_missing``). At SmolLM2's shapes its rows were also batch-invariant (row i of
+  a k-row product bitwise row i of the one-row product, 1 to 128 rows), so a verify computed its
+  positions' products exactly as plain decoding's steps did; on tiny test shapes they are not, so nothing
+  relies on it. The pack is a second copy of each weight, in memory only (nothing is stored): the price of
+  the form, which ``SPECCOMPILE_CPU_LINEAR=standard`` avoids.
+
+``use_streaming_linears`` times the forms on the model's own weights (cold, in model order, as a step
+reads them) for each row count and switches the model's ``nn.Linear`` modules to ``StreamingLinear``,
+which applies the winner per count. Every form computes the same dot products; like any change of kernel
+they may round differently, which the near-tie rule of lossless greedy covers (docs/design.md section 6): a
+backend's plain and speculative decoding always run the same modules.
+
+``SPECCOMPILE_CPU_LINEAR=standard`` keeps ``F.linear`` everywhere; ``=streaming`` / ``=packed`` use that
+form for every row count up to ``MAX_ROWS`` without timing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+MAX_ROWS = 16  # longest verify the choice covers (a lookup draft is at most 12 tokens); longer calls use F.linear
+PROBE_ROWS = (1, 2, 3, 4, 8, 16)  # probed row counts (the others follow the probed count below them)
+MODES = ("auto", "standard", "streaming", "packed")
+# the packed form is kept for a row count when it is at most this much slower than the form otherwise chosen:
+# one form for every count keeps a step and a verify on the same kernel (at SmolLM2's shapes, bitwise)
+PACKED_PREFERENCE = 1.03
+STREAMING_MARGIN = 0.9  # W @ x^T is kept for a row count when it is more than 10% faster than F.linear
+
+
+class StreamingLinear(nn.Linear):
+    """``nn.Linear`` that computes its product in the form chosen for the call's row count: MKL's packed
+    product for the counts in ``packed_rows`` (when the module holds a current pack of its weight),
+    ``W @ x^T`` (at least two columns) for those in ``streaming_rows``, ``F.linear`` otherwise. Created only
+    by switching an ``nn.Linear``'s class."""
+
+    streaming_rows: frozenset[int] = frozenset()
+    packed_rows: frozenset[int] = frozenset()
+    mkl_pack: "MklPack | None" = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
+        if x.dtype != self.weight.dtype:
+            return F.linear(x, self.weight, self.bias)
+        if rows in self.packed_rows and self.mkl_pack is not None and self.mkl_pack.fits(self.weight):
+            return self.mkl_pack.product(x, self.weight, self.bias, rows)
+        if rows in self.streaming_rows:
+            return streaming_product(x, self.weight, self.bias)
+        return F.linear(x, self.weight, self.bias)
+
+
+class MklPack:
+    """One weight in MKL's packed GEMM layout, made for ``MAX_ROWS`` rows. It remembers which tensor it
+    packed (storage and version): a module whose weight was replaced or changed in place since falls back
+    to the other forms. Shared, not copied, by ``copy.deepcopy`` (the int8 twin copies the module tree)."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.tensor = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach().contiguous(), MAX_ROWS)
+        self.ptr, self.version = weight.data_ptr(), _version_of(weight)
+        self.nbytes = weight.numel() * weight.element_size()  # about the pack's own size (measured in RSS)
+
+    def fits(self, weight: torch.Tensor) -> bool:
+        return weight.data_ptr() == self.ptr and _version_of(weight) == self.version
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+        # the call's own row count as the pack's batch size: MKL computes with the pack for any count up to the
+        # one it was made for (checked once per process: mkl_packing_missing)
+        return torch.ops.mkl._mkl_linear(x, self.tensor, weight, bias, rows)
+
+    def __deepcopy__(self, memo) -> "MklPack":
+        return self
+
+
+def _version_of(weight: torch.Tensor) -> int | None:
+    try:
+        return weight._version
+    except RuntimeError:  # an inference tensor keeps no version counter (nor can it change in place outside one)
+        return None
+
+
+_PACKING_MISSING: list[str | None] = []
+
+
+def mkl_packing_missing() -> str | None:
+    """Why this torch build cannot use the packed form, or None: no MKL, no packing ops, or a pack made for
+    ``MAX_ROWS`` rows that does not compute ``F.linear`` for fewer (checked once per process on random
+    weights, bias included)."""
+    if _PACKING_MISSING:
+        return _PACKING_MISSING[0]
+    reason = None
+    try:
+        if not torch.backends.mkl.is_available():
+            reason = "this torch build has no MKL"
+        else:
+            gen = torch.Generator().manual_seed(0)
+            weight, bias = torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)
+            layer = nn.Linear(24, 40)
+            layer.weight.data, layer.bias.data = weight, bias
+            layer.__class__ = StreamingLinear
+            layer.packed_rows, layer.mkl_pack = frozenset(range(1, MAX_ROWS + 1)), MklPack(layer.weight)
+            x = torch.randn(1, MAX_ROWS, 24, generator=gen)
+            with torch.inference_mode():
+                for rows in (1, 2, 3, 5, MAX_ROWS):
+                    if not torch.allclose(
+                        layer(x[:, :rows]), F.linear(x[:, :rows], weight, bias), rtol=1e-4, atol=1e-5
+                    ):
+                        reason = f"MKL's packed product disagrees with F.linear for {rows} rows"
+                        break
+    except Exception as exc:  # an op missing from this build, or MKL refusing the call
+        reason = f"MKL packing is unavailable ({str(exc).splitlines()[0][:100]})"
+    _PACKING_MISSING.append(reason)
+    return reason
+
+
+def streaming_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` as ``weight @ x^T``, one row padded to two columns (a GEMM, not a GEMV)."""
+    rows = x.numel() // x.shape[-1]
+    flat = x.reshape(rows, x.shape[-1]).contiguous()
+    if rows == 1:
+        flat = torch.cat((flat, flat))
+    # W @ flat^T reads flat^T as a transposed row-major matrix (the layout measured); the result is
+    # made row-major again, as F.linear returns it, so no later op sees a strided tensor.
+    y = torch.mm(weight, flat.t())[:, :rows].t().contiguous()
+    if bias is not None:
+        y = y + bias
+    return y.reshape(*x.shape[:-1], weight.shape[0])
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def _follow_lower(winners: set[int], rows: tuple[int, ...]) -> frozenset[int]:
+    """The chosen counts 1..MAX_ROWS: a count between two probed ones follows the lower one."""
+    chosen, last = set(), False
+    for n in range(1, MAX_ROWS + 1):
+        if n in rows:
+            last = n in winners
+        if last:
+            chosen.add(n)
+    return frozenset(chosen)
+
+
+@torch.inference_mode()
+def choose_forms(
+    weights: list[torch.Tensor],
+    packs: list[MklPack] | None = None,
+    rows: tuple[int, ...] = PROBE_ROWS,
+    repeats: int = 3,
+    margin: float = STREAMING_MARGIN,
+    preference: float = PACKED_PREFERENCE,
+) -> tuple[frozenset[int], frozenset[int]]:
+    """(row counts given ``W @ x^T``, row counts given MKL's packed product), from 1..MAX_ROWS, timed over all
+    of ``weights`` (``packs``: their MKL packs, in the same order; None: no packed form). Per probed count the
+    forms run in turns, ``repeats`` times each, best time kept. ``W @ x^T`` is chosen where it beats
+    ``F.linear`` by more than ``1 - margin``; the packed form where it takes at most ``preference`` times
+    the form chosen so far. A count between two probed ones follows the lower one."""
+    if not weights:
+        return frozenset(), frozenset()
+    widths = {w.shape[1] for w in weights}
+    inputs = {(n, k): torch.randn(n, k, dtype=weights[0].dtype) for n in rows for k in widths}
+
+    def every_product(n: int, form: str) -> None:
+        for i, w in enumerate(weights):
+            x = inputs[n, w.shape[1]]
+            if form == "packed":
+                packs[i].product(x, w, None, n)
+            elif form == "streaming":
+                streaming_product(x, w)
+            else:
+                F.linear(x, w)
+
+    forms = ("standard", "streaming") + (("packed",) if packs else ())
+    every_product(rows[0], "standard")  # warm-up (allocator, thread pool)
+    streaming, packed = set(), set()
+    for n in rows:
+        best = {form: float("inf") for form in forms}
+        for _ in range(repeats):  # in turns, so that a slow moment of the machine does not fall on one form only
+            for form in forms:
+                best[form] = min(best[form], _seconds(lambda: every_product(n, form)))
+        chosen = best["standard"]
+        if best["streaming"] < margin * best["standard"]:
+            streaming.add(n)
+            chosen = best["streaming"]
+        if best.get("packed", float("inf")) <= preference * chosen:
+            packed.add(n)
+    return _follow_lower(streaming - packed, rows), _follow_lower(packed, rows)
+
+
+def use_streaming_linears(
+    model: nn.Module, packed: list[tuple[nn.Linear, tuple[nn.Linear, ...]]] = ()
+) -> frozenset[int]:
+    """Switch every float ``nn.Linear`` of a CPU ``model`` to ``StreamingLinear`` with the product form per
+    row count measured to be fastest (once per model: later calls return the first choice). Returns the
+    counts given the streaming form; ``model._packed_rows`` holds those given the packed form and
+    ``model._packed_bytes`` what its packs take.
+
+    ``packed``: products made by ``decoder.pack_projections`` (not submodules of ``model``), each with
+    the modules it replaces; the timing reads the products a step runs, so the packed ones instead of
+    their parts, and every one of them is switched (only what a step runs gets an MKL pack)."""
+    chosen = getattr(model, "_streaming_rows", None)
+    if chosen is not None:
+        return chosen
+    product_at = {id(parts[0]): product for product, parts in packed}
+    replaced = {id(part) for _, parts in packed for part in parts}
+    stepped = [product_at.get(id(m), m) for m in model.modules() if id(m) in product_at or id(m) not in replaced]
+
+    def eligible(m: nn.Module) -> bool:
+        return type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
+
+    timed = [m for m in stepped if eligible(m)]  # what a step runs, in model order
+    linears = timed + [part for _, parts in packed for part in parts if eligible(part)]
+    mode = os.environ.get("SPECCOMPILE_CPU_LINEAR", "auto").strip().lower()
+    if mode not in MODES:
+        raise ValueError(f"SPECCOMPILE_CPU_LINEAR={mode!r}: use one of {', '.join(MODES)}")
+    weights = list(dict.fromkeys(m.weight for m in timed))  # tied weights: read once, as a step does
+    every = frozenset(range(1, MAX_ROWS + 1))
+    chosen = packed_rows = frozenset()
+    candidates: list[MklPack] = []
+    if mode == "packed":
+        missing = mkl_packing_missing() if linears else None
+        if missing:
+            raise ValueError(f"SPECCOMPILE_CPU_LINEAR=packed: {missing}; use auto or standard")
+        packed_rows = every
+    elif mode == "streaming":
+        chosen = every
+    elif mode == "auto" and linears:
+        candidates = [MklPack(w) for w in weights] if mkl_packing_missing() is None else []
+        chosen, packed_rows = choose_forms(weights, candidates or None)
+    packs: dict[int, MklPack] = {}
+    if (
+        packed_rows
+    ):  # the packs timed, or made now (a pack not chosen is dropped here: memory only the chosen form takes)
+        packs = {id(w): pack for w, pack in zip(weights, candidates or [MklPack(w) for w in weights])}
+    stepping = {id(m) for m in timed}
+    for module in linears:
+        module.__class__ = StreamingLinear
+        module.streaming_rows = chosen
+        module.packed_rows = packed_rows
+        module.mkl_pack = packs.get(id(module.weight)) if id(module) in stepping else None
+    model._streaming_rows, model._packed_rows = chosen, packed_rows
+    model._packed_bytes = sum(pack.nbytes for pack in packs.values())
+    return chosen

@@ -1,0 +1,213 @@
+"""A speculative round that stays on the torch backend's device (gpt-fast's ``generate.py`` is the model).
+
+The host round (``runtime/decoding/speculative.py`` ``_speculative_round``) copies the logits of every draft step
+and of the verify to numpy and decides there: on a GPU that is one host sync per drafted token and per
+verify call. Here drafted tokens, draft distributions, the verifier's argmax or sampled token, the
+acceptance test and the accepted count stay tensors on the device, and each round reads one small
+tensor back (``[drafted..., bonus, accepted, kept]``, one ``.tolist()``) to emit tokens, check stops,
+update the stats and the draft policy. Positions are host ints: a round drafts a number of tokens fixed
+before it starts, so every position is known without reading the device.
+
+- **Model drafts**: each draft step's token is the previous step's output tensor, fed to the segment
+  without leaving the device (``TensorCalls``: the backend as the plan's draft kind calls it, tokens in
+  and logits out as device tensors; ``TorchBackend.run_tensor``). With CUDA graphs on, draft steps and the
+  verify replay their graphs (``StaticSteps``, one per (segment, token count)).
+- **Draft length**: the adaptive threshold (``DraftPolicy``) needs each draft token's confidence, which
+  lives on the device. A round therefore drafts ``min(max_draft, limit)`` tokens, verifies them all, and
+  cuts on the device at the first token the policy would have stopped after (confidence below the
+  threshold): a drafted token past the cut is never accepted. So a round commits exactly what the host
+  round commits (greedy: the same tokens, round log and threshold updates, up to floating-point
+  near-ties of a longer verify), and the estimator's acceptance replay (``passes/replay.py``) describes
+  it; what it does not describe is the cost on a device, where every round pays ``max_draft`` draft
+  steps and a verify of ``max_draft + 1`` tokens (gpt-fast's fixed k). With a threshold of 0 nothing is
+  cut.
+- **Lookups** (n-gram, retrieval) run on the host before the round (their tokens are uploaded, which
+  waits for nothing: the device is idle after the previous round's read). A hit drafts the round, as in
+  ``HybridDrafter``. One difference from the host round, on every device: a model draft is *not*
+  extended by a lookup continuation (that lookup needs the model's tokens on the host: a second sync).
+- **Sampling**: Leviathan/Chen rejection with the draft's q (one-hot for lookup tokens) on the device;
+  the distributions are ``sampling.probabilities`` computed in torch (float64, same temperature, top-k
+  and top-p rules), tokens by inverse CDF from one ``torch.rand`` per round on a generator seeded from
+  the request's seed (so a seed gives other tokens than the host round's numpy generator, from the
+  same distribution).
+
+Imported only by the torch backend (``TorchBackend.device_round``); on CPU tensors the same code runs
+(the lossless tests force it), and only its speed needs a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from torch import Tensor
+
+from ...drafting.base import Draft, RoundContext
+from ...drafting.kinds import kind_of
+from ...drafting.model import ModelDrafter
+from ...sampling import SamplingParams
+from ...segments import Segment, full_model
+
+
+def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
+    """``sampling.probabilities`` row by row on the device: ``[R, vocab]`` logits -> float64 rows."""
+    z = logits.double()
+    z = (z - z.amax(-1, keepdim=True)) / params.temperature  # <= 0 everywhere: no overflow at any temperature
+    probs = torch.softmax(z, -1)
+    if params.top_k and params.top_k < probs.shape[-1]:
+        kth = probs.topk(params.top_k, -1).values[..., -1:]
+        probs = torch.where(probs >= kth, probs, 0.0)
+    if params.top_p < 1.0:
+        ordered, order = torch.sort(probs, dim=-1, descending=True, stable=True)
+        cumulative = ordered.cumsum(-1)
+        keep = cumulative - ordered < params.top_p * cumulative[..., -1:]
+        probs = torch.where(torch.zeros_like(keep).scatter(-1, order, keep), probs, 0.0)
+    return probs / probs.sum(-1, keepdim=True)
+
+
+def sample(probs: Tensor, u: Tensor) -> Tensor:
+    """One token per row of ``probs`` ``[R, vocab]`` (need not be normalised) by inverse CDF at ``u`` ``[R]``."""
+    cdf = probs.cumsum(-1)
+    index = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
+    return index.clamp_(max=probs.shape[-1] - 1)
+
+
+class TensorCalls:
+    """The backend as draft kinds call it (``run``, ``forward``, ``reuses_prefix``), on device tensors:
+    token ids arrive as tensors (or lists of them, as kinds pass one token) and logits stay on the device."""
+
+    def __init__(self, backend):
+        self.backend, self.config = backend, backend.config
+
+    @property
+    def reuses_prefix(self) -> bool:
+        return self.backend.reuses_prefix
+
+    def run(
+        self, segment: Segment, pos: int, tokens: Tensor | Sequence[Tensor] | None = None, count: int = 0
+    ) -> Tensor | None:
+        ids = None
+        if segment.from_tokens:
+            ids = tokens if isinstance(tokens, Tensor) else torch.cat([t.reshape(-1) for t in tokens])
+        return self.backend.run_tensor(segment, pos, ids, count)
+
+    def forward(self, tokens: Tensor, pos: int) -> Tensor:
+        return self.run(full_model(self.config.num_layers), pos, tokens)
+
+
+class DeviceRound:
+    """``round(ctx, stats)``: one draft-and-verify round of ``drafter`` (a ``ModelDrafter``, or a hybrid of
+    lookups and an optional model part) on a torch backend; the tokens it commits (see the module docstring).
+    ``None`` from ``for_drafter`` when the drafter is of another shape (the host round runs it)."""
+
+    def __init__(self, backend, drafter, lookups: list, model: ModelDrafter | None, seed: int | None):
+        self.backend, self.drafter, self.lookups, self.model = backend, drafter, lookups, model
+        self.calls = TensorCalls(backend)
+        self.kind = kind_of(model.plan, backend.config.num_layers) if model is not None else None
+        self.device = torch.device(backend.device)
+        self.generator = torch.Generator(device=self.device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    @classmethod
+    def for_drafter(cls, backend, drafter, seed: int | None) -> "DeviceRound | None":
+        model, lookups = drafter.model_part, list(drafter.lookup_part)
+        if model is not None and not isinstance(model, ModelDrafter) or (model is None and not lookups):
+            return None  # a model part this round does not know how to run, or nothing to draft with
+        return cls(backend, drafter, lookups, model, seed)
+
+    @torch.inference_mode()
+    def __call__(self, ctx: RoundContext, stats) -> list[int]:
+        params = ctx.params
+        token = torch.full((1,), int(ctx.history[-1]), dtype=torch.long, device=self.device)
+        draft = self._lookup(ctx)
+        n = len(draft.tokens) if draft.tokens or self.model is None else min(self.model.policy.max_draft, ctx.limit)
+        u = (
+            None
+            if params.greedy
+            else torch.rand(2 * n + 1, generator=self.generator, dtype=torch.float64, device=self.device)
+        )  # draft samples, acceptance tests, the last token
+        q = None
+        if draft.tokens or self.model is None:  # a lookup hit (one-hot q), or a plain step
+            drafted = torch.tensor(draft.tokens, dtype=torch.long).to(
+                self.device, non_blocking=True
+            )  # waits for nothing
+            kept = torch.ones(n, dtype=torch.bool, device=self.device)
+            logits = self.calls.forward(torch.cat([token, drafted]), ctx.pos)
+        else:
+            drafted, kept, q = self._model_draft(token, ctx, n, u)
+            logits = self.kind.verify(self.calls, torch.cat([token, drafted]), ctx.pos, self.kind.reuse(n))
+        if params.greedy:
+            targets = logits.argmax(-1)
+            accepted = self._accepted((drafted == targets[:n]) & kept)
+            bonus = targets.gather(0, accepted.view(1))
+        else:
+            accepted, bonus = self._sampled(logits, drafted, kept, q, u[n:], params)
+        out = torch.cat([drafted, bonus, accepted.view(1), kept.sum().view(1)]).tolist()  # the round's one sync
+        tokens, bonus, accepted, kept = out[:n], out[n], out[n + 1], out[n + 2]
+        if not draft.tokens and self.model is not None:
+            draft = Draft(
+                tokens[:kept], [None] * kept, [self.model.name] * kept, self.kind.reuse(kept), self.model.plan
+            )
+        stats.record(draft, accepted)
+        self.drafter.feedback(draft, accepted)
+        return tokens[:accepted] + [bonus]
+
+    def _lookup(self, ctx: RoundContext) -> Draft:
+        """The first lookup source's hit, on the host (``HybridDrafter``'s order); an empty draft without one."""
+        for source in self.lookups:
+            draft = source.propose(ctx)
+            if draft.tokens:
+                return draft
+        return Draft()
+
+    def _model_draft(
+        self, token: Tensor, ctx: RoundContext, n: int, u: Tensor | None
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``n`` draft steps, each fed the previous step's token tensor: the drafted tokens ``[n]``, which
+        of them the policy keeps (those up to its first confidence below the threshold) and, when sampling,
+        the draft distributions ``[n, vocab]``."""
+        params, tokens, confidences, qs = ctx.params, [], [], []
+        current = token
+        for j in range(n):
+            logits = self.kind.draft(self.calls, current, ctx.pos + j).reshape(1, -1)
+            if params.greedy:
+                current = logits.argmax(-1)
+                confidences.append(torch.softmax(logits.double(), -1).amax(-1))
+            else:
+                q = probabilities(logits, params)
+                current = sample(q, u[j : j + 1])
+                confidences.append(q.amax(-1))
+                qs.append(q)
+            tokens.append(current)
+        low = torch.cat(confidences) < self.model.policy.threshold
+        kept = low.cumsum(0) - low.long() == 0  # no low-confidence token before this one
+        return torch.cat(tokens), kept, torch.cat(qs) if qs else None
+
+    @staticmethod
+    def _accepted(ok: Tensor) -> Tensor:
+        """How many drafted tokens are accepted: the run of ``ok`` from the first (0-d long tensor)."""
+        return ok.long().cumprod(0).sum()
+
+    def _sampled(
+        self, logits: Tensor, drafted: Tensor, kept: Tensor, q: Tensor | None, u: Tensor, params: SamplingParams
+    ) -> tuple[Tensor, Tensor]:
+        """Leviathan/Chen rejection on the device: the accepted count and the token after them (the
+        residual's sample at a rejection, the verifier's own past the last kept draft)."""
+        n = drafted.shape[0]
+        p = probabilities(logits, params)  # [n + 1, vocab]
+        if q is None:  # lookup tokens: a one-hot q (not F.one_hot, which reads the ids back to check them)
+            q = p.new_zeros(n, p.shape[-1]).scatter_(1, drafted[:, None], 1.0)
+        p_d = p[:n].gather(1, drafted[:, None])[:, 0]
+        q_d = q.gather(1, drafted[:, None])[:, 0]
+        accepted = self._accepted((u[:n] < (p_d / q_d).clamp(max=1.0)) & kept)
+        at = accepted.view(1)
+        p_a = p.index_select(0, at)
+        residual = (p_a - torch.cat([q, q.new_zeros(1, q.shape[1])]).index_select(0, at)).clamp(min=0.0)
+        rejected = (accepted < kept.sum()) & (residual.sum() > 0)
+        return accepted, sample(torch.where(rejected, residual, p_a), u[n:])
+
+
+__all__ = ["DeviceRound", "TensorCalls", "probabilities", "sample"]

@@ -1,0 +1,188 @@
+"""The model's own draft: a plan's subgraph (its draft kind, ``kinds/``) drafting under an adaptive policy.
+
+Its draft steps go through a ``DraftStep``, which the runtime backs with the backend (``BackendStep``) and
+the tuner backs with a precomputed profile, so both replay the *same* policy object. Its options
+(``ModelOptions``) sit under ``"model"`` in the plan's ``sources``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from ..artifact.manifest import DraftPlan
+from ..errors import ArtifactError
+from ..sampling import probabilities, sample
+from .base import Draft, Drafter, RoundContext, SourceOptions
+
+
+@dataclass
+class ModelOptions(SourceOptions):
+    """How the model part drafts: at most ``max_draft`` tokens a round, stopping early when the draft's top-1
+    probability falls below ``threshold`` (which, when ``adaptive``, steers acceptance toward
+    ``target_acceptance``); ``branches`` > 1 adds up to ``branches - 1`` runner-ups per drafted token as tree
+    leaves (greedy rounds)."""
+
+    max_draft: int = 6
+    threshold: float = 0.0
+    adaptive: bool = True
+    target_acceptance: float = 0.6
+    branches: int = 1
+
+    def check(self, plan: DraftPlan) -> None:
+        if self.max_draft < 1:
+            raise ArtifactError(f"plan '{plan.name}': sources.model.max_draft must be >= 1, got {self.max_draft}")
+        if not 0.0 <= self.threshold < 1.0:
+            raise ArtifactError(f"plan '{plan.name}': sources.model.threshold must be in [0, 1), got {self.threshold}")
+        if self.branches < 1:
+            raise ArtifactError(f"plan '{plan.name}': sources.model.branches must be >= 1, got {self.branches}")
+
+
+class DraftStep(Protocol):
+    def __call__(self, token: int, pos: int, ctx: RoundContext) -> tuple[int, float, np.ndarray | None]:
+        """Draft the token after ``token`` (at ``pos``): (drafted token, confidence, q or None when greedy)."""
+
+    def runner_ups(self, most: int) -> list[tuple[int, float]]:
+        """The last step's next-best tokens after the one it drafted, with their draft probabilities, best
+        first (at most ``most``): a model-draft tree's leaves (``ModelDrafter``)."""
+
+
+@dataclass
+class DraftPolicy:
+    """Adaptive draft length (Draft & Verify): stop drafting when the draft's top-1 probability falls
+    below ``threshold`` or at ``max_draft``; the threshold rises when acceptance falls below
+    ``target_acceptance`` and falls when it is above."""
+
+    max_draft: int
+    threshold: float = 0.0
+    adaptive: bool = True
+    target_acceptance: float = 0.6
+    step: float = 0.02
+
+    @classmethod
+    def from_plan(cls, plan: DraftPlan, max_draft: int | None = None) -> "DraftPolicy":
+        from . import options
+
+        return cls.from_options(options(plan, "model"), max_draft)
+
+    @classmethod
+    def from_options(cls, options: ModelOptions, max_draft: int | None = None) -> "DraftPolicy":
+        return cls(
+            max_draft=max_draft or options.max_draft,
+            threshold=options.threshold,
+            adaptive=options.adaptive,
+            target_acceptance=options.target_acceptance,
+        )
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if not self.adaptive or drafted == 0:
+            return
+        if accepted / drafted < self.target_acceptance:
+            self.threshold = min(self.threshold + self.step, 0.95)
+        else:
+            self.threshold = max(self.threshold - self.step, 0.0)
+
+
+class BackendStep:
+    """A model draft step of ``plan``'s kind on the backend (what the runtime uses)."""
+
+    def __init__(self, backend, plan: DraftPlan):
+        from .kinds import kind_of
+
+        self.backend, self.kind = backend, kind_of(plan, backend.config.num_layers)
+        # the last greedy step's exp(logits - top logit) and its sum: the draft's probabilities, for runner_ups
+        self._weights: np.ndarray | None = None
+        self._total = 1.0
+        self._drafted = -1
+
+    def __call__(self, token: int, pos: int, ctx: RoundContext) -> tuple[int, float, np.ndarray | None]:
+        logits = self.kind.draft(self.backend, token, pos)
+        if ctx.params.greedy:
+            # Only the drafted token's probability is needed (the draft policy's confidence), so one exp pass in the
+            # logits' own precision instead of a float64 softmax: 40 us against 340 us over SmolLM2's 49k-token
+            # vocabulary, which was 5% of an int8 draft step on ONNX Runtime. A drafting heuristic: whatever it
+            # rounds to, the verifier decides every token.
+            drafted = self._drafted = int(np.argmax(logits))
+            with np.errstate(under="ignore", invalid="ignore"):
+                self._weights = np.exp(logits - logits[drafted])  # <= 1 everywhere; 0 at -inf (a draft vocabulary)
+            self._total = float(self._weights.sum(dtype=np.float64))
+            return drafted, 1.0 / self._total, None
+        q = probabilities(logits, ctx.params)
+        drafted = sample(q, ctx.rng)
+        return drafted, float(q.max()), q
+
+    def runner_ups(self, most: int) -> list[tuple[int, float]]:
+        weights = self._weights
+        if weights is None or most < 1:
+            return []
+        top = np.argpartition(weights, -(most + 1))[-(most + 1) :]
+        top = [int(t) for t in top[np.argsort(-weights[top], kind="stable")] if t != self._drafted][:most]
+        return [(t, float(weights[t]) / self._total) for t in top]
+
+
+# A runner-up less likely than this under the draft is not worth a verify row. SmolLM2-135M's int8 draft on ONNX
+# Runtime: leaves above 0.05 were the model's token 6% of the time, above 0.2 10%, above 0.3 17%;
+# a leaf pays there from about 8% (one more token per hit against a row's cost in a ~7-row verify).
+BRANCH_MIN_PROBABILITY = 0.2
+
+
+class ModelDrafter(Drafter):
+    """Drafts with a plan's subgraph of the model under a ``DraftPolicy``.
+
+    With ``branches`` > 1 (``ModelOptions``; greedy rounds) the draft is a token tree (``runtime/tree.py``): its
+    chain, then, beside each drafted token, up to ``branches - 1`` of the draft's runner-ups as leaves (source
+    ``branch``) where the draft gave them at least ``BRANCH_MIN_PROBABILITY``. A leaf costs a verify row and no
+    draft step; it pays where the draft's first choice is wrong and its second right, which is where a chain's
+    round ends (the top-k branches of SpecInfer / EAGLE-2 trees, cut to one level so that the draft runs once
+    per depth)."""
+
+    name = "model"
+    branch = "branch"  # the source name of a tree's runner-up leaves
+    Options = ModelOptions
+
+    def __init__(self, plan: DraftPlan, step: DraftStep, policy: DraftPolicy | None = None):
+        from . import options
+        from .kinds import kind_of
+
+        self.plan, self.step, self.kind = plan, step, kind_of(plan)
+        self.options = options(plan, "model")
+        self.policy = policy or DraftPolicy.from_options(self.options)
+        self.drafts_trees = self.options.branches > 1  # tree rounds run on the host (``speculative.decode``)
+
+    @property
+    def model_part(self) -> "ModelDrafter":
+        return self
+
+    def propose(self, ctx: RoundContext) -> Draft:
+        draft = Draft(verify_plan=self.plan)
+        leaves: list[tuple[int, int]] = []  # (parent node, token)
+        current = ctx.history[-1]
+        most = min(self.policy.max_draft, ctx.limit)
+        branches = self.options.branches - 1 if ctx.params.greedy else 0
+        for j in range(most):
+            current, confidence, q = self.step(current, ctx.pos + j, ctx)
+            draft.tokens.append(current)
+            draft.q.append(q)
+            draft.sources.append(self.name)
+            if branches and 1.0 - confidence >= BRANCH_MIN_PROBABILITY:  # else no runner-up can reach the floor
+                leaves += [(j - 1, t) for t, p in self.step.runner_ups(branches) if p >= BRANCH_MIN_PROBABILITY]
+            if confidence < self.policy.threshold:
+                break
+        draft.reuse = self.kind.reuse(len(draft.tokens))
+        room = ctx.limit - len(draft.tokens)
+        if leaves and room > 0:
+            leaves = leaves[:room]
+            draft.parents = list(range(-1, len(draft.tokens) - 1)) + [parent for parent, _ in leaves]
+            draft.tokens += [token for _, token in leaves]
+            draft.q += [None] * len(leaves)
+            draft.sources += [self.branch] * len(leaves)
+        return draft
+
+    def feedback(self, draft: Draft, accepted: int) -> None:
+        drafted = draft.sources.count(self.name)  # the chain's tokens (a tree's leaves did not set its length)
+        self.policy.update(drafted, min(accepted, drafted))
+
+
+__all__ = ["BRANCH_MIN_PROBABILITY", "BackendStep", "DraftPolicy", "DraftStep", "ModelDrafter", "ModelOptions"]
