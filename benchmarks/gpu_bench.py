@@ -4,6 +4,8 @@
         [--new-tokens 64] [--engines torch-graphs,torch-graphs-host,torch,onnx,tensorrt,transformers]
         >> rows.jsonl
     python benchmarks/gpu_bench.py table rows.jsonl [--out table.txt]   (no rows file: the empty layout)
+    python benchmarks/gpu_bench.py batch ARTIFACT --model NAME --dtype D --prompts FILE [--streams 1,4,16]
+        >> batch.jsonl     (batched rounds on torch-CUDA: N sequences at once, plain and speculative)
 
 ``rows`` prints one JSON line per engine, each measured in this one process (the artifact loaded once per
 engine, warmed up first): the runtime decoding the prompts plainly and speculatively (torch on CUDA with
@@ -134,6 +136,52 @@ def transformers_row(
     }
 
 
+def batch_rows(args) -> None:
+    """Batched rounds (``runtime/decoding/batch.py``) on the GPU: N sequences at once, plain and speculative, each
+    output against its own batch-1 plain output; one JSON line per (mode, N)."""
+    from speccompile.runtime import load
+    from speccompile.runtime.decoding.batch import BatchDecoder
+    from speccompile.runtime.decoding.load import CallCosts, longest_draft
+    from speccompile.runtime.decoding.speculative import DecodeRequest
+
+    model = load(args.artifact, backend="torch", device=args.device)
+    prompts = [model.encode_prompt(text) for text in read_prompts(args.prompts, args.n)]
+    eos = model.manifest.eos_ids
+    alone = [model.generate(ids, max_new_tokens=args.new_tokens, speculate=False).token_ids for ids in prompts]
+    # the default plan; where none beat plain decoding at build, the first plan (the check is of the round)
+    plan = model.draft_plan() or next(iter(model.manifest.plans.values()), None)
+    counts = [int(n) for n in args.streams.split(",")]
+    costs = None
+    if plan is not None and max(counts) > 1:  # what the load policy prices drafts with, timed on this GPU
+        costs = CallCosts.measure(model.backend, max_rows=max(counts), max_width=longest_draft(plan) + 1)
+    for streams in counts:
+        for mode, chosen in (("plain", None), ("speculative", plan)):
+            engine = BatchDecoder(model.backend, max_batch=max(streams, 2), costs=costs, root=model.root)
+            outputs: dict[int, list[int]] = {}
+            live: dict[int, object] = {}
+            waiting = list(range(len(prompts)))
+            start = time.perf_counter()
+            while waiting or live:
+                while waiting and len(live) < streams:
+                    i = waiting.pop(0)
+                    live[i] = engine.add(DecodeRequest(prompts[i], args.new_tokens, eos_ids=eos), chosen)
+                    outputs[i] = []
+                owner = {id(s): i for i, s in live.items()}
+                for seq, new in engine.step():
+                    outputs[owner[id(seq)]].extend(new)
+                for i, seq in list(live.items()):
+                    if seq.finished:
+                        engine.remove(seq)
+                        del live[i]
+            seconds = time.perf_counter() - start
+            tokens = sum(map(len, outputs.values()))
+            same = sum(outputs[i] == alone[i] for i in range(len(prompts)))
+            row = {"model": args.model, "dtype": args.dtype, "mode": mode, "streams": streams}
+            row["plan"] = None if chosen is None else chosen.name
+            row.update({"tokens_per_s": tokens / seconds, "identical": f"{same}/{len(prompts)}"})
+            print(json.dumps(row), flush=True)
+
+
 def rows(args) -> None:
     from speccompile.runtime import load
 
@@ -212,12 +260,24 @@ def main(argv=None) -> None:
     bench.add_argument("--new-tokens", type=int, default=64)
     bench.add_argument("--engines", default="transformers," + ",".join(ENGINES))
     bench.add_argument("--device", default="cuda", help="cuda; cpu only to try the script without a GPU")
+    batched = commands.add_parser("batch")
+    batched.add_argument("artifact")
+    batched.add_argument("--model", required=True)
+    batched.add_argument("--dtype", required=True)
+    batched.add_argument("--prompts", required=True)
+    batched.add_argument("--n", type=int, default=16)
+    batched.add_argument("--new-tokens", type=int, default=64)
+    batched.add_argument("--streams", default="1,4,16")
+    batched.add_argument("--device", default="cuda")
     show = commands.add_parser("table")
     show.add_argument("rows_file", nargs="?")
     show.add_argument("--out")
     args = parser.parse_args(argv)
     if args.command == "rows":
         rows(args)
+        return
+    if args.command == "batch":
+        batch_rows(args)
         return
     text = table(args.rows_file)
     print(text)

@@ -57,9 +57,18 @@ step "2/6 fresh venv in $VENV, project installed"
 rm -rf "$VENV"
 python3 -m venv --system-site-packages "$VENV" || { echo "error: could not create a venv with python3 -m venv"; exit 1; }
 PY="$VENV/bin/python"
+# When python3 is itself a venv (a CUDA image's /opt/.../.venv), --system-site-packages shows the *base*
+# interpreter's packages, not that venv's torch: list python3's own site-packages in a .pth as well.
+python3 -c "import site; print('\n'.join(site.getsitepackages()))" \
+    >"$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/gpu-check-parent.pth"
 if ! "$PY" -m pip install --quiet -e "${ROOT}[dev]" >"$LOG/pip-project.txt" 2>&1; then
-    # offline with the dependencies already in the system site packages: the project alone
-    "$PY" -m pip install --quiet --no-deps -e "$ROOT" >>"$LOG/pip-project.txt" 2>&1 \
+    # offline: the wheels of GPU_CHECK_WHEELS (say transformers/tokenizers at the project's pins) over the
+    # parent's packages, then the project alone, built with the setuptools already there
+    if [ -n "${GPU_CHECK_WHEELS:-}" ] && ls "$PIP_FIND_LINKS"/*.whl >/dev/null 2>&1; then
+        "$PY" -m pip install --quiet --no-deps "$PIP_FIND_LINKS"/*.whl >>"$LOG/pip-project.txt" 2>&1 \
+            || { echo "error: the wheels of $GPU_CHECK_WHEELS do not install; see $LOG/pip-project.txt"; exit 1; }
+    fi
+    "$PY" -m pip install --quiet --no-deps --no-build-isolation -e "$ROOT" >>"$LOG/pip-project.txt" 2>&1 \
         || { echo "error: pip install -e . failed; see $LOG/pip-project.txt"; tail -3 "$LOG/pip-project.txt"; exit 1; }
     echo "       [dev] extras not installable here (see $LOG/pip-project.txt): the project alone, system packages for the rest"
 fi
@@ -72,12 +81,13 @@ fi
 step "3/6 onnxruntime-gpu, tensorrt, cuda-python"
 "$PY" -m pip uninstall --quiet -y onnxruntime >/dev/null 2>&1  # the CPU wheel would shadow onnxruntime-gpu
 ORT_STATUS=ok; TRT_STATUS=ok
-limited 90 "$PY" -m pip install --quiet "onnxruntime-gpu>=1.20,<2" >"$LOG/pip-ort.txt" 2>&1 || ORT_STATUS="not installed"
+# what imports decides, not whether pip could install: an image may bring its own CUDA build
+limited 90 "$PY" -m pip install --quiet "onnxruntime-gpu>=1.20,<2" >"$LOG/pip-ort.txt" 2>&1
 "$PY" -c "import onnxruntime as o, sys; sys.exit(0 if 'CUDAExecutionProvider' in o.get_available_providers() else 1)" \
-    2>/dev/null || ORT_STATUS="no CUDA provider"
-limited 150 "$PY" -m pip install --quiet "tensorrt>=10.0,<11" "cuda-python>=12.6.1,<13" >"$LOG/pip-trt.txt" 2>&1 \
-    || TRT_STATUS="not installed"
-"$PY" -c "import tensorrt; from cuda.bindings import runtime" 2>/dev/null || TRT_STATUS="not installed"
+    2>/dev/null || ORT_STATUS="no CUDA provider (onnxruntime-gpu not installed, see $LOG/pip-ort.txt)"
+limited 150 "$PY" -m pip install --quiet "tensorrt>=10.0,<11" "cuda-python>=12.6.1,<13" >"$LOG/pip-trt.txt" 2>&1
+"$PY" -c "import tensorrt; from cuda.bindings import runtime" 2>/dev/null \
+    || TRT_STATUS="not installed (see $LOG/pip-trt.txt)"
 echo "       onnxruntime-gpu: $ORT_STATUS | tensorrt: $TRT_STATUS $("$PY" -c 'import tensorrt; print(tensorrt.__version__)' 2>/dev/null)"
 
 step "4/6 pytest -m cuda"
@@ -94,7 +104,7 @@ BACKENDS="torch"
 declare -A SOURCE PROMPT_FILE
 SOURCE[refcoder]="$ROOT/models/refcoder"; PROMPT_FILE[refcoder]="$ROOT/models/refcoder/prompts.jsonl"
 SOURCE[smollm2]="$SMOL"; PROMPT_FILE[smollm2]="$ROOT/benchmarks/data/smollm2_prompts.jsonl"
-RESULTS="$WORK/rows.jsonl"; : >"$RESULTS"
+RESULTS="$WORK/rows.jsonl"; : >"$RESULTS"; : >"$WORK/batch.jsonl"
 fail_row() { printf '{"model":"%s","dtype":"%s","engine":"%s","error":"%s"}\n' "$1" "$2" "$3" "$4" >>"$RESULTS"; }
 for dtype in float16 float32; do
     for model in refcoder smollm2; do
@@ -120,9 +130,14 @@ for dtype in float16 float32; do
         limited 90 "$PY" "$ROOT/benchmarks/gpu_bench.py" rows "$out" --model "$model" --dtype "$dtype" \
             --prompts "${PROMPT_FILE[$model]}" --n "$PROMPTS" --new-tokens "$NEW_TOKENS" --engines "$engines" \
             >>"$RESULTS" 2>"$LOG/bench-$key.txt" || echo "       $key: bench stopped early (rc $?, see $LOG/bench-$key.txt)"
+        # batched rounds: N sequences at once on torch-CUDA, plain and speculative, outputs against batch-1
+        limited 60 "$PY" "$ROOT/benchmarks/gpu_bench.py" batch "$out" --model "$model" --dtype "$dtype" \
+            --prompts "${PROMPT_FILE[$model]}" --n 16 --new-tokens "$NEW_TOKENS" --streams "${GPU_CHECK_STREAMS:-1,4,16}" \
+            >>"$WORK/batch.jsonl" 2>"$LOG/batch-$key.txt" || echo "       $key: batched rounds stopped early (see $LOG/batch-$key.txt)"
     done
 done
 
 step "6/6 table"
 "$PY" "$ROOT/benchmarks/gpu_bench.py" table "$RESULTS" --out "$WORK/table.txt"
+[ -s "$WORK/batch.jsonl" ] && { echo "batched rounds (tokens/s, outputs equal to batch-1 plain):"; cat "$WORK/batch.jsonl"; }
 echo "pytest -m cuda exit status: $PYTEST_RC (log: $LOG/pytest-cuda.txt); table: $WORK/table.txt; total ${SECONDS}s"

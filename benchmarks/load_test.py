@@ -1,14 +1,16 @@
 """Load test of ``speccompile serve``: a bounded burst of greedy requests on loopback, every answer checked.
 
-Starts ``speccompile serve ARTIFACT --slots N`` as a child process on 127.0.0.1 (a free port), computes
-each prompt's expected greedy text with the runtime in this process first, then sends ``--requests``
-requests (half streamed, half not) with at most ``--concurrency`` in flight through the real ``openai``
-client (no retries, so 429s are counted, not hidden). It prints completed / failed / 429 counts,
-p50/p95 latency, total tokens/s, and the server's resident memory (RSS) idle, after a warm-up (each slot
-decodes the longest prompt once) and after the run, then stops the server. Exit status 1 when an answer
-is wrong or lost, or memory grew over 5%.
+Starts ``speccompile serve ARTIFACT --max-batch N`` as a child process on 127.0.0.1 (a free port), computes
+each prompt's expected greedy token ids with the runtime in this process first (batch-1, plain), then sends
+``--requests`` requests with at most ``--concurrency`` in flight through the real ``openai`` client (no
+retries, so 429s are counted, not hidden): mixed lengths (``--max-tokens``, half and a quarter of it in
+turn), half streamed, and every ``--cancel-every``-th streamed request abandoned after its first chunk.
+Meanwhile ``/health`` is polled every 0.2 s. It prints completed / wrong / failed / cancelled / 429 counts,
+p50/p95 latency, total tokens/s, the slowest ``/health`` answer, and the server's resident memory (RSS)
+idle, after a warm-up and after the run, then stops the server. Exit status 1 when an answer is wrong or
+lost, ``/health`` failed, or memory grew over 5%.
 
-    flock /tmp/speccompile-timing.lock python benchmarks/load_test.py artifacts/refcoder --slots 4
+    flock /tmp/speccompile-timing.lock python benchmarks/load_test.py artifacts/refcoder --max-batch 8
 """
 
 from __future__ import annotations
@@ -52,20 +54,23 @@ def load_prompts(artifact: Path, path: str | None, count: int) -> list[str]:
 
 def expected_answers(
     artifact: Path, prompts: list[str], max_tokens: int, backend: str | None, cache: Path | None = None
-) -> dict[str, str]:
-    """Each prompt's greedy text from the runtime itself (what every server answer must equal). With
-    ``cache``, answers computed for the same manifest, backend, prompts and length are reused."""
+) -> dict[str, list[int]]:
+    """Each prompt's greedy token ids from the runtime itself, alone and plain (every server answer of
+    ``n`` tokens must be their first ``n``). With ``cache``, answers for the same manifest, backend, prompts and
+    length are reused."""
     from speccompile.runtime import load
 
     key = hashlib.sha256(
-        json.dumps([(artifact / "manifest.json").read_text(), backend, prompts, max_tokens]).encode()
+        json.dumps([(artifact / "manifest.json").read_text(), backend, prompts, max_tokens, "ids"]).encode()
     ).hexdigest()
     if cache is not None and cache.is_file():
         stored = json.loads(cache.read_text())
         if stored.get("key") == key:
             return stored["answers"]
     model = load(artifact, backend=backend)
-    answers = {p: model.generate(p, max_new_tokens=max_tokens, temperature=0.0).text for p in prompts}
+    answers = {
+        p: model.generate(p, max_new_tokens=max_tokens, temperature=0.0, speculate=False).token_ids for p in prompts
+    }
     if cache is not None:
         cache.write_text(json.dumps({"key": key, "answers": answers}))
     return answers
@@ -88,8 +93,8 @@ def start_server(args, port: int) -> subprocess.Popen:
         "127.0.0.1",
         "--port",
         str(port),
-        "--slots",
-        str(args.slots),
+        "--max-batch",
+        str(args.max_batch),
         "--max-queue",
         str(args.max_queue),
     ]
@@ -110,40 +115,65 @@ def start_server(args, port: int) -> subprocess.Popen:
 
 
 async def one_request(
-    client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int, stream: bool
-) -> tuple[str, int]:
-    """The answer's text and completion tokens, streamed or not."""
+    client: openai.AsyncOpenAI, model: str, prompt: str, max_tokens: int, stream: bool, cancel: bool
+) -> tuple[list[int], bool]:
+    """The answer's token ids (the server's ``speccompile`` extension), streamed or not; ``cancel``: hang up
+    after the first chunk (returns True then)."""
     if not stream:
         response = await client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0)
-        return response.choices[0].text, response.usage.completion_tokens
-    text, tokens = "", 0
+        return response.model_extra["speccompile"]["token_ids"], False
+    ids: list[int] = []
     chunks = await client.completions.create(
-        model=model,
-        prompt=prompt,
-        max_tokens=max_tokens,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
+        model=model, prompt=prompt, max_tokens=max_tokens, temperature=0, stream=True
     )
     async for chunk in chunks:
-        if chunk.choices:
-            text += chunk.choices[0].text
-        if chunk.usage is not None:
-            tokens = chunk.usage.completion_tokens
-    return text, tokens
+        if chunk.choices and chunk.choices[0].finish_reason is None:
+            ids += (chunk.model_extra.get("speccompile") or {}).get("token_ids", [])
+        if cancel and ids:
+            await chunks.close()
+            return ids, True
+    return ids, False
 
 
-async def run_load(base_url: str, model_name: str, prompts: list[str], expected: dict[str, str], args) -> dict:
+async def run_load(base_url: str, model_name: str, prompts: list[str], expected: dict[str, list[int]], args) -> dict:
     client = openai.AsyncOpenAI(base_url=base_url + "/v1", api_key="unused", max_retries=0, timeout=args.timeout)
     gate = asyncio.Semaphore(args.concurrency)
-    outcome = {"completed": 0, "wrong": 0, "failed": 0, "rejected_429": 0, "tokens": 0, "latencies": [], "errors": []}
+    outcome = {
+        "completed": 0,
+        "wrong": 0,
+        "wrong_done": 0,
+        "failed": 0,
+        "cancelled": 0,
+        "rejected_429": 0,
+        "tokens": 0,
+        "latencies": [],
+        "errors": [],
+        "health_max_s": 0.0,
+        "health_failures": 0,
+    }
+    running = True
+
+    async def watch_health() -> None:
+        async with httpx.AsyncClient(base_url=base_url, timeout=30) as http:
+            while running:
+                start = time.perf_counter()
+                try:
+                    ok = (await http.get("/health")).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                outcome["health_max_s"] = max(outcome["health_max_s"], time.perf_counter() - start)
+                outcome["health_failures"] += not ok
+                await asyncio.sleep(0.2)
 
     async def job(i: int) -> None:
         prompt = prompts[i % len(prompts)]
+        length = (args.max_tokens, args.max_tokens // 2, args.max_tokens // 4)[i % 3] or 1
+        stream = i % 2 == 1
+        cancel = stream and args.cancel_every > 0 and (i // 2) % args.cancel_every == args.cancel_every - 1
         async with gate:
             start = time.perf_counter()
             try:
-                text, tokens = await one_request(client, model_name, prompt, args.max_tokens, stream=i % 2 == 1)
+                ids, cancelled = await one_request(client, model_name, prompt, length, stream, cancel)
             except openai.RateLimitError:
                 outcome["rejected_429"] += 1
                 return
@@ -151,17 +181,28 @@ async def run_load(base_url: str, model_name: str, prompts: list[str], expected:
                 outcome["failed"] += 1
                 outcome["errors"].append(f"request {i}: {type(exc).__name__}: {exc}")
                 return
-            outcome["latencies"].append(time.perf_counter() - start)
-            outcome["tokens"] += tokens
-            if text == expected[prompt]:
-                outcome["completed"] += 1
+            want = expected[prompt][:length]
+            if cancelled:
+                outcome["cancelled"] += 1
+                good = ids == want[: len(ids)]
             else:
+                outcome["latencies"].append(time.perf_counter() - start)
+                outcome["tokens"] += len(ids)
+                good = ids == want
+                outcome["completed"] += good
+                outcome["wrong_done"] += not good
+            if not good:
                 outcome["wrong"] += 1
-                outcome["errors"].append(f"request {i}: answer differs from prompt {i % len(prompts)}'s expected text")
+                outcome["errors"].append(
+                    f"request {i}: its tokens differ from prompt {i % len(prompts)}'s batch-1 output"
+                )
 
+    watcher = asyncio.create_task(watch_health())
     start = time.perf_counter()
     await asyncio.gather(*(job(i) for i in range(args.requests)))
     outcome["seconds"] = time.perf_counter() - start
+    running = False
+    await watcher
     await client.close()
     return outcome
 
@@ -173,7 +214,9 @@ def percentile(values: list[float], q: float) -> float:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("artifact", type=Path, nargs="?", default=Path("artifacts/refcoder"))
-    parser.add_argument("--slots", type=int, default=1)
+    parser.add_argument("--max-batch", type=int, default=8)
+    parser.add_argument("--slots", type=int, default=None, help="old name of --max-batch")
+    parser.add_argument("--cancel-every", type=int, default=10, help="abandon every n-th streamed request")
     parser.add_argument("--max-queue", type=int, default=16)
     parser.add_argument("--requests", type=int, default=200)
     parser.add_argument("--concurrency", type=int, default=16)
@@ -190,6 +233,7 @@ def main() -> int:
     )
     parser.add_argument("--json", action="store_true", help="also print the figures as one JSON line")
     args = parser.parse_args()
+    args.max_batch = args.slots or args.max_batch
 
     prompts = load_prompts(args.artifact, args.prompts, args.distinct_prompts)
     t0 = time.perf_counter()
@@ -202,10 +246,12 @@ def main() -> int:
     try:
         model_name = httpx.get(base_url + "/health").json()["model"]
         rss_idle = rss_mib(server.pid)
-        # Warm-up: every slot decodes the longest prompt once, so each KV cache has reached the size the run
-        # needs; "before" is measured after it, so growth over the run means memory is not given back.
+        # Warm-up: the batch decodes the longest prompt at every place once, so the KV cache has reached the size
+        # the run needs; "before" is measured after it, so growth over the run means memory is not given back.
         longest = [max(prompts, key=len)]
-        warm = argparse.Namespace(**{**vars(args), "requests": args.slots, "concurrency": args.slots})
+        warm = argparse.Namespace(
+            **{**vars(args), "requests": args.max_batch, "concurrency": args.max_batch, "cancel_every": 0}
+        )
         warmup = asyncio.run(run_load(base_url, model_name, longest, expected, warm))
         rss_before = rss_mib(server.pid)
         result = asyncio.run(run_load(base_url, model_name, prompts, expected, args))
@@ -219,10 +265,12 @@ def main() -> int:
             server.kill()
 
     lat = result["latencies"]
-    accounted = result["completed"] + result["wrong"] + result["failed"] + result["rejected_429"]
+    accounted = (
+        result["completed"] + result["wrong_done"] + result["cancelled"] + result["failed"] + result["rejected_429"]
+    )
     growth = (rss_after - rss_before) / rss_before
     figures = {
-        "slots": args.slots,
+        "max_batch": args.max_batch,
         "requests": args.requests,
         "concurrency": args.concurrency,
         "max_tokens": args.max_tokens,
@@ -230,7 +278,10 @@ def main() -> int:
         "wrong": result["wrong"],
         "failed": result["failed"],
         "rejected_429": result["rejected_429"],
+        "cancelled": result["cancelled"],
         "lost": args.requests - accounted,
+        "health_max_s": result["health_max_s"],
+        "health_failures": result["health_failures"],
         "p50_s": percentile(lat, 50),
         "p95_s": percentile(lat, 95),
         "wall_s": result["seconds"],
@@ -240,16 +291,18 @@ def main() -> int:
         "rss_before_mib": rss_before,
         "rss_after_mib": rss_after,
         "rss_growth": growth,
-        "warmup_ok": warmup["completed"] == args.slots,
+        "warmup_ok": warmup["completed"] == args.max_batch,
         "health_after": health["status"],
     }
     print(
-        f"{args.artifact} on {args.slots} slot(s), {args.requests} requests, {args.concurrency} concurrent, "
-        f"{args.max_tokens} tokens each (half streamed)"
+        f"{args.artifact}, --max-batch {args.max_batch}, {args.requests} requests, {args.concurrency} concurrent, "
+        f"{args.max_tokens} / {args.max_tokens // 2} / {args.max_tokens // 4} tokens (half streamed, every "
+        f"{args.cancel_every}th stream abandoned)"
     )
     print(
         f"  completed {figures['completed']} (answers equal to their own expected text), wrong {figures['wrong']}, "
-        f"failed {figures['failed']}, 429 {figures['rejected_429']}, lost {figures['lost']}"
+        f"failed {figures['failed']}, cancelled {figures['cancelled']}, 429 {figures['rejected_429']}, "
+        f"lost {figures['lost']}; /health slowest {figures['health_max_s']:.2f}s, failed {figures['health_failures']}"
     )
     print(
         f"  latency p50 {figures['p50_s']:.2f}s, p95 {figures['p95_s']:.2f}s; {figures['tokens']} tokens in "
@@ -263,7 +316,13 @@ def main() -> int:
         print("  " + line)
     if args.json:
         print(json.dumps(figures))
-    ok = figures["wrong"] == 0 and figures["failed"] == 0 and figures["lost"] == 0 and abs(growth) <= 0.05
+    ok = (
+        figures["wrong"] == 0
+        and figures["failed"] == 0
+        and figures["lost"] == 0
+        and figures["health_failures"] == 0
+        and abs(growth) <= 0.05
+    )
     print("PASS" if ok else "FAIL")
     return 0 if ok else 1
 

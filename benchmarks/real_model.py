@@ -55,6 +55,11 @@ def main() -> None:
     parser.add_argument("--skip-build", action="store_true")
     parser.add_argument("--json", type=Path, default=None, help="also write every report to this JSON file")
     parser.add_argument(
+        "--record",
+        default=None,
+        help="also write the results record benchmarks/results/NAME.json and render README's table from it",
+    )
+    parser.add_argument(
         "--quantized",
         default="",
         help="also build ONNX artifacts with --quantize int8 / int4 (comma-separated), for the peer comparison",
@@ -137,6 +142,25 @@ def main() -> None:
         print_comparison(reports["peers"], args)
     if args.json:
         args.json.write_text(json.dumps(reports, indent=2))
+    if args.record:
+        record_results(args, reports, build_seconds)
+
+
+def record_results(args, reports: dict, build_seconds: dict) -> None:
+    """The run as a results record (render_results.py's format), then README's table and docs/results.md."""
+    import render_results
+
+    builds = ", ".join(f"{b} {s:.0f} s" for b, s in build_seconds.items())
+    notes = [f"{args.max_new_tokens} new tokens per prompt, greedy"] + ([f"builds: {builds}"] if builds else [])
+    if args.model == "smollm2":
+        notes.append("SmolLM2's fp32 weights are de-quantized from a 4-bit GGUF (they sit on a 4-bit grid)")
+    rows = [render_results.bench_row(reports[b]) for b in args.backends.split(",")]
+    command = "python benchmarks/real_model.py " + " ".join(sys.argv[1:])
+    path = render_results.write_record(
+        args.record, "real_model", command, render_results.this_machine(), rows, "; ".join(notes)
+    )
+    render_results.main_render()
+    print(f"recorded {path}", file=sys.stderr)
 
 
 def print_table(args, reports: dict) -> None:

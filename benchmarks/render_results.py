@@ -3,9 +3,12 @@
     python benchmarks/render_results.py            # rewrite docs/results.md and the README table
     python benchmarks/render_results.py --check    # exit 1 when either is out of date
     python benchmarks/render_results.py --record NAME --command "CMD" BENCH.json [BENCH.json ...]
-        # a new record benchmarks/results/NAME.json from `speccompile bench --json` reports, then render
+        # a new record benchmarks/results/NAME.json from `speccompile bench --json` reports (or
+        # real_model.py --json's), then render; `benchmarks/real_model.py --record NAME` does the same itself
+    python benchmarks/render_results.py --record NAME --command "CMD" --gpu-rows ROWS.jsonl --machine "GPU ..."
+        # a record of benchmarks/gpu_check.sh's rows (WORKDIR/rows.jsonl), measured on another machine
 
-A record is one JSON file in benchmarks/results/: {"benchmark", "date", "commit", "machine", "command",
+A record is one JSON file in benchmarks/results/: {"benchmark", "date", "time", "commit", "machine", "command",
 "rows": [{"model", "backend", "plan", "plain_tokens_per_s", "speculative_tokens_per_s", "speedup",
 "identical"}], "notes"}. README shows the newest record of the real-model benchmark; docs/results.md every
 record, newest first. The figures are never typed by hand.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import subprocess
 import sys
@@ -31,7 +35,7 @@ HEADERS = ["model", "backend", "default plan", "plain tokens/s", "speculative to
 
 def records() -> list[dict]:
     found = [json.loads(path.read_text()) for path in sorted(RESULTS.glob("*.json"))]
-    return sorted(found, key=lambda r: (r["date"], r.get("commit", "")), reverse=True)
+    return sorted(found, key=lambda r: (r["date"], r.get("time", ""), r.get("commit", "")), reverse=True)
 
 
 def table(record: dict) -> list[str]:
@@ -73,32 +77,58 @@ def render_readme(readme: str, found: list[dict]) -> str:
     return head + "\n".join(block) + rest.split(END, 1)[1]
 
 
-def from_bench(name: str, command: str, reports: list[Path]) -> Path:
+def bench_row(report: dict) -> dict:
+    """One results row from a ``speccompile bench --json`` report."""
+    return {
+        "model": Path(report["artifact"]).name,
+        "backend": report.get("backend", "?"),
+        "plan": report.get("plan") or "none",
+        "plain_tokens_per_s": round(report["autoregressive"]["tokens_per_s"], 1),
+        "speculative_tokens_per_s": round(report["speculative"]["tokens_per_s"], 1),
+        "speedup": report["speedup"]["speculative_vs_autoregressive"],
+        "identical": report["identical_detail"]["speculative_vs_autoregressive"],
+    }
+
+
+def this_machine() -> str:
+    return f"{_processor()}, {os.cpu_count()} cores"
+
+
+def _processor() -> str:
+    """The CPU's model name (``platform.processor()`` is empty or just the architecture on Linux)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def from_bench(name: str, command: str, reports: list[Path], notes: str = "") -> Path:
+    """A record from bench reports: each file one ``speccompile bench --json`` report, or
+    ``benchmarks/real_model.py --json``'s reports by backend."""
     rows = []
     for path in reports:
         report = json.loads(path.read_text())
-        rows.append(
-            {
-                "model": Path(report["artifact"]).name,
-                "backend": report.get("backend", "?"),
-                "plan": report.get("plan") or "none",
-                "plain_tokens_per_s": round(report["autoregressive"]["tokens_per_s"], 1),
-                "speculative_tokens_per_s": round(report["speculative"]["tokens_per_s"], 1),
-                "speedup": report["speedup"]["speculative_vs_autoregressive"],
-                "identical": report["identical_detail"]["speculative_vs_autoregressive"],
-            }
-        )
+        found = [report] if "artifact" in report else [r for r in report.values() if "artifact" in r]
+        rows += [bench_row(r) for r in found]
+    return write_record(name, "real_model", command, this_machine(), rows, notes)
+
+
+def write_record(name: str, benchmark: str, command: str, machine: str, rows: list[dict], notes: str) -> Path:
     commit = subprocess.run(
         ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
     ).stdout.strip()
     record = {
-        "benchmark": "real_model",
+        "benchmark": benchmark,
         "date": time.strftime("%Y-%m-%d"),
+        "time": time.strftime("%H:%M"),
         "commit": commit,
-        "machine": f"{platform.processor() or platform.machine()}, {__import__('os').cpu_count()} cores",
+        "machine": machine,
         "command": command,
         "rows": rows,
-        "notes": "",
+        "notes": notes,
     }
     RESULTS.mkdir(exist_ok=True)
     out = RESULTS / f"{name}.json"
@@ -106,19 +136,52 @@ def from_bench(name: str, command: str, reports: list[Path]) -> Path:
     return out
 
 
+def from_gpu_rows(name: str, command: str, rows_file: Path, machine: str, notes: str) -> Path:
+    """A record of ``benchmarks/gpu_bench.py rows`` output: one row per model, dtype and engine that ran
+    (engines that could not run are left out; the notes say which)."""
+    rows = []
+    for line in rows_file.read_text().splitlines():
+        row = json.loads(line) if line.strip() else {}
+        if not row or "error" in row:
+            continue
+        plan = row.get("plan") or ("prompt lookup" if row["engine"] == "transformers" else "none")
+        rows.append(
+            {
+                "model": f"{row['model']} {row['dtype']}",
+                "backend": row["engine"],
+                "plan": plan,
+                "plain_tokens_per_s": round(row["plain_tps"], 1),
+                "speculative_tokens_per_s": round(row["spec_tps"], 1),
+                "speedup": round(row["spec_tps"] / row["plain_tps"], 3),
+                "identical": "yes" if row["identical"] else "no",
+            }
+        )
+    return write_record(name, "gpu_check", command, machine, rows, notes)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--check", action="store_true")
     parser.add_argument("--record", default=None)
     parser.add_argument("--command", default="")
+    parser.add_argument("--gpu-rows", type=Path, default=None, help="benchmarks/gpu_check.sh's rows.jsonl")
+    parser.add_argument("--machine", default=None, help="where the rows were measured (default: this machine)")
+    parser.add_argument("--notes", default="")
     parser.add_argument("reports", nargs="*", type=Path)
     args = parser.parse_args()
-    if args.record:
-        print(from_bench(args.record, args.command, args.reports))
+    if args.record and args.gpu_rows:
+        print(from_gpu_rows(args.record, args.command, args.gpu_rows, args.machine or "?", args.notes))
+    elif args.record:
+        print(from_bench(args.record, args.command, args.reports, args.notes))
+    return main_render(check=args.check)
+
+
+def main_render(check: bool = False) -> int:
+    """Rewrite docs/results.md and README's table from the records (``check``: exit status 1 when stale)."""
     found = records()
     docs, readme_path = REPO / "docs" / "results.md", REPO / "README.md"
     new_docs, new_readme = render_results(found), render_readme(readme_path.read_text(), found)
-    if args.check:
+    if check:
         stale = [
             str(p) for p, new in ((docs, new_docs), (readme_path, new_readme)) if not p.exists() or p.read_text() != new
         ]

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -77,27 +78,44 @@ def greedy_continuations(
     progress=None,
     eos: frozenset[int] = frozenset(),
     batch: int = 16,
+    deadline: float | None = None,
 ) -> list[list[int]]:
     """The target's own greedy continuation of each prompt, up to and including an ``eos`` token.
 
     Batched when the decoder allows it (``batches_left_padded``): a calibration build spends most of its
     time here, and on a memory-bound CPU step twelve rows cost about twice one row (SmolLM2-135M: 41 s
-    one prompt at a time, 8 s in one batch). Otherwise through the runtime's plain decoding loop."""
+    one prompt at a time, 8 s in one batch). Otherwise through the runtime's plain decoding loop.
+
+    ``deadline`` (a ``time.perf_counter`` time; a budgeted build's): a batch stops growing its continuations
+    there (at least ``MIN_CONTINUATION`` tokens each), and no further prompt starts after it, so the list
+    returned may be shorter than ``prompts`` (at least ``MIN_CONTINUATIONS`` of them): fewer, shorter
+    continuations on a model too big for the budget."""
+    outputs: list[list[int]] = []
+
+    def more() -> bool:
+        return deadline is None or len(outputs) < MIN_CONTINUATIONS or time.perf_counter() < deadline
+
     if batch > 1 and len(prompts) > 1 and batches_left_padded(decoder):
-        outputs = []
         for first in range(0, len(prompts), batch):
+            if not more():
+                break
             group = prompts[first : first + batch]
-            outputs += _batched_greedy(decoder, group, new_tokens, eos)
+            outputs += _batched_greedy(decoder, group, new_tokens, eos, deadline)
             if progress is not None:
                 progress.update(len(group))
         return outputs
     backend = TorchBackend(decoder)
-    outputs = []
     for prompt in prompts:
+        if not more():
+            break
         outputs.append(decode_all(backend, DecodeRequest(prompt, new_tokens, eos_ids=frozenset(eos)))[0])
         if progress is not None:
             progress.update(1)
     return outputs
+
+
+MIN_CONTINUATIONS = 2  # a deadline never leaves fewer calibration continuations than this ...
+MIN_CONTINUATION = 16  # ... nor a batch's continuations shorter than this many tokens
 
 
 def batches_left_padded(decoder) -> bool:
@@ -109,7 +127,7 @@ def batches_left_padded(decoder) -> bool:
 
 @torch.inference_mode()
 def _batched_greedy(
-    decoder: Decoder, prompts: list[list[int]], new_tokens: int, eos: frozenset[int]
+    decoder: Decoder, prompts: list[list[int]], new_tokens: int, eos: frozenset[int], deadline: float | None = None
 ) -> list[list[int]]:
     """Greedy continuations of several prompts at once, each left-padded to the longest. Padding keys are
     masked out through the decoder's ``keys_values`` hook, which also builds the causal (and window) mask
@@ -138,7 +156,9 @@ def _batched_greedy(
     outputs: list[list[int]] = [[] for _ in prompts]
     done = [False] * len(prompts)
     tokens = ids
-    for _ in range(new_tokens):
+    for step in range(new_tokens):
+        if deadline is not None and step >= MIN_CONTINUATION and time.perf_counter() >= deadline:
+            break
         h = decoder.run_blocks(
             decoder.embed_tokens(tokens, state["pos"]), state["pos"], None, keys_values=padded_keys_values
         )

@@ -15,8 +15,8 @@ from tqdm.auto import tqdm
 from speccompile.runtime.artifact.manifest import DraftPlan
 
 from .acceptance import best_policy
-from .base import Pass, PassResult
-from .budget import RATE_SLACK, exit_agreements, model_draft_bound
+from .base import BOUND_MARGIN, Pass, PassResult, incumbent
+from .budget import PERFECT, RATE_SLACK, exit_agreements, model_draft_bound, needed
 from .ir import DecoderIR
 from .plans import EarlyExitHeads, LayerSkip
 from .tuning import TuningContext
@@ -95,16 +95,21 @@ class CosineAutotune(Pass):
         ranking = cosine_ranking(self.context)
         sample = self.context.sample(0.25)
         largest = len(ranking) - 1
-        bounds = []
-        for n in sorted(set(range(1, largest + 1, max(1, largest // PROBES))) | {largest}):
+        probes = sorted(set(range(1, largest + 1, max(1, largest // PROBES))) | {largest})
+        perfect = {n: model_draft_bound(self.context, skip_plan(ranking, n), PERFECT) for n in probes}
+        bounds = dict(perfect)  # a probe whose perfect drafts cannot beat the incumbent is not profiled
+        for n in needed(perfect, incumbent(ir) * (1 + BOUND_MARGIN)):
             plan = skip_plan(ranking, n)
             profile = self.context.profile(plan, sample)
             estimate = best_policy(profile, plan, self.context.costs, self.context.max_draft).expected_speedup
-            bounds += [
-                model_draft_bound(self.context, plan, profile.match_rate + RATE_SLACK),
-                estimate * (1 + PROBE_MARGIN),
-            ]
-        return max(bounds)
+            bounds[n] = min(
+                perfect[n],
+                max(
+                    model_draft_bound(self.context, plan, profile.match_rate + RATE_SLACK),
+                    estimate * (1 + PROBE_MARGIN),
+                ),
+            )
+        return max(bounds.values())
 
     def call(self, ir: DecoderIR) -> PassResult:
         start, before = time.perf_counter(), dict(ir.plans)
@@ -150,20 +155,24 @@ class ExitLayerAutotune(Pass):
         self.context, self.plan_name, self.show_progress, self.full = context, plan_name, show_progress, full
         self.adds = (plan_name,)
 
-    def exit_bounds(self) -> dict[int, float]:
-        return {
-            e: model_draft_bound(self.context, DraftPlan(name="candidate", exit_layer=e), m + RATE_SLACK)
-            for e, m in exit_agreements(self.context).items()
-        }
+    def exit_bounds(self, floor: float | None = None) -> dict[int, float]:
+        """Each exit's bound at its shared-head agreement (plus slack); an exit whose bound with perfect drafts
+        is below ``floor`` keeps that one (its agreement, a head product over the calibration, is not needed)."""
+        plan = lambda e: DraftPlan(name="candidate", exit_layer=e)  # noqa: E731
+        exits = range(1, self.context.ir.config.num_layers)
+        bounds = {e: model_draft_bound(self.context, plan(e), PERFECT) for e in exits}
+        for e, m in exit_agreements(self.context, needed(bounds, floor)).items():
+            bounds[e] = min(bounds[e], model_draft_bound(self.context, plan(e), m + RATE_SLACK))
+        return bounds
 
     def bound(self, ir: DecoderIR) -> float:
-        return max(self.exit_bounds().values())
+        return max(self.exit_bounds(incumbent(ir) * (1 + BOUND_MARGIN)).values())
 
     def call(self, ir: DecoderIR) -> PassResult:
         start, before = time.perf_counter(), dict(ir.plans)
         exits = list(range(1, ir.config.num_layers))
         if not self.full:
-            bounds = self.exit_bounds()
+            bounds = self.exit_bounds(incumbent(ir) * (1 + BOUND_MARGIN))
             exits = sorted(exits, key=lambda e: -bounds[e])[:EXIT_CANDIDATES]
         scores = {}
         for exit_layer in tqdm(exits, desc="early-exit: scoring exit layers", disable=not self.show_progress):
@@ -173,7 +182,7 @@ class ExitLayerAutotune(Pass):
         exit_layer = max(scores, key=lambda e: scores[e].expected_speedup)
         best = scores[exit_layer]
         ir.tuning["best_exit_layer"] = exit_layer
-        agreement = exit_agreements(self.context) if not self.full else {}
+        agreement = dict(sorted(self.context.signals.get("exit_agreements", {}).items())) if not self.full else {}
         measured = self.context.record(
             "early-exit",
             best,

@@ -123,6 +123,7 @@ class PassManager:
         # a slow calibration must not leave the artifact without even its lookup plan.
         if ir.plans and (p.least_seconds() > left or left <= 0):
             return f"needs {p.least_seconds():.0f}s, {max(left, 0):.0f}s left", None, best
+        p.deadline = self.budget.tuning_deadline()  # a bound may depend on the time the pass would have
         bound = p.bound(ir)
         if bound is not None and bound < best * (1 + BOUND_MARGIN):
             margin = f" + {BOUND_MARGIN:.0%}" if bound >= best else ""
@@ -176,4 +177,4 @@ class PassManager:
         return ir
 
     def _left(self) -> str:
-        return "" if self.budget is None else f" [{max(self.budget.left(), 0):.0f}s of {self.budget.total:.0f}s left]"
+        return "" if self.budget is None else f" [{self.budget.progress()}]"

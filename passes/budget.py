@@ -1,10 +1,16 @@
 """The time budget of an ``auto`` build, and the bounds that let it skip passes that cannot pay.
 
-``Budget`` starts when the model is loaded and covers everything after: calibration, the tuning passes,
-confirmation and writing the artifact. Its default is scaled by the model's measured step time
-(``default_seconds``): about 90 s for SmolLM2-135M on this project's 2-core machine, proportionally less
-for a faster model and more for a slower one. Confirmation and the artifact's export get a reserve
-(``reserve``); tuning passes run in what is left before it (``tuning_left``).
+``Budget`` starts with the build command and covers everything: loading the model, calibration, the tuning
+passes, confirmation and writing the artifact. Its default (``default_seconds``) is ``BUDGET_STEPS`` plain
+decode steps of the model as timed here, capped by the model's size (``cap_seconds``: 50 s plus 0.25 s per
+million parameters, so 84 s for SmolLM2-135M, 199 s for Qwen3-0.6B, 360 s for Llama-3.2-1B): a fast machine
+builds in less, a slow one never in more. The cap is known once the model is loaded, before calibration,
+which is sized by it (``planned``): the target's continuations stop at ``CALIBRATION_SHARE`` of the budget
+(fewer, shorter continuations on a big model), the reference pass over them at ``REFERENCE_SHARE``, timings
+take ``TIMING_SHARE`` each, and confirmation's minimum turns are made short enough to fit ``CONFIRM_SHARE``.
+Confirmation and the artifact's export get a reserve (``reserve``); tuning passes run in what is left before
+it (``tuning_left``). A confirmation turn starts only if it can end by the deadline, so a build overruns its
+budget by at most its final write.
 
 Bounds. Before a tuning pass spends its time it publishes an upper bound on the expected speedup any plan
 it can add reaches, from cheap signals, and ``PassManager`` skips it when the bound is below the incumbent.
@@ -21,8 +27,8 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import torch
+from tqdm.auto import tqdm
 
 from speccompile.runtime.artifact.manifest import DraftPlan
 
@@ -33,32 +39,65 @@ BUDGET_STEPS = 2500  # default budget in plain decode steps (torch sublayer timi
 # SmolLM2 torch build (55 s) skipped the precision pass ("needs 7s, 4s left") and shipped lookup at 1.25x, not
 # the int8 twin at 1.5x
 MIN_SECONDS, MAX_SECONDS = 15.0, 3600.0
+CAP_BASE_SECONDS, CAP_SECONDS_PER_MILLION = 50.0, 0.25  # the default budget's cap by model size (``cap_seconds``)
+CALIBRATION_SHARE = 0.2  # of the planned budget: the most the target's calibration continuations take
+REFERENCE_SHARE = 0.15  # ... the reference pass over them (Qwen3-0.6B's shape: 67 s for 8 sequences, here)
+TIMING_SHARE = 0.05  # ... each of the two timings (torch sublayers, the runner's steps), beyond a few rounds
+CONFIRM_SHARE = 0.3  # ... the minimum confirmation turns (their length is cut to fit)
 AGREEMENT_STRIDE = 4  # every 4th calibration position scores exit agreement (Spearman 0.99 against all on refcoder)
 MIN_AGREEMENT_POSITIONS = 256  # ... unless that leaves fewer positions than this
 
 
-def default_seconds(plain_step_seconds: float) -> float:
-    """The default budget of a build: ``BUDGET_STEPS`` plain decode steps of this model on this machine."""
-    return float(min(max(BUDGET_STEPS * plain_step_seconds, MIN_SECONDS), MAX_SECONDS))
+def cap_seconds(parameters: int) -> float:
+    """The most a default budget may be for a model of ``parameters``: ``CAP_BASE_SECONDS`` plus
+    ``CAP_SECONDS_PER_MILLION`` per million parameters (a bigger model needs longer calibration, timings and
+    confirmation turns; not proportionally longer, or a 1B model would take tens of minutes)."""
+    return float(min(max(CAP_BASE_SECONDS + CAP_SECONDS_PER_MILLION * parameters / 1e6, MIN_SECONDS), MAX_SECONDS))
+
+
+def default_seconds(plain_step_seconds: float, parameters: int | None = None) -> float:
+    """The default budget of a build: ``BUDGET_STEPS`` plain decode steps of this model on this machine, at
+    most ``cap_seconds(parameters)``."""
+    seconds = BUDGET_STEPS * plain_step_seconds
+    if parameters is not None:
+        seconds = min(seconds, cap_seconds(parameters))
+    return float(min(max(seconds, MIN_SECONDS), MAX_SECONDS))
 
 
 class Budget:
     """Seconds for the whole build from ``start``; ``clock`` is injectable (tests). ``total`` None: set
-    later from the measured step time (``default_seconds``)."""
+    later from the measured step time (``default_seconds``); until then ``cap`` (from the model's size, once
+    it is loaded) is what calibration is sized by."""
 
     exempt = frozenset({"confirm_plans", "choose_default_plan"})  # always run, on the reserve
 
-    def __init__(self, total: float | None = None, clock=time.perf_counter):
-        self.total, self.clock, self.start = total, clock, clock()
+    def __init__(self, total: float | None = None, clock=time.perf_counter, cap: float | None = None):
+        self.total, self.clock, self.start, self.cap = total, clock, clock(), cap
         self.reserve = 0.0  # seconds kept for confirmation and writing the artifact
         self.write_reserve = 0.0  # the part of it kept for writing the artifact
         self.user_set = total is not None
+
+    def planned(self) -> float | None:
+        """The budget's seconds as far as known: the total, or before it is set the cap."""
+        return self.total if self.total is not None else self.cap
+
+    def share(self, fraction: float) -> float | None:
+        """``fraction`` of the planned budget, in seconds (None: no budget planned)."""
+        planned = self.planned()
+        return None if planned is None else fraction * planned
 
     def elapsed(self) -> float:
         return self.clock() - self.start
 
     def left(self) -> float:
         return (self.total or 0.0) - self.elapsed()
+
+    def progress(self) -> str:
+        """What the progress lines show: the seconds left of the whole budget."""
+        planned = self.planned()
+        if planned is None:
+            return f"{self.elapsed():.0f}s used"
+        return f"{max(planned - self.elapsed(), 0):.0f}s of {planned:.0f}s left"
 
     def tuning_left(self) -> float:
         return self.left() - self.reserve
@@ -75,9 +114,27 @@ class Budget:
         return {
             "seconds": round(self.total or 0.0, 1),
             "default": not self.user_set,
+            **({"cap": round(self.cap, 1)} if self.cap is not None else {}),
             "reserve": round(self.reserve, 1),
             "used": round(self.elapsed(), 1),
         }
+
+
+class BudgetBar(tqdm):
+    """A progress bar that shows the build's time budget left next to its count (``budget`` None: a plain bar)."""
+
+    def __init__(self, *args, budget: Budget | None = None, **kwargs):
+        self.budget = budget
+        super().__init__(*args, **kwargs)
+        self._show_budget()
+
+    def update(self, n=1):
+        self._show_budget()
+        return super().update(n)
+
+    def _show_budget(self) -> None:
+        if self.budget is not None and not self.disable:
+            self.set_postfix_str(self.budget.progress(), refresh=False)
 
 
 def geometric_bound(rate: float, draft_cost: float, verify, max_draft: int) -> tuple[float, int]:
@@ -100,27 +157,39 @@ def model_draft_bound(context, plan: DraftPlan, rate: float) -> float:
     )[0]
 
 
+PERFECT = 1.0  # the acceptance rate of a draft that is always right: its geometric bound needs no signal
+
+
+def needed(bounds_at_perfect: dict, floor: float | None) -> list:
+    """The candidates whose bound with perfect drafts (``PERFECT``) reaches ``floor`` (None: all): only those need
+    their signal measured, the others' bound is their perfect one, already short of the incumbent."""
+    return [key for key, bound in bounds_at_perfect.items() if floor is None or bound >= floor]
+
+
 @torch.inference_mode()
-def exit_agreements(context) -> dict[int, float]:
-    """Shared-head agreement with the target after every block, on every ``AGREEMENT_STRIDE``-th position of
-    the calibration continuations (every position of a small calibration set) (the reference pass's stored hidden states: one head product per exit).
-    Computed once per tuning run and shared by the early-exit, adapter and draft-vocabulary bounds."""
-    if "exit_agreements" in context.signals:
-        return context.signals["exit_agreements"]
+def exit_agreements(context, exits=None) -> dict[int, float]:
+    """Shared-head agreement with the target after each block of ``exits`` (default: every block), on every
+    ``AGREEMENT_STRIDE``-th position of the calibration continuations (every position of a small calibration
+    set) (the reference pass's stored hidden states: one head product per exit). Each exit is computed once
+    per tuning run, when first asked for, and shared by the early-exit, adapter and draft-vocabulary bounds."""
     decoder, L = context.ir.decoder(), context.ir.config.num_layers
-    positions = sum(len(ref.targets) for ref in context.references)
-    stride = max(1, min(AGREEMENT_STRIDE, positions // MIN_AGREEMENT_POSITIONS))  # never fewer than that many
-    hits, total = np.zeros(L), 0
-    for ref in context.references:
-        targets = torch.as_tensor(ref.targets[::stride])
-        if not len(targets) or ref.exits is None:
-            continue
-        total += len(targets)
-        for e in range(1, L):
-            top = decoder.head(ref.exits[e][:, ::stride]).argmax(-1)[0].cpu()
-            hits[e] += int((top == targets).sum())
-    context.signals["exit_agreements"] = {e: float(hits[e] / max(total, 1)) for e in range(1, L)}
-    return context.signals["exit_agreements"]
+    wanted = list(range(1, L)) if exits is None else list(exits)
+    known = context.signals.setdefault("exit_agreements", {})
+    missing = [e for e in wanted if e not in known]
+    if missing:
+        positions = sum(len(ref.targets) for ref in context.references)
+        stride = max(1, min(AGREEMENT_STRIDE, positions // MIN_AGREEMENT_POSITIONS))  # never fewer than that many
+        hits, total = dict.fromkeys(missing, 0), 0
+        for ref in context.references:
+            targets = torch.as_tensor(ref.targets[::stride])
+            if not len(targets) or ref.exits is None:
+                continue
+            total += len(targets)
+            for e in missing:
+                top = decoder.head(ref.exits[e][:, ::stride]).argmax(-1)[0].cpu()
+                hits[e] += int((top == targets).sum())
+        known.update({e: float(hits[e] / max(total, 1)) for e in missing})
+    return {e: known[e] for e in wanted}
 
 
 def lookup_hit_share(context, rounds, plan: DraftPlan) -> tuple[float, float, float]:

@@ -17,6 +17,7 @@ from speccompile.runtime.artifact.manifest import DraftPlan
 from speccompile.runtime.decoding.speculative import DecodeRequest, Stats, decode_all
 
 from .base import Pass, PassResult
+from .budget import BudgetBar
 from .ir import DecoderIR
 
 MIN_TURNS = 3  # a sequential confirmation times at least this many turns before it may stop
@@ -129,17 +130,21 @@ class Confirmer:
         that turn, so machine noise common to the turn cancels. After ``min_turns`` a plan leaves the race
         when its 95% interval against plain decoding lies below 1.0 (surely slower than plain), or below the
         leader's (paired per turn); the race ends when the leader's interval excludes 1.0 and every other
-        plan has left or is surely within ``TIE`` of it, at ``max_turns``, or at ``deadline`` (a ``clock``
-        time; ``min_turns`` always run, or one turn's noise would pick the plan). Returns each plan's figures
-        and notes on how the race ended."""
+        plan has left or is surely within ``TIE`` of it, at ``max_turns``, or before a turn that would end
+        past ``deadline`` (a ``clock`` time; the first turn always runs, and no plan leaves nor is the race
+        sure before ``min_turns``, or one turn's noise would pick the plan). Returns each plan's figures and
+        notes on how the race ended."""
         names = [plan.name for plan in plans]
         samples: dict[str, list[float]] = {name: [] for name in names}
         runs: dict[str, list[tuple[Stats, Stats]]] = {name: [] for name in names}  # (plain, plan) per turn
         identical = {name: True for name in names}
         left: dict[str, str] = {}  # plan -> why it left the race
         alive, turn, stopped = list(plans), 0, "max turns"
+        began = clock()
         while turn < max_turns:
-            if turn >= min_turns and deadline is not None and clock() >= deadline:
+            # after the first turn, a turn starts only if one as long as the turns so far ends by the deadline
+            # (the budget's reserve is sized for ``min_turns``; a machine slower than timed gets fewer)
+            if turn and deadline is not None and clock() + (clock() - began) / turn >= deadline:
                 stopped = "budget"
                 break
             prompt = self.prompts[turn % len(self.prompts)]
@@ -280,7 +285,7 @@ class ConfirmPlans(Pass):
             desc = f"confirming plans on {c.runner.name}"
             if self.sequential:
                 max_turns = self.max_turns or MAX_TURNS_PER_PROMPT * len(c.confirm_prompts)
-                with tqdm(total=max_turns, desc=desc, disable=not self.show_progress) as bar:
+                with BudgetBar(total=max_turns, desc=desc, disable=not self.show_progress, budget=c.budget) as bar:
                     figures, notes = confirmer.race(
                         list(timed.values()), self.min_turns, max_turns, self.deadline, progress=bar
                     )

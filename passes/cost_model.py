@@ -97,14 +97,25 @@ def device_name(device: str = "cpu") -> str:
     return f"{name} ({torch.get_num_threads()} threads)"
 
 
+MIN_ROUNDS = 2  # timings repeat at least this many interleaved rounds (after a warm-up), whatever their allotment
+
+
+def _enough(round_done: int, start: float, seconds: float | None) -> bool:
+    """Whether a timing given ``seconds`` (None: no allotment) may stop after ``round_done`` rounds."""
+    return seconds is not None and round_done >= MIN_ROUNDS and time.perf_counter() - start >= seconds
+
+
 @torch.inference_mode()
-def measure_costs(decoder: Decoder, max_tokens: int, context: int = 128, rounds: int = 9) -> CostModel:
+def measure_costs(
+    decoder: Decoder, max_tokens: int, context: int = 128, rounds: int = 9, seconds: float | None = None
+) -> CostModel:
     """Time each kind of sublayer for 1..max_tokens tokens after ``context`` cached positions.
 
     Timings on a shared machine are noisy upwards only (interference adds time, never removes it), so
     every measurement is repeated in ``rounds`` interleaved passes over all token counts and the minimum
-    is kept. A step over more tokens can never be cheaper than one over fewer, so the costs are finally
-    made non-decreasing in the token count.
+    is kept (fewer, at least ``MIN_ROUNDS``, once ``seconds`` are spent: a budgeted build's allotment). A
+    step over more tokens can never be cheaper than one over fewer, so the costs are finally made
+    non-decreasing in the token count.
     """
     config = decoder.config
     device = decoder.embed.weight.device
@@ -147,7 +158,10 @@ def measure_costs(decoder: Decoder, max_tokens: int, context: int = 128, rounds:
         for fn in job:
             fn()
     best = np.full((max_tokens, 4), np.inf)
-    for _ in range(rounds):
+    start = time.perf_counter()
+    for done in range(rounds):
+        if _enough(done, start, seconds):
+            break
         for t, job in enumerate(jobs):
             for k, fn in enumerate(job):
                 best[t, k] = min(best[t, k], _best_seconds(fn, sync))
@@ -266,11 +280,11 @@ def measure_draft_rounds(
 
 
 def measure_step_costs(
-    backend, sublayers: CostModel, max_tokens: int, context: int = 128, rounds: int = 7
+    backend, sublayers: CostModel, max_tokens: int, context: int = 128, rounds: int = 7, seconds: float | None = None
 ) -> StepCosts:
     """Time ``backend.forward`` of 1..max_tokens tokens after ``context`` cached positions (minimum over
-    interleaved repeats, made non-decreasing, as in ``measure_costs``), plus the draft-token overhead
-    and one lookup, through the Backend protocol only."""
+    interleaved repeats, made non-decreasing, with ``seconds`` as in ``measure_costs``), plus the draft-token
+    overhead and one lookup, through the Backend protocol only."""
     from speccompile.runtime.drafting.base import RoundContext
     from speccompile.runtime.drafting.ngram import NgramDrafter
     from speccompile.runtime.sampling import SamplingParams, softmax
@@ -290,7 +304,10 @@ def measure_step_costs(
     for ids in inputs:  # warm-up
         backend.forward(ids, context)
     timed = np.full(len(sizes), np.inf)
-    for _ in range(rounds):
+    start = time.perf_counter()
+    for done in range(rounds):
+        if _enough(done, start, seconds):
+            break
         for k, ids in enumerate(inputs):
             timed[k] = min(timed[k], _best_seconds(lambda: backend.forward(ids, context)))
     best = np.maximum.accumulate(np.interp(np.arange(1, max_tokens + 1), sizes, np.maximum.accumulate(timed)))

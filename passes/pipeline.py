@@ -237,10 +237,10 @@ class TuningOptions:
         None,
         "--time-budget",
         type="seconds",
-        help="auto: seconds for the whole build from the loaded model to the written "
-        "artifact (default: 3000 plain decode steps of the model, timed here, at "
-        "least 15 s: ~90 s for SmolLM2-135M on 2 CPU cores); bayes: seconds of "
-        "search; adapter: seconds for its pass (default 300).",
+        help="auto: seconds for the whole build, loading the model to the written "
+        "artifact (default: 2500 plain decode steps of the model, timed here, at "
+        "least 15 s and at most 50 s + 0.25 s per million parameters: 84 s for "
+        "SmolLM2-135M); bayes: seconds of search; adapter: seconds for its pass (default 300).",
     )
     study: str | None = option(
         None,

@@ -5,7 +5,7 @@ one parallel pass against the verifier's KV, which is what the first drafted tok
 - On torch the draft *is* a torch decoder, the int8 twin (``runtime/backends/torch/int8_twin.py``): the estimate runs the
   very kernels the artifact runs.
 - On ONNX Runtime the draft is ``MatMulNBits`` with the plan's block grid. Its stand-in has the same grid,
-  quantized and de-quantized in fp32 here (``block_quantized``), with fp32 activations where ONNX Runtime's
+  kept as its codes and de-quantized in fp32 for each product (``GridLinear``), with fp32 activations where ONNX Runtime's
   accuracy level 4 quantizes them to int8 per block: close, not exact (``--method precision`` therefore
   keeps the plan that did best in the real loop, on the backend).
 
@@ -31,9 +31,10 @@ from speccompile.runtime.drafting.kinds.precision import parse_precision
 _GRID_TWINS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()  # decoder -> precision -> twin
 
 
-def block_quantized(weight: torch.Tensor, bits: int, block: int, symmetric: bool) -> torch.Tensor:
-    """``weight`` [out, in] on a weight-only block grid along its input dimension (as ``MatMulNBits`` stores
-    it: ``block`` inputs share a scale, and a zero point unless ``symmetric``), de-quantized to fp32."""
+def block_codes(weight: torch.Tensor, bits: int, block: int, symmetric: bool):
+    """``weight`` [out, in] on a weight-only block grid along its input dimension (as ``MatMulNBits`` stores it:
+    ``block`` inputs share a scale, and a zero point unless ``symmetric``): (integer codes ``[out, blocks,
+    block]``, one byte each; scales and zero points ``[out, blocks, 1]``; zero points None when symmetric)."""
     out, width = weight.shape
     padded = -(-width // block) * block
     w = torch.zeros(out, padded, dtype=torch.float32)
@@ -42,22 +43,33 @@ def block_quantized(weight: torch.Tensor, bits: int, block: int, symmetric: bool
     levels = 2**bits - 1
     if symmetric:
         scale = (w.abs().amax(-1, keepdim=True) / (2 ** (bits - 1))).clamp(min=1e-12)
-        q = (w / scale).round().clamp(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
-        deq = q * scale
-    else:
-        low, high = w.amin(-1, keepdim=True).clamp(max=0), w.amax(-1, keepdim=True).clamp(min=0)
-        scale = ((high - low) / levels).clamp(min=1e-12)
-        zero = (-low / scale).round().clamp(0, levels)
-        deq = ((w / scale).round() + zero).clamp(0, levels).sub(zero) * scale
-    return deq.view(out, padded)[:, :width].to(weight.dtype)
+        return (w / scale).round().clamp(-(2 ** (bits - 1)), 2 ** (bits - 1) - 1).to(torch.int8), scale, None
+    low, high = w.amin(-1, keepdim=True).clamp(max=0), w.amax(-1, keepdim=True).clamp(min=0)
+    scale = ((high - low) / levels).clamp(min=1e-12)
+    zero = (-low / scale).round().clamp(0, levels)
+    return ((w / scale).round() + zero).clamp(0, levels).to(torch.uint8), scale, zero
 
 
-def _grid_linear(linear: nn.Linear, bits: int, block: int, symmetric: bool) -> nn.Linear:
-    grid = nn.Linear(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
-    grid.weight = nn.Parameter(block_quantized(linear.weight, bits, block, symmetric), requires_grad=False)
-    if linear.bias is not None:
-        grid.bias = linear.bias
-    return grid
+def dequantized(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | None, width: int) -> torch.Tensor:
+    """The fp32 weight ``[out, width]`` that ``block_codes`` encoded."""
+    w = codes.float() if zero is None else codes.float().sub(zero)
+    return (w * scale).view(codes.shape[0], -1)[:, :width]
+
+
+class GridLinear(nn.Module):
+    """A linear layer on a weight-only block grid, kept as its one-byte codes with their scales and de-quantized
+    for each call: an estimation twin holds about a third of the fp32 weights' bytes, not a second fp32 copy
+    per scheme (those were most of a Qwen3-0.6B-shaped ONNX build's 10 GB peak)."""
+
+    def __init__(self, linear: nn.Linear, bits: int, block: int, symmetric: bool):
+        super().__init__()
+        self.width, self.dtype = linear.in_features, linear.weight.dtype
+        self.codes, self.scale, self.zero = block_codes(linear.weight, bits, block, symmetric)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weight = dequantized(self.codes, self.scale, self.zero, self.width).to(self.dtype)
+        return nn.functional.linear(x, weight, self.bias)
 
 
 @torch.inference_mode()
@@ -95,8 +107,13 @@ def estimation_twin(decoder: nn.Module, precision: str, backend: str) -> nn.Modu
     if precision not in twins:
         scheme, block, symmetric = parse_precision(precision)
         bits = {"int4": 4, "int8": 8}[scheme]
-        twins[precision] = twin_with(decoder, lambda linear, down: _grid_linear(linear, bits, block, symmetric))
+        twins[precision] = twin_with(decoder, lambda linear, down: GridLinear(linear, bits, block, symmetric))
     return twins[precision]
 
 
-__all__ = ["int8_input_scales", "block_quantized", "estimation_twin"]
+def release_twins(decoder: nn.Module) -> None:
+    """Drop ``decoder``'s ONNX stand-ins (their codes are a third of the model's bytes per scheme) once scored."""
+    _GRID_TWINS.pop(decoder, None)
+
+
+__all__ = ["release_twins", "GridLinear", "block_codes", "dequantized", "estimation_twin", "int8_input_scales"]

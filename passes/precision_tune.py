@@ -34,7 +34,12 @@ import torch
 
 from speccompile.runtime.artifact.manifest import DraftPlan
 from speccompile.runtime.backends.torch.decoder import Decoder
-from speccompile.runtime.backends.torch.int8_twin import SCALES_FILE, int8_kernel_missing, set_input_scales
+from speccompile.runtime.backends.torch.int8_twin import (
+    SCALES_FILE,
+    int8_kernel_missing,
+    release_int8_twin,
+    set_input_scales,
+)
 from speccompile.runtime.decoding.speculative import DecodeRequest, decode_all
 from speccompile.runtime.drafting import has_model_part, options
 from speccompile.runtime.drafting.kinds.precision import precision_of
@@ -47,7 +52,7 @@ from .cost_model import _best_seconds, measure_draft_rounds
 from .ir import DecoderIR
 from .lookup_autotune import NGRAM_SIZES, score_lookup
 from .plans import tuned_target
-from .precision_estimate import estimation_twin, int8_input_scales
+from .precision_estimate import estimation_twin, int8_input_scales, release_twins
 from .replay import ReplayedRound, estimate_rounds, round_mix
 from .tuning import TuningContext
 
@@ -177,6 +182,9 @@ class PrecisionTune(Pass):
         draft = min(_best_seconds(lambda: twin(ids)) for _ in range(5))
         plain = c.costs.plain_step()
         speedup = geometric_bound(rate + RATE_SLACK, draft / full, lambda t: c.costs.full(t) / plain, c.max_draft)[0]
+        if c.runner.name != "torch":  # the torch twin priced the bound only: not in memory next to the sessions
+            del twin
+            release_int8_twin(decoder)
         return hybrid_bound(c, speedup) if "lookup" in ir.plans else speedup
 
     # -- the pass ---------------------------------------------------------------------------------------------
@@ -271,7 +279,11 @@ class PrecisionTune(Pass):
                 "draft_step_ms": round(draft * 1e3, 3),
                 "verify_after_draft": round(factor, 3),
             }
+        if not self.real_loop:  # the sessions are not needed while the stand-ins score: not both in memory
+            backend = None
+            c.runner.release()
         candidates = sorted(self._candidates(ir), key=lambda found: -found[1].expected_speedup)
+        release_twins(self._decoder())  # the stand-ins are for scoring only
         if self.real_loop:  # the best candidates by the parallel estimate, scored again in the real loop
             scored, firsts = [], {}
             for found in candidates:  # the best of each composition, then the next best

@@ -15,11 +15,19 @@ from pathlib import Path
 from typing import Protocol
 
 import numpy as np
-from tqdm.auto import tqdm
 
 from speccompile.runtime.artifact.manifest import DraftPlan
 
-from .acceptance import Reference, RoundEstimate, best_policy, greedy_continuations, profile_plan, reference_pass
+from .acceptance import (
+    MIN_CONTINUATIONS,
+    Reference,
+    RoundEstimate,
+    best_policy,
+    greedy_continuations,
+    profile_plan,
+    reference_pass,
+)
+from .budget import CALIBRATION_SHARE, REFERENCE_SHARE, TIMING_SHARE, BudgetBar
 from .cost_model import CostModel, StepCosts, device_name, measure_costs, measure_step_costs
 from .ir import DecoderIR
 
@@ -34,6 +42,9 @@ class Runner(Protocol):
 
     def backend(self, plans: dict[str, DraftPlan] | None = None): ...
 
+    def release(self) -> None:
+        """Drop the backend made last (the next ``backend`` makes one again): frees its memory meanwhile."""
+
 
 class TorchRunner:
     name = "torch"
@@ -45,6 +56,9 @@ class TorchRunner:
         from speccompile.runtime.backends.torch.backend import TorchBackend
 
         return TorchBackend(self.ir.decoder(), device=self.ir.device)
+
+    def release(self) -> None:
+        """Nothing to drop: the torch backend runs the IR's own decoder."""
 
 
 @dataclass
@@ -68,6 +82,7 @@ class TuningContext:
     )  # cheap signals shared by passes' bounds (exit agreements, lookup rounds)
     timings: dict = field(default_factory=dict)  # seconds per calibration phase
     trees: bool = False  # whether the runner's backend verifies token trees (runtime/tree.py)
+    budget: object = None  # a budgeted build's Budget (passes/budget.py): progress bars show what is left
 
     @classmethod
     def prepare(
@@ -83,36 +98,53 @@ class TuningContext:
         workdir: Path | None = None,
         eos: frozenset[int] = frozenset(),
         trees: bool = True,
+        budget=None,
     ) -> "TuningContext":
         """Greedy-decode the calibration prompts with the full model, store its K/V, time the sublayers
         and the runner's backend. ``trees``: whether plans may draft token trees (``--no-trees``: chains
-        only), where the runner's backend verifies them."""
+        only), where the runner's backend verifies them. ``budget`` (a budgeted build's): the continuations
+        stop at ``CALIBRATION_SHARE`` of it (fewer, shorter ones on a big model), the reference pass at
+        ``REFERENCE_SHARE`` (fewer sequences), and each timing takes about ``TIMING_SHARE`` of it."""
         decoder = ir.decoder()
         timings, clock = {}, time.perf_counter()
+        share = (lambda fraction: budget.share(fraction)) if budget is not None else (lambda fraction: None)
 
         def lap(phase: str) -> None:
             nonlocal clock
             timings[phase] = round(time.perf_counter() - clock, 2)
             clock = time.perf_counter()
 
-        with tqdm(total=len(prompts), desc="calibration: target continuations", disable=not show_progress) as bar:
-            continuations = greedy_continuations(decoder, prompts, new_tokens, bar, eos)
+        seconds = share(CALIBRATION_SHARE)
+        deadline = None if seconds is None else time.perf_counter() + seconds
+        with BudgetBar(
+            total=len(prompts), desc="calibration: target continuations", disable=not show_progress, budget=budget
+        ) as bar:
+            continuations = greedy_continuations(decoder, prompts, new_tokens, bar, eos, deadline=deadline)
+        prompts = prompts[: len(continuations)]
         lap("continuations")
         cosine = np.zeros((2, ir.config.num_layers))
         references = []
-        for prompt, continuation in tqdm(
-            list(zip(prompts, continuations)), desc="calibration: reference pass", disable=not show_progress
+        seconds = share(REFERENCE_SHARE)
+        deadline = None if seconds is None else time.perf_counter() + seconds
+        for prompt, continuation in BudgetBar(
+            list(zip(prompts, continuations)),
+            desc="calibration: reference pass",
+            disable=not show_progress,
+            budget=budget,
         ):
+            if deadline is not None and len(references) >= MIN_CONTINUATIONS and time.perf_counter() >= deadline:
+                break  # the sequences left are not scored on (a model too big for the budget)
             references.append(reference_pass(decoder, prompt + continuation, len(prompt), cosine))
+        prompts = prompts[: len(references)]
         cosine /= max(len(references), 1)
         lap("reference_pass")
-        cost = measure_costs(decoder, max_draft + 1)
+        cost = measure_costs(decoder, max_draft + 1, seconds=share(TIMING_SHARE))
         lap("sublayer_costs")
         runner = runner or TorchRunner(ir)
         workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="speccompile-tune-"))
         backend = runner.backend({})
         lap("runner_backend")
-        costs = measure_step_costs(backend, cost, max_draft + LOOKUP_MAX_DRAFT + 1)
+        costs = measure_step_costs(backend, cost, max_draft + LOOKUP_MAX_DRAFT + 1, seconds=share(TIMING_SHARE))
         lap("step_costs")
         return cls(
             ir=ir,
@@ -129,6 +161,7 @@ class TuningContext:
             eos=frozenset(eos),
             timings=timings,
             trees=trees and backend.tree_unsupported() is None,
+            budget=budget,
         )
 
     @property

@@ -15,6 +15,7 @@ from typing import Iterator
 
 from .artifact.manifest import DraftPlan, Manifest, read_manifest
 from .artifact.tokenizer import TextTokenizer
+from .backends.onnx_selfcheck import speculation_refusal
 from .backends.weights_check import check_after_open, check_before_open
 from .decoding.speculative import DecodeRequest, Stats, backend_drafter, decode, reserve_cache
 from .drafting import check_plans
@@ -136,29 +137,34 @@ def _open_backend(root: Path, manifest: Manifest, backend: str | None, device: s
 class SpeculativeModel:
     """A loaded artifact: tokenizer, backend and draft plans."""
 
-    def __init__(self, root: Path, manifest: Manifest, backend, tokenizer: TextTokenizer):
+    def __init__(self, root: Path, manifest: Manifest, backend, tokenizer: TextTokenizer, refused: str | None = None):
+        """``refused``: why this backend must not speculate here (``onnx_selfcheck.speculation_refusal``)."""
         self.root, self.manifest, self.backend, self.tokenizer = root, manifest, backend, tokenizer
         self.context = manifest.config.max_position_embeddings
         self.eos_ids = manifest.eos_ids
+        self.refused = refused
 
     def replica(self) -> "SpeculativeModel":
         """The same artifact with its own KV cache, sharing weights, sessions and tokenizer: one per
         concurrent sequence (a server's slots). Each replica must be used by one thread at a time."""
-        return SpeculativeModel(self.root, self.manifest, self.backend.replica(), self.tokenizer)
+        return SpeculativeModel(self.root, self.manifest, self.backend.replica(), self.tokenizer, self.refused)
 
     def plan(self, name: str | None = None) -> DraftPlan:
         return self.manifest.plan(name)
 
     def draft_plan(self, name: str | None = None) -> DraftPlan | None:
         """The plan to draft with: ``name``, else the manifest's default; None (plain decoding) when the
-        artifact has no default plan because none beat plain decoding where it was tuned."""
-        if name is None and self.manifest.default_plan is None:
+        artifact has no default plan because none beat plain decoding where it was tuned, or when speculation
+        is refused on this machine (``refused``)."""
+        if self.refused is not None or (name is None and self.manifest.default_plan is None):
             return None
         return self.manifest.plan(name)
 
     @property
     def plain_reason(self) -> str | None:
         """Why speculative requests decode plainly, or None when a default plan exists."""
+        if self.refused is not None:
+            return self.refused
         if self.manifest.default_plan is not None:
             return None
         best = self.manifest.tuning.get("best_confirmed_speedup")
@@ -269,4 +275,5 @@ def load(path: str | Path, backend: str | None = None, device: str = "cpu", veri
         opened = _open_backend(root, manifest, backend, device)
         check_after_open(manifest, opened)
         opened.prepare_plans(manifest.plans)  # not inside the first request (the torch int8 twin)
-    return SpeculativeModel(root, manifest, opened, tokenizer)
+        refused = speculation_refusal(opened)  # a quantized target whose verify rounds unlike its steps here
+    return SpeculativeModel(root, manifest, opened, tokenizer, refused)

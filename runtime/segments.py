@@ -23,6 +23,7 @@ Numpy only: the ONNX Runtime and TensorRT backends use it without torch.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Sequence
 
 FINAL_HEAD = "final"
 
@@ -61,4 +62,24 @@ def full_model(num_layers: int) -> Segment:
     return Segment(0, num_layers)
 
 
-__all__ = ["FINAL_HEAD", "Segment", "full_model"]
+@dataclass(frozen=True)
+class Row:
+    """One sequence's part of a batched call (``Backend.run_rows``): its cache ``slot``, the position ``pos``
+    of its first token, and either its ``tokens`` (a segment that starts at block 0) or the ``count`` hidden
+    states kept at ``pos..`` (one that starts later). Rows of one call may differ in everything: a prompt
+    chunk, one plain token, a draft of k tokens. ``parents``: the tokens after the first form a token tree
+    (``runtime/tree.py``): row ``r`` sits at slot ``pos + r`` and position ``pos + depth(r)``."""
+
+    slot: int
+    pos: int
+    tokens: Sequence[int] | None = None
+    count: int = 0
+    parents: Sequence[int] | None = None
+
+    @property
+    def width(self) -> int:
+        """How many positions the row occupies in the call."""
+        return len(self.tokens) if self.tokens is not None else self.count
+
+
+__all__ = ["FINAL_HEAD", "Row", "Segment", "full_model"]

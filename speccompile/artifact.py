@@ -21,6 +21,7 @@ from pathlib import Path
 from safetensors.torch import save_file
 
 import speccompile
+from speccompile.memory import peak_resident_bytes
 from speccompile.runtime.artifact.manifest import (
     MANIFEST_NAME,
     SCHEMA_VERSION,
@@ -244,8 +245,10 @@ def atomic_folder(out: Path, replace: bool = False):
 BACKENDS = ("torch", "onnx", "tensorrt")
 
 
-def write_backend_files(root: Path, ir, backends: list[str]) -> dict:
-    """Write each backend's files for ``ir`` under ``root``; returns the manifest's ``backends`` record."""
+def write_backend_files(root: Path, ir, backends: list[str], onnx_memory: dict | None = None) -> dict:
+    """Write each backend's files for ``ir`` under ``root``; returns the manifest's ``backends`` record.
+    The ONNX export reuses the quantized copies in ``ir.quantized`` (and adds those it makes); ``onnx_memory``:
+    more of ``export_onnx_weights``' memory options (a tuning runner's: the arrays its sessions read)."""
     import torch
 
     records = {}
@@ -278,6 +281,8 @@ def write_backend_files(root: Path, ir, backends: list[str]) -> dict:
             onnx_dtype,
             **export,
             draft_heads=getattr(ir, "extra_files", {}),
+            derived=getattr(ir, "quantized", None),
+            **(onnx_memory or {}),
         )
     for relative, source in getattr(ir, "extra_files", {}).items():  # plan resources, e.g. a retrieval datastore
         (root / relative).parent.mkdir(parents=True, exist_ok=True)
@@ -310,6 +315,7 @@ def write_artifact(
     check_output(out, force)
     with atomic_folder(out, replace=force) as tmp:
         records = write_backend_files(tmp, ir, list(backends))
+        ir.tuning.setdefault("memory", {})["peak_resident_bytes"] = peak_resident_bytes()  # the build's, so far
         tokenizer.save_pretrained(tmp / "tokenizer")
         if not (tmp / "tokenizer" / "tokenizer.json").is_file():
             raise SpeccompileError("the tokenizer did not save a tokenizer.json; the runtime needs a fast tokenizer")

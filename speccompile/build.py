@@ -15,7 +15,7 @@ from speccompile.convert import arch_config, canonical_weights, choose_path
 from speccompile.loading import SourceModel, load_source
 from speccompile.passes.adapter import DRAFT_HEADS_DIR
 from speccompile.passes.base import PassManager
-from speccompile.passes.budget import Budget, default_seconds
+from speccompile.passes.budget import CONFIRM_SHARE, Budget, cap_seconds, default_seconds
 from speccompile.passes.confirm import MIN_TURNS, ChooseDefaultPlan, ConfirmPlans
 from speccompile.passes.ir import DecoderIR
 from speccompile.passes.pipeline import METHODS, BuildOptions, PipelineInputs, TuneOptions, TuningOptions
@@ -77,15 +77,30 @@ def tuning_backend(backends) -> str:
     return list(backends or ["torch"])[0]
 
 
-def plan_budget(budget: Budget, context: TuningContext, backends) -> None:
-    """Size a budgeted build once calibration has timed the model: the default total from the step time, and
-    the reserve for confirmation (``MIN_TURNS`` turns of plain decoding and one or two plans) and for writing
-    the artifact (an ONNX export costs about what the tuning runner's first export did)."""
+TURN_STEPS = 3.0  # a confirmation turn costs about this many plain decodes of its tokens (plain, then the plans)
+MIN_CONFIRM_TOKENS = 16
+WRITE_BYTES_PER_SECOND = 250e6  # an artifact's files written and hashed (the tuning runner's export writes none)
+
+
+def parameter_count(ir: DecoderIR) -> int:
+    return int(sum(p.numel() for p in ir.decoder().parameters()))
+
+
+def plan_budget(budget: Budget, context: TuningContext, backends, parameters: int) -> None:
+    """Size a budgeted build once calibration has timed the model: the default total from the step time (at
+    most the cap for the model's size), the confirmation's length (its ``MIN_TURNS`` turns within
+    ``CONFIRM_SHARE`` of the budget: shorter turns on a big model), and the reserve for confirmation and for
+    writing the artifact (an ONNX export's graphs cost about what the tuning runner's first export did; the
+    weights' bytes then go to disk and are hashed)."""
     if budget.total is None:
-        budget.total = default_seconds(context.cost.plain_step())
-    turn = 2.5 * context.confirm_tokens * context.costs.plain_step()
+        budget.total = default_seconds(context.cost.plain_step(), parameters)
+    step = context.costs.plain_step()
+    fits = int(CONFIRM_SHARE * budget.total / (MIN_TURNS * TURN_STEPS * step))
+    context.confirm_tokens = max(min(context.confirm_tokens, fits), MIN_CONFIRM_TOKENS)
+    turn = TURN_STEPS * context.confirm_tokens * step
     export = context.timings.get("runner_backend", 0.0) if "onnx" in backends else 0.0
-    budget.write_reserve = 1.5 * export + 1.0
+    written = 4 * parameters * len(list(backends))  # about the fp32 bytes per backend, written then hashed
+    budget.write_reserve = 1.5 * export + written / WRITE_BYTES_PER_SECOND + 1.0
     budget.reserve = MIN_TURNS * turn + budget.write_reserve
 
 
@@ -112,6 +127,9 @@ def tune_ir(
     method = METHODS[options.method]
     if method.budgeted and budget is None:
         budget = Budget(options.time_budget)
+    parameters = parameter_count(ir)
+    if budget is not None and budget.cap is None and not budget.user_set:  # (tune: no loading to count from)
+        budget.cap = cap_seconds(parameters)
     with tempfile.TemporaryDirectory(prefix="speccompile-tune-") as workdir:
         for relative, source in ir.extra_files.items():  # resources of plans already in the IR
             (Path(workdir) / relative).parent.mkdir(parents=True, exist_ok=True)
@@ -129,13 +147,15 @@ def tune_ir(
             workdir=Path(workdir),
             eos=eos,
             trees=options.trees,
+            budget=budget if method.budgeted else None,
         )
         if method.budgeted:
-            plan_budget(budget, context, backends)
+            plan_budget(budget, context, backends, parameters)
+            why = "--time-budget" if budget.user_set else f"default: the step time, at most {budget.cap:.0f}s"
             log(
-                f"calibration done in {sum(context.timings.values()):.1f}s; time budget {budget.total:.0f}s "
-                f"({'--time-budget' if budget.user_set else 'default, from the step time'}), "
-                f"{budget.tuning_left():.0f}s left for tuning passes"
+                f"calibration done in {sum(context.timings.values()):.1f}s ({len(context.references)} "
+                f"continuations, {sum(len(r.targets) + 1 for r in context.references)} tokens); time budget "
+                f"{budget.total:.0f}s ({why}), {budget.tuning_left():.0f}s left for tuning passes"
             )
         inputs = PipelineInputs(context, options, encode, generic=ir.config.decoder == "generic")
         passes = method.passes(inputs)
@@ -160,6 +180,9 @@ def tune_ir(
                 "source": options.calibration or "built-in",
                 "prompts": len(prompts),
                 "new_tokens": options.calibration_tokens,
+                "continuations": len(context.references),
+                "continuation_tokens": sum(len(r.targets) + 1 for r in context.references),
+                "confirm_tokens": context.confirm_tokens,
                 "seconds": context.timings,
             },
             cost_model=context.cost.as_dict(),
@@ -188,19 +211,22 @@ def tune_ir(
 
 def build(options: BuildOptions, log: Callable[[str], None] = print) -> Path:
     check_options(options)
+    budget = Budget(options.time_budget) if METHODS[options.method].budgeted else None  # the whole command's
     out = check_output(Path(options.out), options.force, source=source_folder(options.model))  # before the slow part
     with output_lock(out):  # held for the whole build: a second build of the same OUT fails at once
-        return _build_locked(options, log)
+        return _build_locked(options, log, budget)
 
 
-def _build_locked(options: BuildOptions, log: Callable[[str], None]) -> Path:
+def _build_locked(options: BuildOptions, log: Callable[[str], None], budget: Budget | None) -> Path:
     texts = load_calibration(options.calibration)
     source = load_source(options.model, trust_remote_code=options.trust_remote_code)
-    budget = Budget(options.time_budget) if METHODS[options.method].budgeted else None  # from the loaded model on
     path = choose_path(source.model)  # refuses, in one line, what cannot be drafted losslessly
+    parameters = sum(p.numel() for p in source.model.parameters())
+    if budget is not None and not budget.user_set:
+        budget.cap = cap_seconds(parameters)  # what calibration is sized by, before the step time is known
     log(
-        f"loaded {source.name} ({source.model.config.model_type}, "
-        f"{sum(p.numel() for p in source.model.parameters()) / 1e6:.1f}M parameters) from {source.path}"
+        f"loaded {source.name} ({source.model.config.model_type}, {parameters / 1e6:.1f}M parameters) from "
+        f"{source.path}" + (f" [{budget.progress()}]" if budget is not None else "")
     )
     if path.path == "generic":
         check_generic_options(options, source.model.config.model_type, path.why)
@@ -216,6 +242,7 @@ def _build_locked(options: BuildOptions, log: Callable[[str], None]) -> Path:
         ir = DecoderIR(config, canonical_weights(source.model, config), dtype=options.dtype, device=options.device)
         ir.tuning["onnx_export"] = onnx_export_options(options)
         diff = check_conversion(ir, source)
+        source.model.to("meta")  # the canonical decoder holds the weights now (the same tensors): one copy
     config = ir.config
     ir.tuning["decoder_path"] = {"path": path.path, "why": path.why}
     log(f"decoder path: {path.path} ({path.why})")
@@ -229,6 +256,7 @@ def _build_locked(options: BuildOptions, log: Callable[[str], None]) -> Path:
             f"last place of {options.dtype}, which are common; build in float32 where token-identical output matters"
         )
     ir.tuning["conversion_max_abs_diff"] = diff
+    ir.tuning["memory"] = {"fp32_weights_bytes": 4 * parameters}
 
     room = options.calibration_tokens + options.max_draft + 2
     prompts = calibration_prompts(texts, source.tokenizer, config.max_position_embeddings, room)
@@ -259,7 +287,7 @@ def _build_locked(options: BuildOptions, log: Callable[[str], None]) -> Path:
         Path(options.out), ir, source.tokenizer, source_record, tokens, options.force, options.backends
     )
     if budget is not None:
-        log(f"tuning and writing took {budget.elapsed():.1f}s from the loaded model (budget {budget.total:.0f}s)")
+        log(f"build took {budget.elapsed():.1f}s (budget {budget.total:.0f}s)")
     return written
 
 

@@ -245,9 +245,13 @@ def build(model, **values):
     """Build a self-speculative artifact from MODEL (a local folder, a cached hub id, or nothing for the
     bundled reference model)."""
     from speccompile.build import build as run_build
+    from speccompile.memory import describe_peak, peak_resident_bytes
+    from speccompile.runtime import read_artifact
 
     path = run_build(from_cli("build", values, model=model), log=lambda message: click.echo(message, err=True))
     report_plans(path, "wrote")
+    weights = (read_artifact(path).tuning.get("memory") or {}).get("fp32_weights_bytes")
+    click.echo(f"wrote {path}: peak resident memory of the build {describe_peak(peak_resident_bytes(), weights)}")
 
 
 def report_plans(path: Path, verb: str) -> None:
@@ -313,7 +317,7 @@ def generate(
         speculate=not no_speculate,
         plan=plan,
     )
-    plain_note = model.plain_reason if not no_speculate and plan is None else None
+    plain_note = model.plain_reason if not no_speculate and (plan is None or model.refused) else None
     if as_json:
         result = model.generate(prompt, **kwargs)
         click.echo(json.dumps({**result.as_dict(), "plain_reason": plain_note}))
@@ -459,6 +463,12 @@ def inspect(artifact, as_json):
     )
     total = sum(f["bytes"] for f in manifest.files.values())
     click.echo(f"  files       {len(manifest.files)} ({total / 1e6:.1f} MB), sha256 verified")
+    memory = manifest.tuning.get("memory") or {}
+    if memory.get("peak_resident_bytes"):
+        from speccompile.memory import describe_peak
+
+        peak = describe_peak(memory["peak_resident_bytes"], memory.get("fp32_weights_bytes"))
+        click.echo(f"  memory      the build's peak resident memory {peak}")
     extra = manifest.backends.get("onnx", {}).get("precision_draft_bytes")
     scales = manifest.backends.get("torch", {}).get("int8_scales_file")
     if extra:
@@ -582,18 +592,34 @@ def inspect(artifact, as_json):
 @click.option("--backend", default=None, help="Backend to run (torch or onnx; default: the artifact's first).")
 @click.option("--device", default="cpu", show_default=True)
 @click.option(
-    "--slots",
+    "--max-batch",
     type=click.IntRange(1, 256),
-    default=1,
+    default=8,
     show_default=True,
-    help="Concurrent sequences, each with its own KV cache, all sharing one copy of the weights.",
+    help="Requests decoded together in one batch (continuous batching: each round reads the weights once for "
+    "all of them, and speculation is sized to the load).",
 )
+@click.option("--slots", type=click.IntRange(1, 256), default=None, hidden=True, help="Old name of --max-batch.")
 @click.option(
     "--max-queue",
     type=click.IntRange(0),
     default=16,
     show_default=True,
-    help="Requests that may wait for a slot; beyond them the server answers 429 with Retry-After.",
+    help="Requests that may wait for a place in the batch; beyond them the server answers 429 with Retry-After.",
+)
+@click.option(
+    "--prefill-chunk",
+    type=click.IntRange(1),
+    default=256,
+    show_default=True,
+    help="Prompt tokens read per round beside the running requests (smaller: steadier latency for them).",
+)
+@click.option(
+    "--kv-budget",
+    type=FiniteFloat(min=1),
+    default=None,
+    metavar="MB",
+    help="Admit fewer requests at once when their KV caches would exceed MB megabytes (default: no limit).",
 )
 @click.option("--plan", default=None, help="Draft plan to use (default: the manifest's default plan).")
 @click.option(
@@ -602,10 +628,68 @@ def inspect(artifact, as_json):
     default=None,
     help="Require 'Authorization: Bearer KEY' on /v1/* (also read from SPECCOMPILE_API_KEY).",
 )
+@click.option(
+    "--ray",
+    "ray_address",
+    is_flag=False,
+    flag_value="local",
+    default=None,
+    metavar="[ADDRESS]",
+    help="Serve on a Ray Serve cluster: the one at ADDRESS (its head's host:port), or a new local one when no "
+    "address is given. Put it after ARTIFACT. See docs/ray.md.",
+)
+@click.option(
+    "--replicas",
+    type=click.IntRange(1),
+    default=None,
+    help="With --ray: replicas of the server, each with its own copy of the weights (default 1).",
+)
+@click.option(
+    "--autoscale",
+    default=None,
+    metavar="MIN:MAX",
+    help="With --ray: autoscale between MIN and MAX replicas on the requests in flight.",
+)
+@click.option(
+    "--scale-down-after",
+    type=FiniteFloat(min=0),
+    default=60.0,
+    show_default=True,
+    help="With --autoscale: seconds of low load before a replica is removed.",
+)
+@click.option(
+    "--replica-cpus",
+    type=FiniteFloat(min=0),
+    default=1.0,
+    show_default=True,
+    help="With --ray: CPUs Ray reserves for each replica (with 1 CPU per node: one replica per node).",
+)
 @friendly_errors
-def serve(artifact, host, port, backend, device, slots, max_queue, plan, api_key):
+def serve(
+    artifact,
+    host,
+    port,
+    backend,
+    device,
+    max_batch,
+    slots,
+    max_queue,
+    prefill_chunk,
+    kv_budget,
+    plan,
+    api_key,
+    ray_address,
+    replicas,
+    autoscale,
+    scale_down_after,
+    replica_cpus,
+):
     """Serve ARTIFACT over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, /v1/models,
-    /health, /metrics) until interrupted."""
+    /health, /metrics) until interrupted; with --ray, as replicas on a Ray Serve cluster behind one endpoint."""
+    if ray_address is None and (replicas is not None or autoscale is not None):
+        raise click.UsageError("--replicas and --autoscale need --ray [ADDRESS]")
+    if replicas is not None and autoscale is not None:
+        raise click.UsageError("pass --replicas N or --autoscale MIN:MAX, not both")
     try:
         from speccompile.server import create_app, run_server
     except ImportError as exc:
@@ -613,17 +697,68 @@ def serve(artifact, host, port, backend, device, slots, max_queue, plan, api_key
             f"the server needs FastAPI, uvicorn and prometheus-client ({exc.name} is missing); "
             "install them with pip install 'speccompile[serve]'"
         ) from None
-
+    max_batch = slots or max_batch
+    if ray_address is not None:
+        return _serve_on_ray(
+            ray_address,
+            host,
+            port,
+            artifact=str(artifact),
+            max_batch=max_batch,
+            max_queue=max_queue,
+            prefill_chunk=prefill_chunk,
+            kv_budget_bytes=None if kv_budget is None else int(kv_budget * 1e6),
+            plan=plan,
+            api_key=api_key,
+            backend=backend,
+            device=device,
+            replicas=replicas,
+            autoscale=autoscale,
+            scale_down_after_s=scale_down_after,
+            replica_cpus=replica_cpus,
+        )
     app = create_app(
-        artifact, slots=slots, max_queue=max_queue, plan=plan, api_key=api_key, backend=backend, device=device
+        artifact,
+        max_batch=max_batch,
+        max_queue=max_queue,
+        prefill_chunk=prefill_chunk,
+        kv_budget_bytes=None if kv_budget is None else int(kv_budget * 1e6),
+        plan=plan,
+        api_key=api_key,
+        backend=backend,
+        device=device,
     )
     run_server(
         app,
         host=host,
         port=port,
         announce=lambda url: click.echo(
-            f"serving {artifact} on {url}/v1 with {slots} slot(s), queue {max_queue}", err=True
+            f"serving {artifact} on {url}/v1, up to {max_batch} requests in a batch, queue {max_queue}", err=True
         ),
+    )
+
+
+def _serve_on_ray(address, host, port, **options):
+    """``serve --ray``: the options as the Ray application's arguments (a one-line error when Ray Serve is
+    missing or one is bad), then serve on the cluster until interrupted."""
+    try:
+        from speccompile.server import ray_serve
+    except ImportError as exc:
+        raise SpeccompileError(
+            f"serving on Ray needs Ray Serve ({exc.name} is missing); install it with pip install 'speccompile[ray]'"
+        ) from None
+    if options["autoscale"] is not None:
+        try:
+            ray_serve.parse_autoscale(options["autoscale"])
+        except SpeccompileError as exc:
+            raise click.BadParameter(str(exc), param_hint="'--autoscale'") from None
+    args = ray_serve.ServeArgs.parse({key: value for key, value in options.items() if value is not None})
+    ray_serve.serve_on_ray(
+        args,
+        address=None if address == "local" else address,
+        host=host,
+        port=port,
+        announce=lambda line: click.echo(line, err=True),
     )
 
 

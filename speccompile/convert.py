@@ -585,7 +585,9 @@ def _split_qkv(weight: Tensor, config: ArchConfig, how: str) -> tuple[Tensor, Te
 
 
 def canonical_weights(model, config: ArchConfig) -> dict[str, Tensor]:
-    """The model's weights under canonical names (see runtime/backends/torch/decoder.py), float32, contiguous."""
+    """The model's weights under canonical names (see runtime/backends/torch/decoder.py), float32, contiguous:
+    the model's own tensors where they need no change (float32 already, and a split of a fused projection
+    along its rows is a view), so a build holds the weights once."""
     layout = layout_for(model.config)
     state = {k: v.detach().float() for k, v in model.state_dict().items()}
     base = layout.base + "."
@@ -641,7 +643,7 @@ def canonical_weights(model, config: ArchConfig) -> dict[str, Tensor]:
         out["rope_inv_freq"] = _rotary_module(model).inv_freq.detach().float()
     if config.local_rope:
         out["rope_local_inv_freq"] = _rotary_module(model, "rotary_emb_local").inv_freq.detach().float()
-    return {k: v.contiguous().clone() for k, v in out.items()}
+    return {k: v.contiguous() for k, v in out.items()}
 
 
 def _halve_rotary_pairs(weights: dict[str, Tensor], config: ArchConfig) -> None:

@@ -4,7 +4,7 @@ Costs and confirmation runs must come from the backend that runs the artifact (d
 on CPU an 8-token verify costs 1.37x a step on ONNX Runtime and 1.44x on torch for SmolLM2, so a plan
 tuned on one is wrong on the other. The torch runner lives in ``passes`` (it needs only the runtime);
 the ONNX runner exports the graphs the plans need into the tuning run's scratch folder, with the same
-writer the artifact uses, and opens them with the runtime's ``OnnxBackend``.
+writer the artifact uses, and opens them with the runtime's ``OnnxBackend`` on the weights in memory.
 """
 
 from __future__ import annotations
@@ -49,9 +49,16 @@ class OnnxRunner:
                 if p.draft_head_file in self.ir.extra_files
             }  # exported as graphs (exporters/onnx_blocks.py)
             ir = dataclasses.replace(self.ir, plans=dict(plans), extra_files=heads)
-            record = write_backend_files(folder, ir, ["onnx"])["onnx"]
-            self._backend, self._key = OnnxBackend(folder, record, self.ir.config), key
+            # The sessions get the weights the torch decoder holds and the quantized copies from memory (not a
+            # private copy of weights.bin per export): the build holds the model once however many exports
+            arrays: dict = {}
+            record = write_backend_files(folder, ir, ["onnx"], onnx_memory={"arrays": arrays})["onnx"]
+            self._backend, self._key = OnnxBackend(folder, record, self.ir.config, initializers=arrays), key
         return self._backend
+
+    def release(self) -> None:
+        """Drop the last export's sessions (its ONNX Runtime packed weights) until a backend is asked for again."""
+        self._backend, self._key = None, None
 
 
 def make_runner(name: str, ir: DecoderIR, workdir: Path):

@@ -19,7 +19,7 @@ from speccompile.runtime.backends.torch import device_round
 from speccompile.runtime.backends.torch.backend import TorchBackend
 from speccompile.runtime.backends.torch.device_round import DeviceRound
 from speccompile.runtime.backends.torch.graphs import eager_capture
-from speccompile.runtime.decoding import speculative
+from speccompile.runtime.decoding.batch import BatchDecoder
 from speccompile.runtime.drafting.base import Drafter
 from speccompile.runtime.sampling import SamplingParams, probabilities
 
@@ -329,9 +329,10 @@ def test_the_counter_sees_the_host_rounds_reads(tiny_decoder, monkeypatch):
     """Negative control: the host round reads logits back at every draft step and at the verify."""
     _, decoder = tiny_decoder("llama")
     backend = TorchBackend(decoder, round_on_device=False)
-    per_round = reads_per_round(monkeypatch, speculative, "_speculative_round")
+    per_round = reads_per_round(monkeypatch, BatchDecoder, "_round")
     _, stats = run(backend, [5, 9, 17, 33, 5, 9, 17, 40], 24, SYNC_PLANS[1])
-    assert len(per_round) == stats.rounds > 0
+    # every verify round, then perhaps one plain step (the last token, when one is left)
+    assert stats.rounds > 0 and len(per_round) in (stats.rounds, stats.rounds + 1)
     assert all(reads >= drafted + 1 > 1 for reads, (drafted, _) in zip(per_round, stats.round_log))
 
 

@@ -129,6 +129,21 @@ def test_generic_speculative_sampling_matches_target(family, tmp_path):
     assert gof(spec3, draft3) < 1e-3  # negative control
 
 
+@pytest.mark.parametrize("family", GENERIC_FAMILIES)
+def test_the_geometry_read_from_config_json_is_what_the_loaded_decoder_reports(generic_model, family):
+    """inspect checks a generic artifact's manifest against its model's config.json without loading the weights;
+    that must agree with the loaded decoder everywhere, or a good artifact would be refused."""
+    from speccompile.runtime.backends.torch.hf_decoder import folder_geometry
+    from speccompile.runtime.backends.weights_check import GEOMETRY
+
+    _, decoder, folder = generic_model(family)
+    stated = folder_geometry(folder)
+    assert {name: getattr(decoder.config, name) for name in GEOMETRY if stated[name] is not None} == {
+        name: value for name, value in stated.items() if value is not None
+    }
+    assert stated["num_layers"] is not None and stated["hidden_size"] is not None
+
+
 def test_generic_build_writes_a_torch_artifact_that_generates_losslessly(generic_model, tmp_path):
     from speccompile.runtime import load
 

@@ -526,6 +526,40 @@ def test_a_config_that_does_not_fit_the_weights_is_one_line(artifact_copy, chang
     assert "this is a bug" not in line
 
 
+@pytest.fixture(scope="module")
+def artifact_of_each_path(tiny_model_dir, tiny_artifact, tmp_path_factory):
+    """kind -> a built artifact: the tiny Llama for torch (canonical) and ONNX Runtime, the tiny OLMo on the generic
+    torch path (its geometry lives in the model's own config.json, not in a tensor table)."""
+    from speccompile.build import BuildOptions, build
+
+    root = tmp_path_factory.mktemp("paths")
+    quick = dict(method="cosine", max_draft=2, calibration_tokens=8, confirm_prompts=1, confirm_tokens=8)
+    made = {"torch": tiny_artifact}
+    for kind, family, backend in (("onnx", "llama", "onnx"), ("generic", "olmo", "torch")):
+        options = BuildOptions(
+            model=str(tiny_model_dir(family)), out=root / kind, backends=(backend,), show_progress=False, **quick
+        )
+        made[kind] = build(options, log=lambda message: None)
+    return made
+
+
+@pytest.mark.parametrize("kind", ["torch", "onnx", "generic"])
+@pytest.mark.parametrize("change", [{"num_layers": 5}, {"hidden_size": 32}], ids=lambda c: next(iter(c)))
+def test_inspect_reports_a_manifest_that_does_not_fit_its_weights_as_damaged(
+    artifact_of_each_path, tmp_path, kind, change
+):
+    """inspect runs load's consistency check: a manifest edited to another geometry is a one-line error and a
+    non-zero exit, not a summary of a model that is not there (the generic path's config.json included)."""
+    copy = tmp_path / kind
+    shutil.copytree(artifact_of_each_path[kind], copy)
+    edit_manifest(copy, lambda d: d["config"].update(change))
+    field = next(iter(change))
+    for args in (("inspect", copy), ("inspect", copy, "--json")):
+        assert_one_line_error(invoke(*args), field, "rebuild the artifact")
+    with pytest.raises(ArtifactError, match=field):
+        load(copy)
+
+
 @pytest.mark.parametrize("where", ["files", "weights", "plan-name", "default-plan", "config-string"])
 def test_an_over_long_value_is_quoted_by_a_bounded_prefix(artifact_copy, where):
     long = "weights/" + "a" * 1_000_000

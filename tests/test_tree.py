@@ -142,6 +142,34 @@ def test_tree_rows_are_the_full_models_logits_for_their_paths(family, tiny_decod
     np.testing.assert_allclose(got, path_logits(decoder, prompt, tokens, PARENTS), atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("family", FAMILIES)
+def test_graphed_tree_rows_are_the_full_models_logits_for_their_paths(family, tiny_decoder):
+    """The fixed-shape tree verify that CUDA graphs replay (``Positions.fixed_tree``: slots as a tensor,
+    the mask over the whole static cache), run here through ``eager_capture``: the same rows as the eager
+    tree call, twice at other positions through the same captured step."""
+    from speccompile.runtime.backends.torch.graphs import eager_capture
+
+    _, decoder = tiny_decoder(family)
+    gen = torch.Generator().manual_seed(7)
+    backend = TorchBackend(decoder, capture=eager_capture)
+    for length in (30, 26):  # the second call replays the step captured by the first
+        prompt = torch.randint(3, decoder.config.vocab_size, (length,), generator=gen).tolist()
+        tokens = torch.randint(3, decoder.config.vocab_size, (len(PARENTS) + 1,), generator=gen).tolist()
+        got = tree_call(backend, prompt, tokens, PARENTS)
+        np.testing.assert_allclose(got, path_logits(decoder, prompt, tokens, PARENTS), atol=2e-4, rtol=1e-4)
+    assert ("tree", len(PARENTS) + 1) in backend.static.graphs
+
+
+def test_tree_plans_greedy_lossless_on_graphed_steps(tiny_decoder):
+    """Tree rounds verified by the fixed-shape steps CUDA graphs replay decode what plain decoding does."""
+    from speccompile.runtime.backends.torch.graphs import eager_capture
+
+    _, decoder = tiny_decoder("llama")
+    backend = TorchBackend(decoder, capture=eager_capture)
+    accepted = check_tree_lossless(decoder, backend, [TREE, WIDE, RECYCLING_TREE])
+    assert sum(accepted.values()) > 0 and any(key[0] == "tree" for key in backend.static.graphs)
+
+
 @pytest.fixture(scope="module")
 def onnx_export(tiny_decoder, tmp_path_factory):
     """(family, variant) -> (decoder, ONNX backend over its exported graphs, whether they are the fused
@@ -324,9 +352,9 @@ def test_tree_sampling_matches_target_distribution(small_vocab_llama, monkeypatc
                 return [c], sample(probabilities(logits[c + 1], params), rng)
         return [], sample(p, rng)
 
-    import speccompile.runtime.decoding.speculative as speculative
+    import speccompile.runtime.decoding.acceptance as acceptance
 
-    monkeypatch.setattr(speculative, "sample_path", biased)
+    monkeypatch.setattr(acceptance, "sample_path", biased)
     second, third, _, _ = sampled(backend, plan, params)
     assert min(chi_square_pvalue(second, target2), chi_square_pvalue(third, target3)) < ALPHA
 

@@ -23,13 +23,14 @@ import numpy as np
 from ..artifact.manifest import ArchConfig, DraftPlan
 from ..drafting import describe
 from ..errors import ArtifactError
-from ..segments import Segment, full_model
+from ..segments import Row, Segment, full_model
 
 
 class Backend(ABC):
     name: str = "backend"
     config: ArchConfig
     max_len: int = 0
+    slots: int = 0  # sequences the cache holds (``reserve``); 0 before the first reserve
 
     @property
     def reuses_prefix(self) -> bool:
@@ -39,8 +40,9 @@ class Backend(ABC):
 
     # -- what every backend implements --------------------------------------------------------------
     @abstractmethod
-    def reserve(self, max_len: int) -> None:
-        """Make sure the static cache holds ``max_len`` positions (reused across requests)."""
+    def reserve(self, max_len: int, slots: int = 1) -> None:
+        """Make sure the static cache holds ``max_len`` positions (reused across requests), for ``slots``
+        sequences where the backend is ``batched`` (others keep one)."""
 
     @abstractmethod
     def replica(self) -> "Backend":
@@ -67,8 +69,33 @@ class Backend(ABC):
 
     def device_round(self, drafter, seed: int | None):
         """A round that stays on this backend's device for ``drafter`` (called as ``round(ctx, stats)``), or None: the
-        host round of ``runtime/decoding/speculative.py`` runs. Only the torch backend on CUDA has one."""
+        host round of ``runtime/decoding/batch.py`` runs. Only the torch backend on CUDA has one."""
         return None
+
+    # -- batches: several sequences in one call -------------------------------------------------------
+    batched: bool = False
+    """Whether the cache has a slot per sequence and ``run_rows`` runs rows of several slots in one call (ONNX
+    Runtime, the canonical torch decoder). Other backends serve a batch through ``slots.ReplicaSlots``: one
+    replica per sequence, rows run one by one (exact, not faster)."""
+
+    rows_pad_to_widest: bool = False
+    """How a batched call prices its rows (``runtime/decoding/load.py``): True when every row of a call is padded
+    to the widest (torch); False when one-token rows share a call and wider rows run alone (ONNX Runtime)."""
+
+    def run_rows(self, segment: Segment, rows: Sequence[Row]) -> list[np.ndarray | None]:
+        """``run`` on several sequences at once: each ``Row`` its own slot, position and tokens (or kept hidden
+        states, or a token tree); one logits array ``[row.width, vocab]`` (or None) per row, in order. A backend
+        that is not ``batched`` has slot 0 only and runs one row."""
+        if len(rows) != 1 or rows[0].slot != 0:
+            raise NotImplementedError(f"the {self.name} backend runs one sequence at a time (ReplicaSlots batches it)")
+        row = rows[0]
+        if row.parents is not None:
+            return [self.forward_tree(row.tokens, row.parents, row.pos)]
+        return [self.run(segment, row.pos, tokens=row.tokens, count=row.count)]
+
+    def move_slot(self, source: int, target: int, length: int) -> None:
+        """Copy slot ``source``'s cache below ``length`` into slot ``target`` (batched backends)."""
+        raise NotImplementedError(f"the {self.name} backend has one slot")
 
     # -- token trees (``runtime/tree.py``): backends that can verify them override these three ----------
     def tree_unsupported(self) -> str | None:
@@ -86,9 +113,10 @@ class Backend(ABC):
         ``pos + r`` and position ``pos + depth`` and attends to the past and its ancestors only."""
         raise NotImplementedError(self.tree_unsupported())
 
-    def keep_rows(self, pos: int, moves: Sequence[tuple[int, int]]) -> None:
-        """After ``forward_tree``: move the KV of call row ``a`` (slot ``pos + a``) to row ``b`` for each ``(a, b)``
-        of ``moves`` (``tree.kv_moves``: the accepted path; the rest is overwritten later), in every layer."""
+    def keep_rows(self, pos: int, moves: Sequence[tuple[int, int]], slot: int = 0) -> None:
+        """After ``forward_tree``: move the KV of call row ``a`` (cache position ``pos + a``) to row ``b`` for each
+        ``(a, b)`` of ``moves`` (``tree.kv_moves``: the accepted path; the rest is overwritten later), in every
+        layer, in the sequence's ``slot``."""
         raise NotImplementedError(self.tree_unsupported())
 
     # -- conveniences on top ------------------------------------------------------------------------

@@ -1,17 +1,20 @@
 """ONNX Runtime backend: the exported graphs on a preallocated numpy KV cache (onnxruntime + numpy only).
 
 Mirrors ``runtime/backends/torch/backend.py`` call for call. The KV cache is one numpy buffer per layer,
-``[1, kv_heads, max_len, head_dim]``, plus a hidden-state buffer ``[1, max_len, d]`` for early exits;
-rollback is only a smaller ``pos`` next time. How a graph reaches the cache depends on its variant
+``[slots, kv_heads, max_len, head_dim]`` (one slot per sequence of a batch), plus a hidden-state buffer
+``[slots, max_len, d]`` for early exits; rollback is only a smaller ``pos`` next time. Every call is a batch of
+``Row``s (``run_rows``; one sequence is a batch of one). How a graph reaches the cache depends on its variant
 (the manifest records it per graph):
 
 - ``fused`` graphs (GroupQueryAttention in its shared-buffer mode) take the whole buffer as past KV and
-  write the new entries into it; the backend binds each layer's buffer, as one ``OrtValue``, to both
-  the past input and the present output with IOBinding, once per ``reserve``. No call copies the past.
-  Outputs are bound to fresh numpy arrays, and a prefix graph's ``hidden`` straight into the
-  early-exit buffer, which the suffix and head graphs then read in place.
-- ``standard`` graphs (ONNX ops only) concatenate past and new KV, so each call feeds the past slice
-  ``[:, :, :pos]`` and writes the new entries of ``present`` back at ``pos .. pos+T-1``.
+  write the new entries into it; the backend binds the layers' buffers over the call's slots, as
+  ``OrtValue`` views, to both the past input and the present output with IOBinding (once per slot range
+  and ``reserve``). No call copies the past. One-token rows in consecutive slots (a batch of plain or
+  draft steps) run as one call, each row its own length (``seqlens_k``) and position, so the weights are
+  read once for the whole batch; GroupQueryAttention takes several sequences only with one new token
+  each, so wider rows (prompt chunks, verifies, trees) run one call each.
+- ``standard`` graphs (ONNX ops only) concatenate past and new KV, so each call feeds one row's past slice
+  ``[:, :, :pos]`` and writes the new entries of ``present`` back at ``pos .. pos+T-1``; rows run one by one.
 
 Weights are shared in memory by every session: ``weights.bin`` is read once, each unique tensor
 becomes one ``OrtValue`` over that buffer, and every session receives it through
@@ -33,9 +36,13 @@ import numpy as np
 from ..artifact.manifest import ArchConfig, DraftPlan
 from ..drafting.kinds.adapter import DraftHead, expand_logits, load_draft_head
 from ..errors import ArtifactError, BackendUnavailableError
-from ..segments import FINAL_HEAD, Segment, full_model
+from ..segments import FINAL_HEAD, Row, Segment, full_model
+from ..tree import attention_rows as tree_attention_rows
+from ..tree import depths as tree_depths
 from .base import Backend
 from .graph_index import GraphIndex, full_model_without_verify
+from .onnx_initializers import from_arrays, from_blob, read_weights
+from .onnx_selfcheck import tree_refusal
 
 _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "uint8": np.uint8}
 
@@ -84,6 +91,7 @@ class OnnxBackend(Backend):
         prepack: bool = True,
         kv_in_place: bool = True,
         plans: dict[str, DraftPlan] | None = None,
+        initializers: dict[str, np.ndarray] | None = None,
     ):
         """``record`` is the manifest's ``backends["onnx"]``. ``providers`` overrides the execution
         providers chosen from ``device`` ("cpu" or "cuda"); ``threads`` is ORT's intra-op thread count
@@ -101,7 +109,8 @@ class OnnxBackend(Backend):
 
         ``kv_in_place=False`` runs fused graphs the way standard graphs run (past slice in, present
         copied back): only there to measure what the in-place cache saves. ``plans``: the manifest's, for
-        exports whose graph records predate their ``segment`` (``graph_index``)."""
+        exports whose graph records predate their ``segment`` (``graph_index``). ``initializers``: every tensor of
+        the table, by name, already in memory (a build's tuning runner): weights.bin is then not read."""
         ort = _ort()
         self.root = Path(root)
         self.record = record
@@ -140,34 +149,13 @@ class OnnxBackend(Backend):
                 raise BackendUnavailableError(f"unknown device {device!r} for the ONNX backend; use cpu or cuda")
         self.providers = providers
 
-        # -- the shared weights, read once ---------------------------------------------------------
-        wpath = self.root / weights_rel
-        if not wpath.is_file():
-            raise ArtifactError(
-                f"ONNX weights file {weights_rel!r} is missing from {str(self.root)!r}; restore it or rebuild the "
-                "artifact with --backend onnx"
-            )
-        need = max([int(record.get("weights_bytes", 0))] + [t["offset"] + t["nbytes"] for t in tensors.values()])
-        size = wpath.stat().st_size
-        if size < need:
-            raise ArtifactError(
-                f"ONNX weights file {weights_rel!r} is truncated ({size} bytes, the graphs need {need}); restore it "
-                "or rebuild the artifact with --backend onnx"
-            )
-        if mmap:
-            self._blob = np.memmap(wpath, dtype=np.uint8, mode="r", shape=(need,))
+        # -- the shared weights, read once (runtime/backends/onnx_initializers.py) -------------------
+        if initializers is not None:
+            self._blob = None
+            self._arrays, self._ortvalues = from_arrays(ort, tensors, initializers)
         else:
-            self._blob = np.fromfile(wpath, dtype=np.uint8, count=need)
-        self._arrays: dict[tuple, np.ndarray] = {}
-        self._ortvalues: dict[str, Any] = {}
-        by_slot: dict[tuple, Any] = {}
-        for name, t in tensors.items():
-            slot = (t["offset"], t["nbytes"], t["dtype"], tuple(t["shape"]))
-            if slot not in by_slot:
-                arr = self._blob[t["offset"] : t["offset"] + t["nbytes"]].view(_NP[t["dtype"]]).reshape(t["shape"])
-                self._arrays[slot] = arr
-                by_slot[slot] = ort.OrtValue.ortvalue_from_numpy(arr)
-            self._ortvalues[name] = by_slot[slot]
+            self._blob = read_weights(self.root, record, tensors, weights_rel, mmap)
+            self._arrays, self._ortvalues = from_blob(ort, tensors, self._blob)
 
         # -- one session per graph, all on the same OrtValues ---------------------------------------
         self.sessions: dict[str, Any] = {}
@@ -178,14 +166,13 @@ class OnnxBackend(Backend):
         self.spin_stop = len(opened) > 1 and stop_spinning_after_runs()
         for key in opened:
             self.sessions[key] = self._session(ort, key, graphs[key], threads)
-        self.max_len = 0
-        self.k: list[np.ndarray] = []
+        self.max_len, self.slots = 0, 0
+        self.k: list[np.ndarray] = []  # per layer [slots, kv_heads, max_len, head_dim]
         self.v: list[np.ndarray] = []
-        self.exit_hidden: np.ndarray | None = None
-        self._kv_values: dict[str, Any] = {}  # "past_key_values.{i}.{key|value}" -> OrtValue over self.k / self.v
-        self._bindings: dict[str, Any] = {}  # graph key -> IOBinding with the KV buffers bound
+        self.exit_hidden: np.ndarray | None = None  # [slots, max_len, d]
+        self._kv_values: dict[tuple, dict[str, Any]] = {}  # (first slot, count) -> KV OrtValues over those slots
+        self._bindings: dict[tuple, Any] = {}  # (graph key, first slot, count) -> IOBinding with that KV bound
         self.draft_heads: dict[str, DraftHead] = {}  # plan.draft_head_file -> its draft head (vocabulary ids)
-        self._tree_feed: dict[str, np.ndarray] | None = None  # a token tree's positions and mask, during its call
 
     def _session(self, ort, key: str, g: dict, threads: int):
         path = self.root / g["file"]
@@ -258,129 +245,168 @@ class OnnxBackend(Backend):
         """Another backend over the same sessions and weights with its own KV buffers (one per concurrent
         sequence): ORT sessions may be run from several threads at once."""
         other = copy.copy(self)
-        other.max_len, other.k, other.v, other.exit_hidden = 0, [], [], None
+        other.max_len, other.slots, other.k, other.v, other.exit_hidden = 0, 0, [], [], None
         other._kv_values, other._bindings = {}, {}
         return other
 
     # -- cache -------------------------------------------------------------------------------------
-    def reserve(self, max_len: int) -> None:
-        """Make sure the KV buffers hold ``max_len`` positions; reuse them across requests."""
+    def reserve(self, max_len: int, slots: int = 1) -> None:
+        """Make sure the KV buffers hold ``max_len`` positions for ``slots`` sequences (``[slots, kv_heads,
+        max_len, head_dim]`` per layer); reuse them across requests. Growing copies what the cache held, so a
+        batch can take a longer request without losing its running sequences."""
         c = self.config
-        if not self.k or self.k[0].shape[2] < max_len:
-            shape = (1, c.num_kv_heads, max_len, c.head_dim)
+        have_len = self.k[0].shape[2] if self.k else 0
+        have_slots = self.k[0].shape[0] if self.k else 0
+        if have_len < max_len or have_slots < slots:
+            size, count = max(max_len, have_len), max(slots, have_slots)
+            shape = (count, c.num_kv_heads, size, c.head_dim)
+            old_k, old_v, old_hidden = self.k, self.v, self.exit_hidden
             self.k = [np.zeros(shape, self.dtype) for _ in range(c.num_layers)]
             self.v = [np.zeros(shape, self.dtype) for _ in range(c.num_layers)]
-            self.exit_hidden = np.zeros((1, max_len, c.hidden_size), self.dtype)
+            self.exit_hidden = np.zeros((count, size, c.hidden_size), self.dtype)
+            if old_k:
+                for new, old in zip(self.k + self.v + [self.exit_hidden], old_k + old_v + [old_hidden]):
+                    new[: old.shape[0], ..., : old.shape[-2], :] = old
             self._kv_values, self._bindings = {}, {}
-            if self.fused:
-                ort = _ort()
-                for i in range(c.num_layers):
-                    self._kv_values[f"past_key_values.{i}.key"] = ort.OrtValue.ortvalue_from_numpy(self.k[i])
-                    self._kv_values[f"past_key_values.{i}.value"] = ort.OrtValue.ortvalue_from_numpy(self.v[i])
-        self.max_len = max_len
+        self.max_len = max_len  # this request's limit; the buffers may be longer
+        self.slots = self.k[0].shape[0]
 
-    def _run(
-        self,
-        key: str,
-        pos: int,
-        ids: Sequence[int] | None = None,
-        hidden: np.ndarray | None = None,
-        hidden_out: np.ndarray | None = None,
-    ):
-        """Run graph ``key`` at position ``pos`` (past = cache[:pos]); return its outputs by name (not the
-        KV, which is in the cache afterwards). A ``hidden`` output goes into ``hidden_out`` when given."""
-        if key in self.fused:
-            return self._run_in_place(key, pos, ids, hidden, hidden_out)
-        feed: dict[str, np.ndarray] = {}
-        t = len(ids) if ids is not None else hidden.shape[1]
-        for name in self.inputs[key]:
-            if name == "seqlens_k":
-                feed[name] = np.array([pos + t - 1], dtype=np.int32)
-            elif name == "total_sequence_length":
-                feed[name] = np.array(pos + t, dtype=np.int32)
-            elif name == "input_ids":
-                feed[name] = np.asarray([list(ids)], dtype=np.int64)
-            elif name == "hidden":
-                feed[name] = np.ascontiguousarray(hidden, dtype=self.dtype)
-            elif name in ("position_ids", "attention_bias"):
-                feed[name] = self._position_feed(name, pos, t)
-            elif name.startswith("past_key_values."):
-                _, layer, kind = name.split(".")
-                buf = self.k[int(layer)] if kind == "key" else self.v[int(layer)]
-                feed[name] = np.ascontiguousarray(buf[:, :, :pos])
-        outs = dict(zip(self.outputs[key], self.sessions[key].run(self.outputs[key], feed)))
-        for name, value in outs.items():
-            if name.startswith("present."):
-                _, layer, kind = name.split(".")
-                buf = self.k[int(layer)] if kind == "key" else self.v[int(layer)]
-                buf[:, :, pos : pos + t] = value[:, :, pos : pos + t]
-        if hidden_out is not None and "hidden" in outs:
-            hidden_out[...] = outs["hidden"]
-        return outs
+    def move_slot(self, source: int, target: int, length: int) -> None:
+        """Copy slot ``source``'s cache (positions below ``length``) into slot ``target`` (a batch keeping its
+        sequences in the first slots when one leaves)."""
+        for buf in self.k + self.v:
+            buf[target, :, :length] = buf[source, :, :length]
+        self.exit_hidden[target, :length] = self.exit_hidden[source, :length]
 
-    def _binding(self, key: str):
-        """The IOBinding of graph ``key`` with every layer's KV buffer bound as past input and present
-        output (the same OrtValue), made once per ``reserve``."""
-        io = self._bindings.get(key)
+    def _kv_range(self, first: int, count: int) -> dict[str, Any]:
+        """OrtValues over slots ``first .. first + count - 1`` of every layer's buffer (views, no copy)."""
+        key = (first, count)
+        values = self._kv_values.get(key)
+        if values is None:
+            ort = _ort()
+            values = {}
+            for i in range(self.config.num_layers):
+                values[f"past_key_values.{i}.key"] = ort.OrtValue.ortvalue_from_numpy(self.k[i][first : first + count])
+                values[f"past_key_values.{i}.value"] = ort.OrtValue.ortvalue_from_numpy(
+                    self.v[i][first : first + count]
+                )
+            self._kv_values[key] = values
+        return values
+
+    def _binding(self, key: str, first: int, count: int):
+        """The IOBinding of graph ``key`` with slots ``first .. first + count - 1`` of every layer's KV buffer
+        bound as past input and present output (the same OrtValue), made once per ``reserve``."""
+        io = self._bindings.get((key, first, count))
         if io is None:
+            values = self._kv_range(first, count)
             io = self.sessions[key].io_binding()
             for name in self.inputs[key]:
                 if name.startswith("past_key_values."):
-                    io.bind_ortvalue_input(name, self._kv_values[name])
+                    io.bind_ortvalue_input(name, values[name])
             for name in self.outputs[key]:
                 if name.startswith("present."):
-                    io.bind_ortvalue_output(name, self._kv_values["past_key_values." + name[len("present.") :]])
-            self._bindings[key] = io
+                    io.bind_ortvalue_output(name, values["past_key_values." + name[len("present.") :]])
+            self._bindings[(key, first, count)] = io
         return io
 
-    def _run_in_place(self, key: str, pos: int, ids, hidden, hidden_out):
-        t = len(ids) if ids is not None else hidden.shape[1]
-        io = self._binding(key)
-        keep = []  # arrays bound by pointer must outlive the run
+    def rows_share_a_call(self, segment: Segment | None = None) -> bool:
+        """Whether one-token rows of several sequences can run in one call of the fused graphs, each computing
+        what it computes alone.
+
+        - GroupQueryAttention takes each row's length (``seqlens_k``) and applies the rotary itself from each
+          row's positions; graphs that compute positions outside the kernel from one call-wide range (learned
+          positions, a rotary the kernel cannot apply) run each row alone.
+        - Quantized targets (int8 activations) run their single steps with a padding row (``FusedGraph.padding``)
+          and a batch without it: the attention rounds differently there, and int8 activations turn that into
+          logits about a quantization step apart (``tests/test_real_shapes.py``), so their verifier's rows run
+          alone, exact and as slow as one sequence after another. A draft segment (a precision self-draft)
+          may batch: its tokens are proposals, and the verifier decides every committed token."""
+        c = self.config
+        kernel_rotary = c.positions == "rotary" and (c.rotary_dim // 2) % 8 == 0 and c.rotary_dim <= c.head_dim
+        if not kernel_rotary or c.local_rope:
+            return False
+        drafting = segment is not None and segment.precision is not None
+        return drafting or not self.record.get("quantization")
+
+    def _feeds(self, key: str, rows: Sequence[Row], width: int, ids, hidden) -> dict[str, np.ndarray]:
+        """The inputs of graph ``key`` other than the KV cache for ``rows``, each padded to ``width`` tokens
+        after its own (a pad repeats the row's last token, one position later each: causal attention keeps it
+        out of every real token's result, and its KV lands past the row's length, where the row's next call
+        writes before anything reads)."""
+        n = len(rows)
+        positions = np.empty((n, width), np.int64)
+        for b, row in enumerate(rows):
+            depth = np.arange(width, dtype=np.int64)
+            if row.parents is not None:
+                depth[: row.width] = [0] + tree_depths(row.parents)
+            positions[b] = row.pos + depth
+        total = max(row.pos for row in rows) + width
+        feed: dict[str, np.ndarray] = {}
         for name in self.inputs[key]:
             if name == "input_ids":
-                value = np.asarray([list(ids)], dtype=np.int64)
+                feed[name] = ids
             elif name == "hidden":
-                value = np.ascontiguousarray(hidden, dtype=self.dtype)
+                feed[name] = hidden
             elif name == "seqlens_k":
-                value = np.array([pos + t - 1], dtype=np.int32)
+                feed[name] = np.array([row.pos + width - 1 for row in rows], dtype=np.int32)
             elif name == "total_sequence_length":
-                value = np.array(pos + t, dtype=np.int32)
-            elif name in ("position_ids", "attention_bias"):
-                value = self._position_feed(name, pos, t)
-            else:
-                continue
-            keep.append(value)
+                feed[name] = np.array(total, dtype=np.int32)
+            elif name == "position_ids":
+                feed[name] = positions
+            elif name == "attention_bias":
+                bias = np.zeros((n, 1, width, total), self.dtype)
+                for b, row in enumerate(rows):
+                    if row.parents is not None:
+                        rows_mask = tree_attention_rows(row.parents)
+                        block = bias[b, 0, : row.width, row.pos : row.pos + row.width]
+                        block[~rows_mask] = np.finfo(self.dtype).min
+                feed[name] = bias
+        return feed
+
+    def _call(self, key: str, rows: Sequence[Row], width: int, ids, hidden) -> dict[str, np.ndarray]:
+        """Graph ``key`` on contiguous slots ``rows`` (one call; KV written in place); its outputs by name."""
+        first, n = rows[0].slot, len(rows)
+        io = self._binding(key, first, n)
+        feed = self._feeds(key, rows, width, ids, hidden)
+        for name, value in feed.items():
             io.bind_cpu_input(name, value)
         outs: dict[str, np.ndarray] = {}
         for name in self.outputs[key]:
             if name.startswith("present."):
                 continue
-            if name == "hidden" and hidden_out is not None:
-                value = hidden_out
-            else:
-                width = self.config.vocab_size if name == "logits" else self.config.hidden_size
-                value = np.empty((1, t, width), self.dtype)
+            size = self.config.vocab_size if name == "logits" else self.config.hidden_size
+            value = np.empty((n, width, size), self.dtype)
             io.bind_output(name, "cpu", 0, self.dtype, list(value.shape), value.ctypes.data)
             outs[name] = value
         self.sessions[key].run_with_iobinding(io)
         return outs
 
-    def _position_feed(self, name: str, pos: int, t: int) -> np.ndarray:
-        """``position_ids`` / ``attention_bias`` of a call: a token tree's (``forward_tree``) or a chain's
-        (positions ``pos..pos+t-1``, a zero bias: the kernel's causal mask alone)."""
-        if self._tree_feed is not None:
-            return self._tree_feed[name]
-        if name == "position_ids":
-            return np.arange(pos, pos + t, dtype=np.int64)[None]
-        return np.zeros((1, 1, t, pos + t), self.dtype)
+    def _call_growing(self, key: str, row: Row, ids, hidden) -> dict[str, np.ndarray]:
+        """Graph ``key`` on one row the way ``standard`` graphs run (and fused ones with ``kv_in_place=False``):
+        the past slice in, the new entries of ``present`` copied back into the row's slot."""
+        t, pos, slot = row.width, row.pos, row.slot
+        feed = self._feeds(key, [row], t, ids, hidden)
+        for name in self.inputs[key]:
+            if name.startswith("past_key_values."):
+                _, layer, kind = name.split(".")
+                buf = self.k[int(layer)] if kind == "key" else self.v[int(layer)]
+                feed[name] = np.ascontiguousarray(buf[slot : slot + 1, :, :pos])
+        if "attention_bias" in feed:  # the growing cache: keys are exactly the row's own past and tokens
+            feed["attention_bias"] = feed["attention_bias"][..., : pos + t]
+        outs = dict(zip(self.outputs[key], self.sessions[key].run(self.outputs[key], feed)))
+        for name, value in outs.items():
+            if name.startswith("present."):
+                _, layer, kind = name.split(".")
+                buf = self.k[int(layer)] if kind == "key" else self.v[int(layer)]
+                buf[slot, :, pos : pos + t] = value[0, :, pos : pos + t]
+        return outs
 
     # -- token trees (runtime/tree.py) -------------------------------------------------------------
     def tree_unsupported(self) -> str | None:
         calls = self.index.calls(full_model(self.config.num_layers))
         if not calls or len(calls) != 1 or "attention_bias" not in self.inputs.get(calls[0], []):
             return "this export's full-model graph takes no tree mask (rebuild the artifact with --backend onnx)"
-        return None
+        return tree_refusal(self)  # a quantized target: trees only where they compute their steps bit for bit
 
     def tree_fits(self, pos: int, t: int) -> bool:
         """GroupQueryAttention counts a sliding window in cache slots, and a tree node's position is smaller than
@@ -390,34 +416,27 @@ class OnnxBackend(Backend):
         return not windows or pos + t <= min(windows)
 
     def forward_tree(self, tokens: Sequence[int], parents: Sequence[int], pos: int) -> np.ndarray:
-        from ..tree import attention_rows, depths
+        full = full_model(self.config.num_layers)
+        return self.run_rows(full, [Row(0, pos, list(tokens), parents=list(parents))])[0]
 
-        t = len(tokens)
-        bias = np.zeros((1, 1, t, pos + t), self.dtype)
-        bias[0, 0, :, pos:][~attention_rows(parents)] = np.finfo(self.dtype).min
-        positions = pos + np.array([0] + depths(parents), dtype=np.int64)[None]
-        self._tree_feed = {"position_ids": positions, "attention_bias": bias}
-        try:
-            return self.forward(tokens, pos)
-        finally:
-            self._tree_feed = None
-
-    def keep_rows(self, pos: int, moves: Sequence[tuple[int, int]]) -> None:
+    def keep_rows(self, pos: int, moves: Sequence[tuple[int, int]], slot: int = 0) -> None:
         if not moves:
             return
         src, dst = [pos + a for a, _ in moves], [pos + b for _, b in moves]
-        for buf in self.k + self.v:  # [1, kv_heads, max_len, head_dim], the OrtValues' memory
-            buf[:, :, dst] = buf[:, :, src]
-
-    @staticmethod
-    def _logits(x: np.ndarray) -> np.ndarray:
-        return x[0].astype(np.float32, copy=False)
+        for buf in self.k + self.v:  # [slots, kv_heads, max_len, head_dim], the OrtValues' memory
+            buf[slot, :, dst] = buf[slot, :, src]
 
     # -- the backend interface ---------------------------------------------------------------------
+    batched = True
+
     def run(self, segment: Segment, pos: int, tokens: Sequence[int] | None = None, count: int = 0) -> np.ndarray | None:
-        """The segment's graphs in turn (``graph_index``): a blocks graph, then a head graph on its hidden
-        state. Hidden states the segment keeps go straight into the hidden buffer, where segments that
-        start from them read them in place."""
+        return self.run_rows(segment, [Row(0, pos, tokens, count)])[0]
+
+    def run_rows(self, segment: Segment, rows: Sequence[Row]) -> list[np.ndarray | None]:
+        """The segment's graphs in turn (``graph_index``: a blocks graph, then a head graph on its hidden
+        state) on every row at once: rows in consecutive slots are one call of each graph, which reads the
+        weights once for all of them. Hidden states the segment keeps go into each row's slot of the hidden
+        buffer, where segments that start from them read them."""
         calls = self.index.calls(segment)
         if calls is None:
             raise ArtifactError(
@@ -427,18 +446,71 @@ class OnnxBackend(Backend):
             raise ArtifactError(
                 f"draft head {segment.head!r} was not loaded; open the artifact with speccompile.runtime.load"
             )
-        t = len(tokens) if segment.from_tokens else count
-        ids = tokens if segment.from_tokens else None
-        hidden = None if segment.from_tokens else self.exit_hidden[:, pos : pos + t]
+        results: list[np.ndarray | None] = [None] * len(rows)
+        for group in self._groups(calls, rows, segment):
+            width = max(rows[i].width for i in group)
+            members = [rows[i] for i in group]
+            logits = self._run_group(segment, calls, members, width)
+            if logits is not None:
+                for i, b in zip(group, range(len(group))):
+                    results[i] = logits[b, : rows[i].width]
+        return results
+
+    def _groups(self, calls: list[str], rows: Sequence[Row], segment: Segment | None = None) -> list[list[int]]:
+        """Indices of ``rows`` that run in one call: one-token rows (plain steps, draft steps) in consecutive
+        slots when every graph of the segment is fused and rows may share a call; every other row alone.
+
+        Why only one-token rows: GroupQueryAttention's CPU kernel refuses a batch of several sequences with
+        more than one new token each and a past ("batch_size must be 1 when sequence_length > 1"), so a
+        prompt chunk, a k-token verify or a tree runs as a call of its own."""
+        order = sorted(range(len(rows)), key=lambda i: rows[i].slot)
+        together = (
+            len(rows) > 1
+            and self.record.get("batched_steps", False)
+            and all(key in self.fused for key in calls)
+            and self.rows_share_a_call(segment)
+        )
+        groups: list[list[int]] = []
+        for i in order:
+            row = rows[i]
+            joins = together and row.width == 1 and row.parents is None and row.pos > 0
+            last = rows[groups[-1][-1]] if groups else None
+            if joins and last is not None and last.width == 1 and last.parents is None and last.pos > 0:
+                if last.slot == row.slot - 1:
+                    groups[-1].append(i)
+                    continue
+            groups.append([i])
+        return groups
+
+    def _run_group(self, segment: Segment, calls: list[str], rows: list[Row], width: int) -> np.ndarray | None:
+        n, d = len(rows), self.config.hidden_size
+        ids = hidden = None
+        if segment.from_tokens:
+            ids = np.empty((n, width), np.int64)
+            for b, row in enumerate(rows):
+                ids[b, : row.width] = row.tokens
+                ids[b, row.width :] = row.tokens[-1]
+        else:
+            hidden = np.empty((n, width, d), self.dtype)
+            for b, row in enumerate(rows):
+                hidden[b, : row.width] = self.exit_hidden[row.slot, row.pos : row.pos + row.width]
+                hidden[b, row.width :] = hidden[b, row.width - 1]
+        outs: dict[str, np.ndarray] = {}
         for i, key in enumerate(calls):
-            keep = self.exit_hidden[:, pos : pos + t] if segment.keep_hidden and i == 0 else None
-            outs = self._run(key, pos, ids=ids, hidden=hidden, hidden_out=keep)
+            if key in self.fused:
+                outs = self._call(key, rows, width, ids, hidden)
+            else:
+                outs = self._call_growing(key, rows[0], ids, hidden)
+            if segment.keep_hidden and i == 0:
+                for b, row in enumerate(rows):
+                    self.exit_hidden[row.slot, row.pos : row.pos + row.width] = outs["hidden"][b, : row.width]
             ids, hidden = None, outs.get("hidden", outs.get("last_hidden"))
         if segment.head is None:
             return None
-        logits = self._logits(outs["logits"])
+        logits = outs["logits"].astype(np.float32, copy=False)
         if segment.head in self.draft_heads:  # a reduced draft vocabulary: back to token ids
-            logits = expand_logits(logits, self.draft_heads[segment.head].vocab, self.config.vocab_size)
+            vocab = self.draft_heads[segment.head].vocab
+            logits = np.stack([expand_logits(x, vocab, self.config.vocab_size) for x in logits])
         return logits
 
     def load_draft_head(self, head_file: str, root: Path | None) -> None:

@@ -174,6 +174,12 @@ def check_before_open(root: Path, manifest: Manifest, backend: str) -> None:
             from .torch.decoder import check_decoder_tensors
 
             check_decoder_tensors(config, shapes, f"weights file {quote(relative)}", _REBUILD)
+    elif backend == "torch" and importlib.util.find_spec("transformers") is not None:  # the generic path
+        # its model's own config.json, read without the weights, says what the opened decoder reports
+        # (check_after_open): inspect refuses the manifests load refuses
+        from .torch.hf_decoder import HF_FOLDER, folder_geometry
+
+        compare_geometry(config, folder_geometry(root / HF_FOLDER), f"{HF_FOLDER}/config.json")
     elif backend == "onnx":
         record = manifest.backends["onnx"]
         check_geometry(config, onnx_table_shapes(record), "the ONNX tensor table")
@@ -206,24 +212,37 @@ def _check_kv_input(config: ArchConfig, name: Any, shape: Any, where: str) -> No
 GEOMETRY = ("vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim")
 
 
+def compare_geometry(config: ArchConfig, own: dict[str, Any], where: str) -> None:
+    """The manifest's ``GEOMETRY`` fields against the model's own (``own``: field -> value; None where the
+    model does not say)."""
+    wrong = [
+        f"{name} {getattr(config, name)} (the model has {own[name]})"
+        for name in GEOMETRY
+        if own.get(name) is not None and own[name] != getattr(config, name)
+    ]
+    if wrong:
+        raise ArtifactError(
+            f"manifest config does not match the model in the artifact ({where}): {', '.join(wrong[:3])}; {_REBUILD}"
+        )
+
+
 def check_after_open(manifest: Manifest, backend: Any) -> None:
     """What the opened backend reports against the manifest: a generic-path decoder's own geometry (read
     from the model's config.json by transformers), an ONNX session's KV inputs (from the graph file)."""
     decoder = getattr(backend, "decoder", None)
     own = getattr(decoder, "config", None)
     if isinstance(own, ArchConfig) and own is not manifest.config:
-        wrong = [
-            f"{name} {getattr(manifest.config, name)} (the model has {getattr(own, name)})"
-            for name in GEOMETRY
-            if getattr(own, name) != getattr(manifest.config, name)
-        ]
-        if wrong:
-            raise ArtifactError(
-                f"manifest config does not match the model in the artifact: {', '.join(wrong[:3])}; {_REBUILD}"
-            )
+        compare_geometry(manifest.config, {name: getattr(own, name) for name in GEOMETRY}, "the loaded model")
     for key, session in (getattr(backend, "sessions", None) or {}).items():
         for item in session.get_inputs():
             _check_kv_input(manifest.config, item.name, item.shape, f"ONNX graph {quote(key)}")
 
 
-__all__ = ["check_after_open", "check_before_open", "check_geometry", "onnx_table_shapes", "safetensors_shapes"]
+__all__ = [
+    "check_after_open",
+    "check_before_open",
+    "check_geometry",
+    "compare_geometry",
+    "onnx_table_shapes",
+    "safetensors_shapes",
+]

@@ -4,7 +4,7 @@ A round of draft-and-verify asks a drafter for a ``Draft`` (candidate tokens, ea
 distribution q it was sampled from, or ``None`` for a deterministic source whose q is one-hot), then
 verifies ``[token] + draft.tokens`` with the full model and tells the drafter how many were accepted.
 The acceptance rule (greedy match, Leviathan/Chen rejection) is written once over drafts, in
-``runtime/decoding/speculative.py``; a drafter sees the verifier's rows only when it declares that it
+``runtime/decoding/acceptance.py``; a drafter sees the verifier's rows only when it declares that it
 learns from them (``Drafter.observes``).
 
 Here: ``Draft``, ``RoundContext``, the ``Drafter`` interface with its declared capabilities, ``LookupSource``
@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Generator, Sequence
 
 import numpy as np
 
@@ -108,13 +108,15 @@ class Draft:
 @dataclass
 class RoundContext:
     """What a drafter may look at: the committed tokens (``history[-1]`` is the round's input token,
-    at position ``pos``, whose KV is not written yet) and how many tokens it may draft."""
+    at position ``pos``, whose KV is not written yet), how many tokens it may draft, and whether its model
+    part may run this round (``runtime/decoding/load.py`` decides under load; lookups are always free)."""
 
     history: Sequence[int]
     pos: int
     limit: int
     params: SamplingParams
     rng: np.random.Generator
+    model_allowed: bool = True  # False: a batch under load has no time for this round's model draft steps
 
 
 class Drafter:
@@ -147,12 +149,30 @@ class Drafter:
         """Candidates for this round, at most ``ctx.limit`` tokens (an empty draft means a plain step)."""
         raise NotImplementedError
 
+    def drafting(self, ctx: RoundContext) -> Generator[tuple[int, int], object, Draft]:
+        """``propose`` as a generator of model draft steps: it yields ``(token, pos)`` for each step it needs,
+        is sent back the step's ``(drafted token, confidence, q)``, and returns the draft. A batch runs the
+        steps of every sequence's drafter together, one call per step for all (``runtime/decoding/batch.py``);
+        ``drive`` runs them one by one. A drafter without a model part needs no step."""
+        return self.propose(ctx)
+        yield  # a generator that returns at once
+
     def feedback(self, draft: Draft, accepted: int) -> None:
         """The verifier accepted the first ``accepted`` tokens of ``draft``."""
 
     def observe(self, draft: Draft, logits, committed: Sequence[int], ctx: RoundContext | None = None) -> None:
         """The verifier's rows of the round (``logits[i]`` follows ``([token] + draft.tokens)[i]``) and the tokens
         it committed. Called only when ``observes``."""
+
+
+def drive(drafting: Generator[tuple[int, int], object, Draft], step, ctx: RoundContext) -> Draft:
+    """Run a drafter's ``drafting`` generator to its draft, each model step through ``step(token, pos, ctx)``."""
+    try:
+        request = next(drafting)
+        while True:
+            request = drafting.send(step(*request, ctx))
+    except StopIteration as done:
+        return done.value
 
 
 @dataclass

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .base import Composite, Draft, LookupSource, RoundContext
+from .base import Composite, Draft, LookupSource, RoundContext, drive
 from .model import ModelDrafter
 
 
@@ -38,13 +38,16 @@ class HybridDrafter(Composite):
         return self.lookups + ([self.model] if self.model is not None else [])
 
     def propose(self, ctx: RoundContext) -> Draft:
+        return drive(self.drafting(ctx), self.model.step if self.model is not None else None, ctx)
+
+    def drafting(self, ctx: RoundContext):
         for source in self.lookups:
             draft = source.propose(ctx)
             if draft.tokens:
                 return draft
-        if self.model is None:
+        if self.model is None or not ctx.model_allowed:
             return Draft()
-        draft = self.model.propose(ctx)
+        draft = yield from self.model.drafting(ctx)
         room = ctx.limit - len(draft.tokens)
         if self.extend and room > 0 and draft.tokens:
             tail = list(ctx.history[-8:]) + draft.first_branch().tokens  # a model tree's chain, not its leaves

@@ -15,7 +15,7 @@ import numpy as np
 from ..artifact.manifest import DraftPlan
 from ..errors import ArtifactError
 from ..sampling import probabilities, sample
-from .base import Draft, Drafter, RoundContext, SourceOptions
+from .base import Draft, Drafter, RoundContext, SourceOptions, drive
 
 
 @dataclass
@@ -98,7 +98,11 @@ class BackendStep:
         self._drafted = -1
 
     def __call__(self, token: int, pos: int, ctx: RoundContext) -> tuple[int, float, np.ndarray | None]:
-        logits = self.kind.draft(self.backend, token, pos)
+        return self.from_logits(self.kind.draft(self.backend, token, pos), ctx)
+
+    def from_logits(self, logits: np.ndarray, ctx: RoundContext) -> tuple[int, float, np.ndarray | None]:
+        """The step's result from its logits ``[vocab]`` (computed here, or by a batch's call for every
+        sequence's step at once)."""
         if ctx.params.greedy:
             # Only the drafted token's probability is needed (the draft policy's confidence), so one exp pass in the
             # logits' own precision instead of a float64 softmax: 40 us against 340 us over SmolLM2's 49k-token
@@ -156,13 +160,18 @@ class ModelDrafter(Drafter):
         return self
 
     def propose(self, ctx: RoundContext) -> Draft:
+        return drive(self.drafting(ctx), self.step, ctx)
+
+    def drafting(self, ctx: RoundContext):
         draft = Draft(verify_plan=self.plan)
+        if not ctx.model_allowed:
+            return draft
         leaves: list[tuple[int, int]] = []  # (parent node, token)
         current = ctx.history[-1]
         most = min(self.policy.max_draft, ctx.limit)
         branches = self.options.branches - 1 if ctx.params.greedy else 0
         for j in range(most):
-            current, confidence, q = self.step(current, ctx.pos + j, ctx)
+            current, confidence, q = yield current, ctx.pos + j
             draft.tokens.append(current)
             draft.q.append(q)
             draft.sources.append(self.name)

@@ -35,7 +35,7 @@ from speccompile.runtime.segments import FINAL_HEAD, Segment, full_model
 from .onnx_blocks import HIDDEN, LAST_HIDDEN, LOGITS, build_blocks, draft_head_graph, load_draft_head
 from .onnx_fused import FusedGraph
 from .onnx_graph import NP_TO_ONNX, OPSET, GraphBuilder
-from .onnx_quant import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, QUANT_BITS, Quantizer
+from .onnx_quant import DEFAULT_ACCURACY_LEVEL, DEFAULT_BLOCK_SIZE, QUANT_BITS, QUANTIZED_COPY, Quantizer
 
 WEIGHTS_NAME = "weights.bin"
 ALIGN = 64
@@ -187,6 +187,8 @@ def export_onnx_weights(
     pack: bool = True,
     pad_rows: bool | None = None,
     draft_heads: dict[str, Path] | None = None,
+    derived: dict[str, np.ndarray] | None = None,
+    arrays: dict[str, np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """``export_onnx`` from an ``ArchConfig`` and canonical weights (name -> torch tensor or numpy array,
     as in weights/model.safetensors; a tied lm_head may be absent). No torch needed for numpy weights.
@@ -201,7 +203,15 @@ def export_onnx_weights(
     a k-token verify computes exactly the 1-token steps it replaces (``FusedGraph.padding``). Quantized
     graphs need it (int8 activations turn MLAS's one-row rounding into whole quantization steps); fp32 graphs
     agree within the near-tie rule without it, and it costs their plain steps (about 0.88x measured).
-    ``draft_heads`` maps plans' draft head files (exit adapters, reduced vocabularies) to where they are now."""
+    ``draft_heads`` maps plans' draft head files (exit adapters, reduced vocabularies) to where they are now.
+
+    Memory: float weights already in the export's dtype are read in place (numpy views of the torch tensors)
+    and written to ``weights.bin`` one tensor at a time, so an export holds no second copy of the model.
+    ``derived`` (a dict the caller keeps between exports, such as a tuning run's) holds the quantized copies
+    precision drafts use: each is made once, then reused. ``arrays`` (a dict to fill): every tensor the
+    graphs use, by name, for a caller that hands them to ONNX Runtime from memory (``weights.bin`` is still
+    written: ONNX Runtime reads the inputs of the weight concatenations it folds, the packed projections, from
+    the file, whatever initializers it is given)."""
     if dtype not in ("float32", "float16"):
         raise ValueError(f"ONNX export supports float32 and float16, not {dtype!r}")
     if variant not in VARIANTS:
@@ -226,6 +236,8 @@ def export_onnx_weights(
     root = Path(relative_to) if relative_to is not None else out_dir.parent
     rel = lambda p: Path(p).resolve().relative_to(root.resolve()).as_posix()  # noqa: E731
     weights = _numpy_weights(weights, np_dtype)
+    if derived is not None:
+        weights.update(derived)
     L = config.num_layers
 
     if variant == "fused":
@@ -242,6 +254,10 @@ def export_onnx_weights(
         plan_records[plan_name] = {"kind": kind.name, "graphs": list(dict.fromkeys(graphs))}
 
     tensors, total_bytes, weights_path = _write_weights(lowering.graphs, weights, out_dir)
+    if derived is not None:  # quantized copies made by this export, for the next one
+        derived.update({name: array for name, array in weights.items() if QUANTIZED_COPY.search(name)})
+    if arrays is not None:
+        arrays.update({name: weights[name] for name in tensors})
     graph_records = {}
     for key, g in lowering.graphs.items():
         path = out_dir / f"{safe_name(key)}.onnx"
@@ -273,6 +289,8 @@ def export_onnx_weights(
         "quantization": quantizer.record() if quantizer is not None else None,
         "packed_projections": pack if variant == "fused" else False,
         "padded_attention_rows": pad_rows if variant == "fused" else False,
+        # several sequences' one-token steps in one call (no padding row at batch > 1; OnnxBackend.run_rows)
+        "batched_steps": variant == "fused",
         "weights": rel(weights_path),
         "weights_bytes": total_bytes,
         "precision_draft_bytes": sum(draft_only.values()),  # weights.bin bytes only precision self-drafts read
@@ -283,7 +301,8 @@ def export_onnx_weights(
 
 
 def _write_weights(graphs: dict[str, GraphBuilder], weights: dict[str, np.ndarray], out_dir: Path):
-    """One weights file: every tensor any graph uses, de-duplicated by content (a tied lm_head is stored once)."""
+    """One weights file: every tensor any graph uses, de-duplicated by content (a tied lm_head is stored once),
+    written tensor by tensor from the arrays' own memory."""
     used = list(dict.fromkeys(name for g in graphs.values() for name in g.used))
     tensors: dict[str, dict[str, Any]] = {}
     by_content: dict[tuple, dict[str, Any]] = {}
@@ -292,12 +311,12 @@ def _write_weights(graphs: dict[str, GraphBuilder], weights: dict[str, np.ndarra
     with open(weights_path, "wb") as f:
         for name in used:
             arr = np.ascontiguousarray(weights[name])
-            data = arr.tobytes()
+            data = memoryview(arr).cast("B")  # the array's bytes, not a copy of them
             key = (str(arr.dtype), arr.shape, hashlib.sha256(data).hexdigest())
             if key not in by_content:
                 pad = (-offset) % ALIGN
-                f.write(b"\0" * pad)
                 offset += pad
+                f.write(b"\0" * pad)
                 f.write(data)
                 by_content[key] = {
                     "offset": offset,
@@ -342,7 +361,8 @@ def export_options(record: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def _numpy_weights(state, dtype: np.dtype) -> dict[str, np.ndarray]:
-    """Canonical weights (torch tensors or numpy arrays) -> numpy in ``dtype``; rope_inv_freq stays float32."""
+    """Canonical weights (torch tensors or numpy arrays) -> numpy in ``dtype``; rope_inv_freq stays float32. A
+    CPU float32 tensor exported in float32 is viewed, not copied (nothing here writes to the arrays)."""
     out = {}
     for name, tensor in state.items():
         if not isinstance(tensor, np.ndarray):
@@ -350,7 +370,7 @@ def _numpy_weights(state, dtype: np.dtype) -> dict[str, np.ndarray]:
 
             tensor = tensor.detach().to("cpu", torch.float32).numpy()
         target = np.float32 if name == "rope_inv_freq" else dtype
-        out[name] = np.array(tensor, dtype=target, copy=True)
+        out[name] = np.asarray(tensor, dtype=target)
     return out
 
 

@@ -278,13 +278,18 @@ class FusedGraph(GraphBuilder):
         rewrites before anything reads it, and its output row is sliced off. A call that fills the cache
         to its last slot has no room for it and runs unpadded (only at the context limit: the runtime
         reserves a slot beyond every round). With the past given as a slice (``kv_in_place=False``,
-        GroupQueryAttention's growing-cache mode) the padding row always fits."""
+        GroupQueryAttention's growing-cache mode) the padding row always fits. A call of several sequences
+        (batch > 1) has no padding row: GroupQueryAttention's CPU kernel takes a batch only for one token per
+        sequence, so such a call is a batch of plain steps, each on the one-row path (the runtime's
+        ``OnnxBackend.run_rows``)."""
         if self._padding is None:
             total64 = self.op("Cast", self.op("Unsqueeze", self.total_len, self.ints(0)), to=TensorProto.INT64)
             full = self.op(
                 "Equal", self.op("Shape", past_k, start=2, end=3), total64
             )  # a static cache with no slot left
-            extra = self.op("Cast", self.op("Not", full), to=TensorProto.INT64)  # [1]: 1, or 0 when full
+            # several sequences in one call (one token each: GroupQueryAttention takes a batch only then): no row
+            batched = self.op("Greater", self.op("Shape", past_k, start=0, end=1), self.ints(1))
+            extra = self.op("Cast", self.op("Not", self.op("Or", full, batched)), to=TensorProto.INT64)  # [1]: 1 or 0
             pads = self.op("Mul", self.ints(0, 0, 0, 0, 1, 0), extra)  # after the last row of seq
             extra32 = self.op("Cast", extra, to=TensorProto.INT32)
             total = self.op("Add", self.total_len, self.op("Squeeze", extra32, self.ints(0)))

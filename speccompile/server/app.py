@@ -1,13 +1,13 @@
 """``speccompile serve``: an OpenAI-compatible HTTP endpoint for a compiled artifact.
 
 Why this shape:
-- One copy of the weights, N *slots*: each slot is a ``model.replica()`` (its own KV cache, shared
-  weights and sessions) that one request owns while it decodes. Decoding runs in a worker thread per slot,
-  so the event loop keeps answering ``/health`` and ``/metrics`` while every slot is busy.
-- Requests beyond the slots wait in a bounded queue; past ``max_queue`` they get 429 with Retry-After
+- One copy of the weights and continuous batching (``scheduler.py``): up to ``max_batch`` requests decode
+  in one batch, each round reading the weights once for all of them, with speculation sized to the load.
+  The batch runs in its own thread, so the event loop keeps answering ``/health`` and ``/metrics``.
+- Requests beyond the batch wait in a bounded queue; past ``max_queue`` they get 429 with Retry-After
   instead of piling up, so a load balancer can send them to another replica.
-- A streaming client that disconnects sets a flag the worker checks after every verify round, so its slot
-  is free again one round later, not after the whole generation.
+- A streaming client that disconnects sets a flag the batch checks after every round, so its place is
+  free again one round later, not after the whole generation.
 - Every bad request gets a 4xx with the OpenAI error body ``{"error": {"message", "type", "param",
   "code"}}``; the message names the problem and the fix, as the CLI's errors do. The wire format (request
   checks, chat template, stop strings, response bodies) lives in ``speccompile.server.openai_api``.
@@ -27,14 +27,13 @@ import math
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import AsyncIterator, Callable, Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from speccompile.runtime import InputError, SpeculativeModel, load
@@ -50,7 +49,6 @@ from speccompile.server.openai_api import (
     CompletionRequest,
     Outcome,
     SamplingOptions,
-    StopCutter,
     check_sampling,
     completion_prompt_ids,
     error_response,
@@ -58,131 +56,10 @@ from speccompile.server.openai_api import (
     refuse_unsupported,
     sse_event,
 )
+from speccompile.server.scheduler import Job, QueueFull, Scheduler
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20
 log = logging.getLogger("speccompile.server")
-
-
-# -- decoding in a slot ----------------------------------------------------------------------------------
-
-
-def decode_in_slot(
-    replica: SpeculativeModel,
-    prompt_ids: list[int],
-    options: SamplingOptions,
-    stream_kwargs: dict,
-    emit: Callable[[str, list[int]], None] | None,
-    cancelled: threading.Event,
-) -> Outcome:
-    """Run one request on ``replica`` (in a worker thread). ``emit(text, token_ids)`` gets each round's
-    sendable text; decoding stops after the round in which a stop string appears or ``cancelled`` is set."""
-    start = time.perf_counter()
-    stream = replica.stream(prompt_ids, **options.stream_kwargs(), **stream_kwargs)
-    cutter = StopCutter(options.stops)
-    chunks = iter(stream)
-    produced: list[int] = []
-    raw_text, sent = "", []
-    ended_by = None
-    try:
-        for chunk in chunks:
-            produced.extend(chunk.token_ids)
-            raw_text += chunk.text
-            piece = cutter.feed(chunk.text)
-            sent.append(piece)
-            if emit is not None:
-                emit(piece, list(chunk.token_ids))
-            if cutter.stopped:
-                ended_by = "stop_string"
-                break
-            if cancelled.is_set():
-                ended_by = "cancelled"
-                break
-    finally:
-        if hasattr(chunks, "close"):
-            chunks.close()
-    seconds = time.perf_counter() - start
-    if ended_by is None:  # ran to the end: the runtime's own stats
-        result = stream.result
-        tail = cutter.feed(result.text[len(raw_text) :]) if result.text.startswith(raw_text) else ""
-        tail += cutter.flush()
-        if tail:
-            sent.append(tail)
-            if emit is not None:
-                emit(tail, [])
-        s = result.stats
-        finish = "stop" if cutter.stopped or s.stop_reason == "eos" else "length"
-        return Outcome(
-            "".join(sent),
-            list(result.token_ids),
-            len(prompt_ids),
-            finish,
-            seconds,
-            s.rounds if s.speculative else None,
-            s.mean_accepted,
-            s.acceptance_rate,
-            "stop_string" if cutter.stopped else s.stop_reason,
-            drafted=s.drafted if s.speculative else None,
-            accepted=s.accepted if s.speculative else None,
-        )
-    # Stopped early (stop string, client gone): the runtime publishes its stats only when a stream runs to
-    # the end, so the round statistics of this request are unknown (null), not guessed.
-    return Outcome(
-        "".join(sent),
-        produced,
-        len(prompt_ids),
-        "stop" if ended_by == "stop_string" else "cancelled",
-        seconds,
-        None,
-        None,
-        None,
-        ended_by,
-    )
-
-
-class SlotPool:
-    """N replicas handed out one request at a time, with a bounded wait queue (asyncio side).
-
-    ``release`` must run on the event loop; worker threads call it through ``call_soon_threadsafe``."""
-
-    def __init__(self, replicas: list[SpeculativeModel], max_queue: int):
-        self.size = len(replicas)
-        self.max_queue = max_queue
-        self._free: asyncio.Queue | None = None
-        self._replicas = replicas
-        self.waiting = 0
-
-    def _queue(self) -> asyncio.Queue:
-        if self._free is None:  # created lazily, on the server's event loop
-            self._free = asyncio.Queue()
-            for replica in self._replicas:
-                self._free.put_nowait(replica)
-        return self._free
-
-    @property
-    def busy(self) -> int:
-        return self.size - (self._free.qsize() if self._free is not None else self.size)
-
-    async def acquire(self, retry_after: int) -> SpeculativeModel:
-        free = self._queue()
-        if not free.empty() and self.waiting == 0:  # never overtake a request already waiting
-            return free.get_nowait()
-        if self.waiting >= self.max_queue:
-            raise APIError(
-                429,
-                f"all {self.size} slots are busy and {self.waiting} requests are queued "
-                f"(--max-queue {self.max_queue}); retry later",
-                code="rate_limit_exceeded",
-                kind="rate_limit_error",
-                headers={"Retry-After": str(retry_after)},
-            )
-        self.waiting += 1
-        try:
-            return await free.get()
-        finally:
-            self.waiting -= 1
-
-    def release(self, replica: SpeculativeModel) -> None:
-        self._queue().put_nowait(replica)
 
 
 # -- metrics ---------------------------------------------------------------------------------------------
@@ -191,7 +68,7 @@ class SlotPool:
 class ServerMetrics:
     """Prometheus metrics in the app's own registry (several apps can live in one process)."""
 
-    def __init__(self, pool: SlotPool):
+    def __init__(self, scheduler):
         self.registry = CollectorRegistry()
         r = self.registry
         self.requests = Counter(
@@ -200,7 +77,7 @@ class ServerMetrics:
         self.rejected = Counter("speccompile_rejected_requests", "Requests refused with 429 (queue full)", registry=r)
         self.prompt_tokens = Counter("speccompile_prompt_tokens", "Prompt tokens of decoded requests", registry=r)
         self.completion_tokens = Counter("speccompile_completion_tokens", "Tokens generated", registry=r)
-        self.decode_seconds = Counter("speccompile_decode_seconds", "Seconds slots spent decoding", registry=r)
+        self.decode_seconds = Counter("speccompile_decode_seconds", "Seconds requests spent in the server", registry=r)
         self.rounds = Counter("speccompile_verify_rounds", "Speculative verify rounds", registry=r)
         self.drafted = Counter(
             "speccompile_drafted_tokens", "Tokens drafted (requests that ran to the end)", registry=r
@@ -209,6 +86,27 @@ class ServerMetrics:
         self.cancelled = Counter("speccompile_cancelled_requests", "Streams whose client went away", registry=r)
         self.last_tokens_per_s = Gauge(
             "speccompile_tokens_per_second", "Tokens/s of the last finished request", registry=r
+        )
+        self.batch_size = Histogram(
+            "speccompile_batch_size", "Sequences in a decode round", registry=r, buckets=(1, 2, 4, 8, 16, 32, 64)
+        )
+        self.rows_per_call = Histogram(
+            "speccompile_rows_per_round",
+            "Rows a round verified (every sequence's input token and drafted tokens)",
+            registry=r,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256),
+        )
+        self.draft_length = Histogram(
+            "speccompile_draft_length",
+            "Tokens drafted for one sequence in one round, as the load policy chose (0: a plain step)",
+            registry=r,
+            buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16),
+        )
+        self.time_to_first_token = Histogram(
+            "speccompile_time_to_first_token_seconds",
+            "Seconds from a request's arrival to its first token",
+            registry=r,
+            buckets=(0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 16, 32),
         )
         self._totals = {"rounds": 0, "round_tokens": 0.0, "drafted": 0, "accepted": 0}
         self._lock = threading.Lock()
@@ -220,9 +118,22 @@ class ServerMetrics:
         Gauge(
             "speccompile_acceptance_rate", "Accepted / drafted tokens over requests that ran to the end", registry=r
         ).set_function(lambda: self._ratio("accepted", "drafted"))
-        Gauge("speccompile_queue_depth", "Requests waiting for a slot", registry=r).set_function(lambda: pool.waiting)
-        Gauge("speccompile_slots_busy", "Slots decoding a request", registry=r).set_function(lambda: pool.busy)
-        Gauge("speccompile_slots", "Slots (concurrent sequences)", registry=r).set(pool.size)
+        Gauge("speccompile_queue_depth", "Requests waiting for a place in the batch", registry=r).set_function(
+            lambda: scheduler.queued
+        )
+        Gauge("speccompile_slots_busy", "Requests decoding in the batch", registry=r).set_function(
+            lambda: scheduler.busy
+        )
+        Gauge("speccompile_slots", "Most requests decoding at once (--max-batch)", registry=r).set(scheduler.max_batch)
+
+    def observe_round(self, round_: dict) -> None:
+        """Called by the batch thread after every round (prometheus-client is thread-safe)."""
+        if not round_.get("sequences"):
+            return
+        self.batch_size.observe(round_["sequences"])
+        self.rows_per_call.observe(round_["rows"])
+        for drafted in round_["drafted"]:
+            self.draft_length.observe(drafted)
 
     def _ratio(self, numerator: str, denominator: str) -> float:
         with self._lock:
@@ -230,9 +141,11 @@ class ServerMetrics:
             return self._totals[numerator] / d if d else math.nan
 
     def record(self, outcome: Outcome) -> None:
-        """Called from the worker thread when a request finishes (prometheus-client is thread-safe)."""
+        """Called from the batch thread when a request finishes (prometheus-client is thread-safe)."""
         self.prompt_tokens.inc(outcome.prompt_tokens)
         self.completion_tokens.inc(len(outcome.token_ids))
+        if outcome.ttft is not None:
+            self.time_to_first_token.observe(outcome.ttft)
         self.decode_seconds.inc(outcome.seconds)
         if outcome.seconds > 0:
             self.last_tokens_per_s.set(len(outcome.token_ids) / outcome.seconds)
@@ -353,24 +266,29 @@ def _replay(body: bytes, receive):
 class ServerState:
     model: SpeculativeModel
     model_name: str
-    pool: SlotPool
+    scheduler: Scheduler
     metrics: ServerMetrics
-    executor: ThreadPoolExecutor
     chat: ChatTemplate | None
-    stream_kwargs: dict
     created: int = field(default_factory=lambda: int(time.time()))
     durations: list[float] = field(default_factory=list)  # recent requests' decode seconds
+    on_outcome: Callable[[Outcome], None] | None = None  # also told of every finished request (Ray's metrics)
 
     def retry_after(self) -> int:
         """Seconds a refused client should wait: about one recent request's duration, at least 1."""
         recent = self.durations[-20:]
         return max(1, min(60, math.ceil(sum(recent) / len(recent)))) if recent else 1
 
+    @property
+    def capacity(self) -> tuple[int, int]:
+        """(requests decoding at once, requests that may wait): what a front (Ray Serve's
+        ``max_ongoing_requests``, a load balancer) should match so that its back-pressure and the 429 agree."""
+        return self.scheduler.max_batch, self.scheduler.max_queue
+
 
 def create_app(
     artifact_or_model: str | Path | SpeculativeModel,
     *,
-    slots: int = 1,
+    max_batch: int = 8,
     max_queue: int = 16,
     plan: str | None = None,
     api_key: str | None = None,
@@ -379,11 +297,21 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     model_name: str | None = None,
     speculate: bool = True,
+    prefill_chunk: int | None = 256,
+    kv_budget_bytes: int | None = None,
+    slots: int | None = None,
+    on_outcome: Callable[[Outcome], None] | None = None,
 ) -> FastAPI:
-    """An OpenAI-compatible ASGI app serving one artifact with ``slots`` concurrent sequences that share
-    one copy of the weights. Pass an artifact folder (loaded with ``load``) or an already loaded model."""
-    if slots < 1:
-        raise InputError(f"slots must be at least 1 (got {slots})")
+    """An OpenAI-compatible ASGI app serving one artifact: up to ``max_batch`` requests decode together in one
+    batch (one copy of the weights, each round reading them once), ``max_queue`` more wait. Pass an artifact
+    folder (loaded with ``load``) or an already loaded model. ``prefill_chunk``: prompt tokens read per round
+    beside the running requests; ``kv_budget_bytes``: admit fewer requests when their caches would not fit.
+    ``slots``: the earlier name of ``max_batch``. ``on_outcome`` also gets every finished request's figures
+    (from the batch thread): the Ray replicas feed Ray's metrics with it."""
+    if slots is not None:
+        max_batch = slots
+    if max_batch < 1:
+        raise InputError(f"max_batch must be at least 1 (got {max_batch})")
     if max_queue < 0:
         raise InputError(f"max_queue must be 0 or more (got {max_queue})")
     model = (
@@ -393,22 +321,32 @@ def create_app(
     )
     if plan is not None:
         model.plan(plan)  # unknown plan names fail now, not on the first request
-    pool = SlotPool([model] + [model.replica() for _ in range(slots - 1)], max_queue)
-    metrics = ServerMetrics(pool)
+    metrics_box: list[ServerMetrics] = []
+    scheduler = Scheduler(
+        model,
+        max_batch=max_batch,
+        max_queue=max_queue,
+        prefill_chunk=prefill_chunk,
+        kv_budget_bytes=kv_budget_bytes,
+        speculate=speculate,
+        plan=plan,
+        observe=lambda round_: metrics_box and metrics_box[0].observe_round(round_),
+    )
+    metrics = ServerMetrics(scheduler)
+    metrics_box.append(metrics)
     state = ServerState(
         model=model,
         model_name=model_name or model.root.resolve().name,
-        pool=pool,
+        scheduler=scheduler,
         metrics=metrics,
-        executor=ThreadPoolExecutor(max_workers=slots, thread_name_prefix="speccompile-slot"),
         chat=ChatTemplate.from_artifact(model.root),
-        stream_kwargs=dict(speculate=speculate, plan=plan),
+        on_outcome=on_outcome,
     )
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
-        state.executor.shutdown(wait=False, cancel_futures=True)
+        scheduler.close()
 
     app = FastAPI(title="speccompile", lifespan=lifespan)
     app.state.speccompile = state
@@ -433,9 +371,10 @@ def create_app(
         return {
             "status": "ok",
             "model": state.model_name,
-            "slots": pool.size,
-            "busy": pool.busy,
-            "queued": pool.waiting,
+            "max_batch": scheduler.max_batch,
+            "slots": scheduler.max_batch,  # the earlier name, kept for health checks written against it
+            "busy": scheduler.busy,
+            "queued": scheduler.queued,
         }
 
     @app.get("/metrics")
@@ -502,38 +441,54 @@ def _model_card(state: ServerState) -> dict:
 async def _respond(
     state: ServerState, req: BaseRequest, prompt_ids: list[int], options: SamplingOptions, fmt: CompletionFormat
 ):
-    """Take a slot (or 429), decode in the slot's worker thread, answer as one JSON body or as SSE."""
+    """Queue the request for the batch (or 429), answer as one JSON body or as SSE."""
     loop = asyncio.get_running_loop()
-    replica = await state.pool.acquire(state.retry_after())
-    cancelled = threading.Event()
     events: asyncio.Queue = asyncio.Queue()
+    future: asyncio.Future = loop.create_future()
 
     def emit(text: str, token_ids: list[int]) -> None:
-        loop.call_soon_threadsafe(events.put_nowait, ("chunk", text, token_ids))
+        with contextlib.suppress(RuntimeError):  # the loop is gone when the server shuts down
+            loop.call_soon_threadsafe(events.put_nowait, ("chunk", text, token_ids))
 
-    def job() -> Outcome:
-        try:
-            outcome = decode_in_slot(
-                replica, prompt_ids, options, state.stream_kwargs, emit if req.stream else None, cancelled
-            )
-            state.durations.append(outcome.seconds)
+    def finish(result: object) -> None:  # from the batch thread, once
+        if isinstance(result, Outcome):
+            state.durations.append(result.seconds)
             del state.durations[:-100]
-            state.metrics.record(outcome)
-            return outcome
-        finally:
-            with contextlib.suppress(RuntimeError):  # the loop is gone when the server shuts down
-                loop.call_soon_threadsafe(state.pool.release, replica)
+            state.metrics.record(result)
+            if state.on_outcome is not None:
+                state.on_outcome(result)
 
+        def settle() -> None:
+            if future.done():
+                return
+            if isinstance(result, BaseException):
+                future.set_exception(result)
+            else:
+                future.set_result(result)
+
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(settle)
+
+    job = Job(prompt_ids, options, emit if req.stream else None, finish)
     try:
-        future = loop.run_in_executor(state.executor, job)
-    except BaseException:
-        state.pool.release(replica)
-        raise
+        state.scheduler.submit(job)
+    except QueueFull as exc:
+        raise APIError(
+            429,
+            str(exc),
+            code="rate_limit_exceeded",
+            kind="rate_limit_error",
+            headers={"Retry-After": str(state.retry_after())},
+        ) from None
+    cancelled = job.cancelled
     if not req.stream:
         try:
             outcome = await future
         except InputError as exc:
             raise APIError(400, str(exc)) from None
+        except asyncio.CancelledError:  # the client went away before the answer
+            cancelled.set()
+            raise
         return JSONResponse(fmt.full(outcome))
 
     def on_done(fut: asyncio.Future) -> None:

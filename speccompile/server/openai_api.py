@@ -459,6 +459,7 @@ class Outcome:
     stop_reason: str  # the runtime's: eos | length | context | stop_string | cancelled
     drafted: int | None = None  # known when decoding ran to the end
     accepted: int | None = None
+    ttft: float | None = None  # seconds from arrival to the first token (the batch scheduler measures it)
 
     def usage(self) -> dict:
         return {

@@ -248,9 +248,10 @@ class TensorRTBackend(Backend):
     def _row(self) -> int:
         return self.config.head_dim * self.dtype.itemsize
 
-    def reserve(self, max_len: int) -> None:
+    def reserve(self, max_len: int, slots: int = 1) -> None:
         """Device buffers for ``max_len`` positions: cache, past / present staging per layer and kind,
-        early-exit hidden states, token ids, positions and logits; reused across requests."""
+        early-exit hidden states, token ids, positions and logits; reused across requests. One sequence
+        (``slots`` is for batched backends; a batch runs on replicas, ``slots.ReplicaSlots``)."""
         if max_len > self.context_len:
             raise InputError(
                 f"this TensorRT artifact's engines cover {self.context_len} positions, the request "

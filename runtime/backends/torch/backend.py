@@ -5,15 +5,18 @@ It runs segments (``runtime/segments.py``) and knows nothing of draft plans: dra
 ``KVCache`` plus a hidden-state buffer ``[1, max_len, d]`` for segments that keep their output
 (early-exit prefix reuse); rollback is only a smaller position next time.
 
-CUDA graphs (opt-in: ``cuda_graphs=True``, or ``SPECCOMPILE_CUDA_GRAPHS=1`` for artifacts opened with
-``load``): on a CUDA device every segment of up to ``GRAPH_TOKENS`` tokens that ends in the shared head
-(or in none) is captured once and replayed (``runtime/backends/torch/graphs.py``), through the same decoder
-with tensor positions; prompts run eagerly. On CPU the flag is ignored and every call runs eagerly.
+CUDA graphs (on by default on a CUDA device; ``cuda_graphs=False`` or ``SPECCOMPILE_CUDA_GRAPHS=0`` turns
+them off): every segment of up to ``GRAPH_TOKENS`` tokens that ends in the shared head (or in none), and
+every token tree's verify, is captured once and replayed (``runtime/backends/torch/graphs.py``), through
+the same decoder with tensor positions; prompts run eagerly. Why the default: on an H200 a refcoder step
+replayed from a graph ran 5-17x faster than the same step launched eagerly (``benchmarks/gpu_check.sh``),
+and the build tunes with the backend the runtime opens, so its plan is chosen for graphed steps. On CPU
+the flag is ignored and every call runs eagerly.
 
-Rounds on the device (``runtime/backends/torch/device_round.py``): on CUDA a speculative round keeps drafted tokens and
-acceptance on the GPU, one host read per round (``device_round``); on CPU the host round is faster and
-runs (``round_on_device=True`` or ``SPECCOMPILE_DEVICE_ROUND=1`` forces the device round anywhere, ``0``
-turns it off).
+Rounds on the device (``runtime/backends/torch/device_round.py``): on CUDA a speculative round with a model draft
+keeps drafted tokens and acceptance on the GPU, one host read per round (``device_round``); lookup-only
+rounds and every round on CPU run on the host, where they were as fast or faster (``round_on_device=True``
+or ``SPECCOMPILE_DEVICE_ROUND=1`` forces the device round anywhere, ``0`` turns it off).
 """
 
 from __future__ import annotations
@@ -29,10 +32,10 @@ from safetensors.torch import load_file
 from ...artifact.manifest import ArchConfig
 from ...drafting.kinds.adapter import DraftHead, load_draft_head
 from ...errors import ArtifactError, BackendUnavailableError
-from ...segments import FINAL_HEAD, Segment
+from ...segments import FINAL_HEAD, Row, Segment
 from ..base import Backend
 from .cpu_linear import use_streaming_linears
-from .decoder import Decoder, KVCache, build_decoder, pack_projections, run_segment
+from .decoder import Decoder, KVCache, Positions, build_decoder, pack_projections, run_segment
 from .int8_twin import int8_kernel_missing, int8_twin, set_input_scales
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -47,8 +50,8 @@ def device_round_requested() -> bool | None:
 
 
 def cuda_graphs_requested() -> bool:
-    """``SPECCOMPILE_CUDA_GRAPHS=1`` turns CUDA graphs on for backends opened from an artifact."""
-    return os.environ.get("SPECCOMPILE_CUDA_GRAPHS", "0").strip().lower() in ("1", "true", "yes", "on")
+    """``SPECCOMPILE_CUDA_GRAPHS``: CUDA graphs on a CUDA device unless it says 0 (or false, no, off)."""
+    return os.environ.get("SPECCOMPILE_CUDA_GRAPHS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
 def check_device(device: str) -> None:
@@ -74,12 +77,12 @@ class TorchBackend(Backend):
         self,
         decoder: Decoder,
         device: str | None = None,
-        cuda_graphs: bool = False,
+        cuda_graphs: bool | None = None,
         capture: Callable | None = None,
         round_on_device: bool | None = None,
     ):
         """``cuda_graphs`` replays fixed-shape steps from CUDA graphs when ``device`` is CUDA (ignored on
-        CPU). ``capture`` replaces the graph capture (``torch_graphs.eager_capture`` runs the same static
+        CPU; None: as ``SPECCOMPILE_CUDA_GRAPHS`` says, on unless it is 0). ``capture`` replaces the graph capture (``torch_graphs.eager_capture`` runs the same static
         steps without graphs, on any device: how the bookkeeping is tested on CPU). ``round_on_device``:
         speculative rounds stay on the device (``device_round``); None: on CUDA only, or as
         ``SPECCOMPILE_DEVICE_ROUND`` says."""
@@ -87,10 +90,13 @@ class TorchBackend(Backend):
         self.config: ArchConfig = decoder.config
         self.device = device or str(decoder.embed.weight.device)  # default: wherever the weights are
         self.dtype = decoder.embed.weight.dtype
-        self.cache: KVCache | None = None
+        self.slot_cache: KVCache | None = None  # [layers, slots, kv_heads, max_len, head_dim]
+        self.slot_hidden: torch.Tensor | None = None  # [slots, max_len, d]: hidden states kept by early exits
+        self.cache: KVCache | None = None  # slot 0's view (the single-sequence calls and their graphs)
         self.hidden: torch.Tensor | None = None
-        self.max_len = 0
-        self.cuda_graphs, self._capture = cuda_graphs, capture
+        self.max_len, self.slots = 0, 0
+        self.cuda_graphs = cuda_graphs_requested() if cuda_graphs is None else cuda_graphs
+        self._capture = capture
         self.round_on_device = device_round_requested() if round_on_device is None else round_on_device
         self.static = None  # torch_graphs.StaticSteps over the current cache, when graphs are on
         self.draft_heads: dict[str, tuple[DraftHead, TorchDraftHead]] = {}  # draft head file -> kernel
@@ -142,18 +148,44 @@ class TorchBackend(Backend):
         other.draft_heads = self.draft_heads
         return other
 
-    def reserve(self, max_len: int) -> None:
-        """Make sure the static cache holds ``max_len`` positions; reuse it across requests. With graphs
-        on, the cache grows in steps of ``GRAPH_CACHE_STEP`` (a new cache invalidates every graph)."""
-        if self.cache is None or self.cache.max_len < max_len:
-            size = max_len
+    def reserve(self, max_len: int, slots: int = 1) -> None:
+        """Make sure the static cache holds ``max_len`` positions for ``slots`` sequences; reuse it across
+        requests (growing keeps what it held, so a batch can take a longer request). With graphs on, the
+        cache grows in steps of ``GRAPH_CACHE_STEP`` (a new cache invalidates every graph). ``cache`` and
+        ``hidden`` are slot 0's views, which the single-sequence calls (and their graphs) use."""
+        if not self.batched:  # the generic path: transformers' own cache, one sequence
+            if self.cache is None or self.cache.max_len < max_len:
+                self.cache = self.decoder.new_cache(max_len, dtype=self.dtype, device=self.device)
+                self.hidden = torch.zeros(1, max_len, self.config.hidden_size, dtype=self.dtype, device=self.device)
+            self.max_len, self.slots = max_len, 1
+            return
+        have = self.slot_cache.max_len if self.slot_cache is not None else 0
+        have_slots = self.slot_cache.k.shape[1] if self.slot_cache is not None else 0
+        if have < max_len or have_slots < slots:
+            size = max(max_len, have)
             if self.graphed:
-                rounded = -(-max_len // GRAPH_CACHE_STEP) * GRAPH_CACHE_STEP
-                size = max(max_len, min(rounded, self.config.max_position_embeddings))
-            self.cache = self.decoder.new_cache(size, dtype=self.dtype, device=self.device)
-            self.hidden = torch.zeros(1, size, self.config.hidden_size, dtype=self.dtype, device=self.device)
+                rounded = -(-size // GRAPH_CACHE_STEP) * GRAPH_CACHE_STEP
+                size = max(size, min(rounded, self.config.max_position_embeddings))
+            count = max(slots, have_slots, 1)
+            old, old_hidden = self.slot_cache, self.slot_hidden
+            self.slot_cache = KVCache(self.config, size, batch=count, dtype=self.dtype, device=self.device)
+            self.slot_hidden = torch.zeros(count, size, self.config.hidden_size, dtype=self.dtype, device=self.device)
+            if old is not None:
+                self.slot_cache.k[:, :have_slots, :, :have] = old.k
+                self.slot_cache.v[:, :have_slots, :, :have] = old.v
+                self.slot_hidden[:have_slots, :have] = old_hidden
+            self.cache, self.hidden = self.slot_cache.view(0), self.slot_hidden[0:1]
             self.static = self._static_steps() if self.graphed else None
         self.max_len = max_len
+        self.slots = self.slot_cache.k.shape[1]
+
+    def move_slot(self, source: int, target: int, length: int) -> None:
+        """Copy slot ``source``'s cache below ``length`` into slot ``target`` (a batch keeps its sequences in
+        the first slots)."""
+        with torch.inference_mode():
+            for buf in (self.slot_cache.k, self.slot_cache.v):
+                buf[:, target, :, :length] = buf[:, source, :, :length]
+            self.slot_hidden[target, :length] = self.slot_hidden[source, :length]
 
     def _static_steps(self):
         from .graphs import StaticSteps, cuda_capture_with
@@ -191,12 +223,81 @@ class TorchBackend(Backend):
             )
         return None if out is None else out[0]
 
+    rows_pad_to_widest = True  # a batched call pads every row to its widest (Positions.rows)
+
+    @property
+    def batched(self) -> bool:  # type: ignore[override]
+        """The canonical decoder batches rows; the generic path (transformers' own modules) runs one sequence."""
+        return isinstance(self.decoder, Decoder)
+
+    @torch.inference_mode()
+    def run_rows(self, segment: Segment, rows: Sequence[Row]) -> list[np.ndarray | None]:
+        """``run`` on several sequences: rows in consecutive slots run as one call (per-row positions, masks
+        and KV writes, ``Positions.rows``), so the weights are read once for all of them; slot 0 alone takes
+        the single-sequence path (its CUDA graphs)."""
+        if not self.batched:
+            return super().run_rows(segment, rows)
+        results: list[np.ndarray | None] = [None] * len(rows)
+        order = sorted(range(len(rows)), key=lambda i: rows[i].slot)
+        groups: list[list[int]] = []
+        for i in order:
+            if groups and rows[groups[-1][-1]].slot == rows[i].slot - 1:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        for group in groups:
+            members = [rows[i] for i in group]
+            if len(members) == 1 and members[0].slot == 0:
+                row = members[0]
+                if row.parents is not None:
+                    logits = [self.forward_tree(row.tokens, row.parents, row.pos)]
+                else:
+                    logits = [self.run(segment, row.pos, row.tokens, row.count)]
+            else:
+                logits = self._run_group(segment, members)
+            for i, out in zip(group, logits):
+                results[i] = out
+        return results
+
+    def _run_group(self, segment: Segment, rows: list[Row]) -> list[np.ndarray | None]:
+        n, width, first = len(rows), max(row.width for row in rows), rows[0].slot
+        where = Positions.rows([row.pos for row in rows], [row.parents for row in rows], width, self.device)
+        cache = self.slot_cache.view(first, n)
+        decoder = int8_twin(self.decoder) if segment.precision else self.decoder
+        if segment.from_tokens:
+            ids = torch.empty(n, width, dtype=torch.long)
+            for b, row in enumerate(rows):
+                ids[b, : row.width] = torch.tensor(list(row.tokens), dtype=torch.long)
+                ids[b, row.width :] = int(row.tokens[-1])
+            h = decoder.embed_tokens(ids.to(self.device), where.ids)
+        else:
+            h = torch.empty(n, width, self.config.hidden_size, dtype=self.dtype, device=self.device)
+            for b, row in enumerate(rows):
+                h[b, : row.width] = self.slot_hidden[row.slot, row.pos : row.pos + row.width]
+                h[b, row.width :] = h[b, row.width - 1]
+        h = decoder.run_blocks(
+            h, None, cache, segment.start, segment.stop, segment.skip_attn, segment.skip_mlp, where=where
+        )
+        if segment.keep_hidden:
+            for b, row in enumerate(rows):
+                self.slot_hidden[row.slot, row.pos : row.pos + row.width] = h[b, : row.width]
+        if segment.head is None:
+            return [None] * n
+        head = decoder.head if segment.head in (None, FINAL_HEAD) else self._draft_head(segment.head)[1].full_logits
+        logits = head(h).float().cpu().numpy()
+        return [logits[b, : row.width] for b, row in enumerate(rows)]
+
     def device_round(self, drafter, seed: int | None):
         """The speculative round of ``runtime.speculative.decode`` when it stays on this device
-        (``runtime/backends/torch/device_round.py``), or None: the host round runs."""
+        (``runtime/backends/torch/device_round.py``), or None: the host round runs. By default on CUDA for
+        drafters with a model part (whose draft steps would each read the device back in the host round);
+        a lookup-only drafter drafts on the host either way, and on an H200 its host round ran as fast or
+        faster (refcoder, CUDA graphs: 937 against 567 tokens/s in float16, 709 against 659 in float32)."""
         on_device = self.round_on_device
         if on_device is None:
-            on_device = torch.device(self.device).type == "cuda"
+            on_device = (
+                torch.device(self.device).type == "cuda" and drafter is not None and drafter.model_part is not None
+            )
         if not on_device or drafter is None:
             return None
         from .device_round import DeviceRound
@@ -240,19 +341,22 @@ class TorchBackend(Backend):
     def forward_tree(self, tokens: Sequence[int], parents: Sequence[int], pos: int) -> np.ndarray:
         from ...tree import attention_rows, depths
 
-        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
         depth = torch.tensor([0] + depths(parents), dtype=torch.long, device=self.device)
         rows = torch.from_numpy(attention_rows(parents)).to(self.device)
+        if self.static is not None and self.static.fits(len(tokens)):
+            return self.static.forward_tree(tokens, depth, rows, pos)[0].float().cpu().numpy()
+        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
         return self.decoder.forward_tree(ids, pos, self.cache, depth, rows)[0].float().cpu().numpy()
 
     @torch.inference_mode()
-    def keep_rows(self, pos: int, moves: Sequence[tuple[int, int]]) -> None:
+    def keep_rows(self, pos: int, moves: Sequence[tuple[int, int]], slot: int = 0) -> None:
         if not moves:
             return
         src = torch.tensor([pos + a for a, _ in moves], device=self.device)
         dst = torch.tensor([pos + b for _, b in moves], device=self.device)
-        for buf in (self.cache.k, self.cache.v):  # [layers, batch, kv_heads, max_len, head_dim]
-            buf.index_copy_(3, dst, buf.index_select(3, src))
+        for buf in (self.slot_cache.k, self.slot_cache.v):  # [layers, slots, kv_heads, max_len, head_dim]
+            view = buf[:, slot]
+            view.index_copy_(2, dst, view.index_select(2, src))
 
     # -- draft heads: trained exit adapters and reduced vocabularies (runtime/drafting/kinds/adapter.py) ------------
     def load_draft_head(self, head_file: str, root: Path | None) -> None:

@@ -13,6 +13,8 @@ of blocks with any sublayers skipped, writing the static KV cache at absolute po
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -41,6 +43,12 @@ class KVCache:
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
+
+    def view(self, first: int, count: int = 1) -> "KVCache":
+        """Slots ``first .. first + count - 1`` as a cache of their own, sharing this one's memory."""
+        view = KVCache.__new__(KVCache)
+        view.k, view.v, view.max_len = self.k[:, first : first + count], self.v[:, first : first + count], self.max_len
+        return view
 
 
 class Norm(nn.Module):
@@ -83,7 +91,7 @@ class Attention(nn.Module):
             # q and k rotated together, as one [B, T, heads + kv_heads, head_dim] view of the packed output:
             # the same elementwise products, a third of the calls (a CPU draft step is bound by calls)
             qk = apply_rotary(
-                packed[..., : (hq + hk) * hd].view(b, t, hq + hk, hd), (rope[0][:, None], rope[1][:, None])
+                packed[..., : (hq + hk) * hd].view(b, t, hq + hk, hd), (rope[0].unsqueeze(-2), rope[1].unsqueeze(-2))
             )
             v = packed[..., (hq + hk) * hd :].view(b, t, hk, hd)
             return qk[:, :, :hq].transpose(1, 2), qk[:, :, hq:].transpose(1, 2), v.transpose(1, 2)
@@ -99,6 +107,8 @@ class Attention(nn.Module):
         if self.q_norm is not None and not self.over_proj:
             q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
+            if rope[0].dim() == 3:  # per-row positions [B, T, rot] (a batch of sequences): over heads
+                rope = (rope[0][:, None], rope[1][:, None])
             q, k = apply_rotary(q, rope), apply_rotary(k, rope)
         return q, k, v
 
@@ -309,6 +319,49 @@ class Positions:
             key_ids=key_ids,
         )
 
+    @classmethod
+    def rows(cls, starts: Sequence[int], parents: Sequence, width: int, device) -> "Positions":
+        """Several sequences in one call (``TorchBackend.run_rows``): row ``b`` at cache positions
+        ``starts[b] ..``, its tokens padded to ``width`` (a pad sits one position after the one before it, so
+        causal attention keeps it out of every real token, and its KV lands past the row's length, where the
+        row's next call writes before anything reads). ``parents[b]``: a token tree's parents for that row
+        (``runtime/tree.py``: positions ``start + depth`` and the tree's mask over its rows), or None for a
+        chain. Keys: every cache position up to the widest row's last; the mask is ``[B, T, keys]``."""
+        from ...tree import attention_rows, depths
+
+        n = len(starts)
+        start = torch.tensor(list(starts), dtype=torch.long, device=device)[:, None]
+        slots = start + torch.arange(width, device=device)[None, :]  # [n, width]
+        keys = max(starts) + width
+        key_pos = torch.arange(keys, device=device)
+        mask = key_pos[None, None, :] <= slots[:, :, None]  # each row's causal mask over its own positions
+        ids, key_ids = slots.clone(), key_pos.expand(n, keys).clone()
+        for b, tree in enumerate(parents):
+            if tree is None:
+                continue
+            s0, t = starts[b], len(tree) + 1
+            depth = torch.tensor([0] + depths(tree), dtype=torch.long, device=device)
+            ids[b, :t] = s0 + depth
+            key_ids[b, s0 : s0 + t] = s0 + depth
+            mask[b, :t, s0 : s0 + t] = torch.from_numpy(attention_rows(tree)).to(device)
+        return cls(ids, keys, True, keys, ids, slots=slots, tree_mask=mask, key_ids=key_ids)
+
+    @classmethod
+    def fixed_tree(cls, slots: Tensor, depth: Tensor, rows: Tensor, max_len: int) -> "Positions":
+        """``tree`` with fixed shapes (a token tree's verify replayed from a CUDA graph): the call's slots
+        ``[T]`` (``pos + r``, a device tensor) instead of an int ``pos``, and keys over the whole static
+        cache, so the mask is ``[T, max_len]``: every slot before the tree, the rows ``rows`` allows inside
+        it, nothing after it. Same attention as ``tree`` (the extra keys are masked out)."""
+        t = depth.shape[0]
+        start = slots[:1]
+        relative = torch.arange(max_len, device=depth.device) - start  # each key's row in the tree, or outside
+        inside = (relative >= 0) & (relative < t)
+        row = relative.clamp(0, t - 1)
+        mask = (relative < 0)[None, :] | (rows.index_select(1, row) & inside[None, :])
+        ids = start + depth
+        key_ids = torch.where(inside, start + depth.index_select(0, row), relative + start)
+        return cls(ids, max_len, False, max_len, ids, slots=slots, tree_mask=mask, key_ids=key_ids)
+
 
 class Decoder(nn.Module):
     """Embedding, blocks, final norm and lm_head, with a static KV cache and sublayer skipping."""
@@ -334,8 +387,9 @@ class Decoder(nn.Module):
         self._rope_cache: dict | None = None
 
     # -- weights ---------------------------------------------------------------------------------
-    def load_canonical(self, weights: dict[str, Tensor]) -> "Decoder":
-        """Load canonical-name weights (tied lm_head may be absent) and precompute the rotary table."""
+    def load_canonical(self, weights: dict[str, Tensor], assign: bool = False) -> "Decoder":
+        """Load canonical-name weights (tied lm_head may be absent) and precompute the rotary table; ``assign``:
+        the decoder's parameters become the given tensors (no copy)."""
         expected = set(self.state_dict())
         if self.config.tie_word_embeddings:
             expected.discard("lm_head.weight")
@@ -345,7 +399,9 @@ class Decoder(nn.Module):
             raise ValueError(
                 f"weights do not fit the decoder: missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
             )
-        self.load_state_dict(weights, strict=False)
+        self.load_state_dict(weights, strict=False, assign=assign)
+        if assign and self.config.tie_word_embeddings:
+            self.lm_head.weight = self.embed.weight
         self._rope_cache = None
         return self
 
@@ -389,6 +445,8 @@ class Decoder(nn.Module):
         if self.config.positions != "rotary":
             return None
         cos, sin = self.rope_table(where.span, local)
+        if where.ids.dim() == 2:  # a batch of rows, each at its own positions: [B, T, rotary_dim]
+            return cos[where.ids], sin[where.ids]
         return cos.index_select(0, where.ids), sin.index_select(0, where.ids)
 
     def attention_mask(self, where: "Positions", window: int | None) -> Tensor | None:
@@ -398,10 +456,15 @@ class Decoder(nn.Module):
         if where.tree_mask is not None:
             if window is None:
                 return where.tree_mask
-            return where.tree_mask & (where.key_ids[None, :] > where.ids[:, None] - window)
-        if where.exact and where.ids.shape[0] == 1 and (window is None or where.keys <= window):
+            return where.tree_mask & (where.key_ids[..., None, :] > where.ids[..., :, None] - window)
+        if (
+            where.exact
+            and where.ids.dim() == 1
+            and where.ids.shape[0] == 1
+            and (window is None or where.keys <= window)
+        ):
             return None
-        q_pos = where.query[:, None]
+        q_pos = where.query[..., :, None]
         k_pos = torch.arange(where.keys, device=where.ids.device)[None, :]
         mask = k_pos <= q_pos
         if window is not None:
@@ -426,8 +489,14 @@ class Decoder(nn.Module):
         if keys_values is not None:
             k, v, mask = keys_values(i, k, v, mask)
         elif cache is not None:
-            cache.k[i].index_copy_(2, where.slots, k)
-            cache.v[i].index_copy_(2, where.slots, v)
+            if where.slots.dim() == 2:  # a batch of rows, each writing its own slots' positions
+                index = where.slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
+                cache.k[i].scatter_(2, index, k)
+                cache.v[i].scatter_(2, index, v)
+                mask = mask[:, None]  # [B, T, keys] over every head
+            else:
+                cache.k[i].index_copy_(2, where.slots, k)
+                cache.v[i].index_copy_(2, where.slots, v)
             k, v = cache.k[i, :, :, : where.keys], cache.v[i, :, :, : where.keys]
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=self.config.scale, enable_gqa=block.attn.n_kv != block.attn.n_heads
@@ -512,21 +581,31 @@ class Decoder(nn.Module):
         """Full-model logits ``[B, T, vocab]`` for tokens at positions pos..pos+T-1."""
         return self.head(self.run_blocks(self.embed_tokens(tokens, pos), pos, cache))
 
-    def forward_tree(self, tokens: Tensor, pos: int, cache: KVCache, depth: Tensor, rows: Tensor) -> Tensor:
-        """Full-model logits ``[B, T, vocab]`` for a token tree's call (``Positions.tree``)."""
-        where = Positions.tree(pos, depth, rows)
+    def forward_tree(self, tokens: Tensor, pos: "int | Tensor", cache: KVCache, depth: Tensor, rows: Tensor) -> Tensor:
+        """Full-model logits ``[B, T, vocab]`` for a token tree's call (``Positions.tree``); ``pos`` the
+        call's slots ``[T]`` as a tensor runs with fixed shapes (``Positions.fixed_tree``, CUDA graphs)."""
+        if isinstance(pos, Tensor):
+            where = Positions.fixed_tree(pos, depth, rows, cache.max_len)
+        else:
+            where = Positions.tree(pos, depth, rows)
         return self.head(self.run_blocks(self.embed_tokens(tokens, where.ids), pos, cache, where=where))
 
 
-def build_decoder(config: ArchConfig, weights: dict[str, Tensor], dtype=torch.float32, device="cpu") -> Decoder:
-    """A ready-to-run decoder from canonical weights, without paying for a random initialisation."""
+def build_decoder(
+    config: ArchConfig, weights: dict[str, Tensor], dtype=torch.float32, device="cpu", copy: bool = True
+) -> Decoder:
+    """A ready-to-run decoder from canonical weights, without paying for a random initialisation. ``copy``
+    False: the decoder holds the given tensors themselves where they already have its dtype and device (a
+    build's conversion: the source model's memory-mapped tensors, held once); by default it copies them (a
+    loaded artifact: a view kept of a memory-mapped file would keep its pages resident next to the products
+    the torch backend re-stores)."""
     with torch.device("meta"):
         model = Decoder(config)
     model = model.to_empty(device=device)
     if config.tie_word_embeddings:
         model.lm_head.weight = model.embed.weight
-    model.load_canonical(weights)
-    model = model.to(dtype)
+    model.load_canonical(weights, assign=not copy)
+    model = model.to(device=device, dtype=dtype)
     if config.positions == "rotary":
         # The rotary frequencies stay float32 whatever the weights' dtype, as in transformers.
         model.rope_inv_freq.data = weights["rope_inv_freq"].to(device=device, dtype=torch.float32, copy=True)

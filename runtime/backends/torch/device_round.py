@@ -1,6 +1,6 @@
 """A speculative round that stays on the torch backend's device (gpt-fast's ``generate.py`` is the model).
 
-The host round (``runtime/decoding/speculative.py`` ``_speculative_round``) copies the logits of every draft step
+The host round (``runtime/decoding/batch.py``, ``BatchDecoder._round``) copies the logits of every draft step
 and of the verify to numpy and decides there: on a GPU that is one host sync per drafted token and per
 verify call. Here drafted tokens, draft distributions, the verifier's argmax or sampled token, the
 acceptance test and the accepted count stay tensors on the device, and each round reads one small

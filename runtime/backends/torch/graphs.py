@@ -10,7 +10,8 @@ ids and positions live in static input buffers (one pair per token count T) that
 before replaying.
 
 One graph per (segment, T), captured on first use: the full model on T tokens (the decode step and
-the verify of a layer-skip or lookup round; prompts longer than ``max_tokens`` run eagerly), a
+the verify of a layer-skip or lookup round; prompts longer than ``max_tokens`` run eagerly), a token
+tree's verify of T rows (its depths and row mask are static inputs too), a
 layer-skip or early-exit draft step, an early exit's prefix on the round's fresh tokens and its suffix
 on the kept hidden states. Segments that end in a draft head run eagerly.
 
@@ -84,7 +85,8 @@ class StaticSteps:
                 decoder.rope_table(self.max_len, local=True)
         self.buffers: dict[int, tuple[Tensor, Tensor]] = {}  # T -> (token ids [1, T], positions [T])
         self.offsets = torch.arange(max_tokens, dtype=torch.long, device=cache.k.device)  # positions = pos + these
-        self.graphs: dict[tuple, Step] = {}
+        self.graphs: dict[tuple, Step] = {}  # (segment, T) or ("tree", T) -> replay
+        self.tree_buffers: dict[int, tuple[Tensor, Tensor]] = {}  # T -> (depths [T], row mask [T, T])
         self.captures = 0
 
     def _inputs(self, tokens: "Sequence[int] | Tensor | None", t: int, pos: int) -> tuple[Tensor, Tensor]:
@@ -133,6 +135,27 @@ class StaticSteps:
 
     def forward(self, tokens: Sequence[int], pos: int) -> Tensor:
         return self.run(full_model(self.decoder.config.num_layers), pos, tokens)
+
+    def forward_tree(self, tokens: Sequence[int], depth: Tensor, rows: Tensor, pos: int) -> Tensor:
+        """A token tree's verify (``Decoder.forward_tree``) over fixed shapes: one graph per tree size T,
+        the tree's depths ``[T]`` and row mask ``[T, T]`` copied into static buffers before each replay.
+        Without this the verify of every tree round ran eagerly, and on a GPU a tree round cost several
+        graphed plain steps."""
+        t = len(tokens)
+        ids, slots = self._inputs(tokens, t, pos)
+        if t not in self.tree_buffers:
+            self.tree_buffers[t] = (torch.zeros_like(depth), torch.zeros_like(rows))
+        depth_buffer, rows_buffer = self.tree_buffers[t]
+        depth_buffer.copy_(depth)
+        rows_buffer.copy_(rows)
+        step = self.graphs.get(("tree", t))
+        if step is None:
+            d, cache = self.decoder, self.cache
+            step = self.graphs[("tree", t)] = self.capture(
+                lambda: d.forward_tree(ids, slots, cache, depth_buffer, rows_buffer)
+            )
+            self.captures += 1
+        return step()
 
 
 __all__ = ["StaticSteps", "cuda_capture_with", "eager_capture"]

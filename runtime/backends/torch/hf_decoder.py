@@ -116,6 +116,41 @@ class _Skipped(nn.Module):
             return getattr(object.__getattribute__(self, "_block"), name)
 
 
+def _text_config(config):
+    return config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+
+
+def _heads(hf, hidden: int) -> tuple[int, int, int]:
+    """(heads, kv heads, head size) as the generic decoder records them from a transformers config."""
+    heads = getattr(hf, "num_attention_heads", None) or 1
+    kv_heads = getattr(hf, "num_key_value_heads", None) or heads
+    return heads, kv_heads, getattr(hf, "head_dim", None) or max(1, hidden // heads)
+
+
+def folder_geometry(folder: Path) -> dict[str, int | None]:
+    """The geometry a generic artifact's model states in its config.json (read without its weights): what
+    ``HFDecoder.config`` reports once the model is loaded, None where the config does not say."""
+    from transformers import AutoConfig
+
+    try:
+        hf = _text_config(AutoConfig.from_pretrained(str(folder), trust_remote_code=False))
+    except (OSError, ValueError, KeyError) as exc:
+        why = (str(exc).strip().splitlines() or [type(exc).__name__])[0][:200]
+        raise ArtifactError(
+            f"cannot read the generic model's config in {folder} ({why}); rebuild the artifact"
+        ) from None
+    hidden = getattr(hf, "hidden_size", None)
+    heads, kv_heads, head_dim = _heads(hf, hidden or 1)
+    return {
+        "vocab_size": getattr(hf, "vocab_size", None),
+        "hidden_size": hidden,
+        "num_layers": getattr(hf, "num_hidden_layers", None),
+        "num_heads": heads,
+        "num_kv_heads": kv_heads,
+        "head_dim": head_dim if hidden else None,
+    }
+
+
 class HFDecoder(nn.Module):
     """A transformers ``*ForCausalLM`` behind the canonical decoder's interface, over whole blocks."""
 
@@ -152,14 +187,8 @@ class HFDecoder(nn.Module):
 
     # -- construction ------------------------------------------------------------------------------
     def _arch_config(self, model_type: str, hidden: int) -> ArchConfig:
-        hf = (
-            self.model.config.get_text_config(decoder=True)
-            if hasattr(self.model.config, "get_text_config")
-            else self.model.config
-        )
-        heads = getattr(hf, "num_attention_heads", None) or 1
-        kv_heads = getattr(hf, "num_key_value_heads", None) or heads
-        head_dim = getattr(hf, "head_dim", None) or max(1, hidden // heads)
+        hf = _text_config(self.model.config)
+        heads, kv_heads, head_dim = _heads(hf, hidden)
         return ArchConfig(
             model_type=model_type,
             vocab_size=self.lm_head.weight.shape[0],

@@ -1,0 +1,93 @@
+"""OpenVINO GenAI's continuous-batching pipeline as a peer under load: N streams at once, plain and with its
+prompt lookup, on the same token ids.
+
+Runs in its own venv (``openvino-genai``; ``benchmarks/streams.py`` sets it up and calls this), never imports
+speccompile:
+
+    python openvino_cb_peer.py MODEL_DIR IDS.json --streams 1,4,8 [--max-new-tokens 64] [--threads 2]
+        [--requests 16] [--precision f32] [--assistant-tokens 5] [--max-ngram 3]
+
+For each stream count N and each mode (plain, prompt lookup): a closed loop keeps N requests in flight
+(``add_request`` then ``step`` until done; a finished request is replaced by the next prompt) until
+``--requests`` requests have completed. Prints one JSON object: per mode and N, the aggregate tokens/s, the
+per-request latencies and times to first token, and every request's output ids (greedy).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+import openvino as ov
+import openvino_genai as genai
+
+
+def run(pipe, prompts: list[list[int]], streams: int, requests: int, config) -> dict:
+    next_prompt, live, done = 0, {}, []
+    start = time.perf_counter()
+    while len(done) < requests:
+        while len(live) < streams and next_prompt < requests:
+            ids = prompts[next_prompt % len(prompts)]
+            handle = pipe.add_request(next_prompt, ov.Tensor(np.asarray([ids], dtype=np.int64)), config)
+            live[next_prompt] = (handle, time.perf_counter(), None)
+            next_prompt += 1
+        pipe.step()
+        now = time.perf_counter()
+        for rid, (handle, began, first) in list(live.items()):
+            if first is None and handle.can_read():
+                first = now
+                live[rid] = (handle, began, first)
+            if handle.get_status() == genai.GenerationStatus.FINISHED:
+                outputs = handle.read_all()
+                ids = list(outputs[0].generated_ids) if outputs else []
+                done.append({"id": rid, "latency": now - began, "ttft": (first or now) - began, "ids": ids})
+                del live[rid]
+    seconds = time.perf_counter() - start
+    tokens = sum(len(r["ids"]) for r in done)
+    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds, "requests": done}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("model_dir")
+    parser.add_argument("ids_file")
+    parser.add_argument("--streams", default="1,4,8")
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--precision", default="f32")
+    parser.add_argument("--assistant-tokens", type=int, default=5)
+    parser.add_argument("--max-ngram", type=int, default=3)
+    parser.add_argument("--modes", default="plain,prompt_lookup")
+    args = parser.parse_args()
+    properties = {"INFERENCE_NUM_THREADS": args.threads}
+    if args.precision != "default":
+        properties["INFERENCE_PRECISION_HINT"] = args.precision
+    prompts = json.load(open(args.ids_file))
+    report: dict = {"versions": {"openvino": ov.__version__, "openvino_genai": genai.__version__}}
+    for mode in args.modes.split(","):
+        scheduler = genai.SchedulerConfig()
+        scheduler.max_num_seqs = max(int(n) for n in args.streams.split(","))
+        scheduler.cache_size = 1  # GB of KV blocks: ample for these streams
+        scheduler.dynamic_split_fuse = True
+        extra = {"prompt_lookup": True} if mode == "prompt_lookup" else {}
+        pipe = genai.ContinuousBatchingPipeline(args.model_dir, scheduler, "CPU", {**properties, **extra})
+        config = pipe.get_config()
+        config.max_new_tokens = args.max_new_tokens
+        config.do_sample = False
+        if mode == "prompt_lookup":
+            config.num_assistant_tokens = args.assistant_tokens
+            config.max_ngram_size = args.max_ngram
+        run(pipe, prompts, 1, 1, config)  # warm-up: kernels compiled, blocks allocated
+        report[mode] = {}
+        for streams in map(int, args.streams.split(",")):
+            report[mode][str(streams)] = run(pipe, prompts, streams, max(args.requests, streams), config)
+        del pipe
+    json.dump(report, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()

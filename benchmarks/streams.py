@@ -1,0 +1,243 @@
+"""Many streams at once: the server's batch (continuous batching) against OpenVINO GenAI's, N requests in flight.
+
+    python benchmarks/streams.py ARTIFACT [--backend onnx] [--streams 1,4,8,16] [--requests 16]
+        [--max-new-tokens 64] [--prompts benchmarks/data/smollm2_prompts.jsonl]
+        [--peers openvino --source MODEL_DIR] [--json OUT.json] [--cost-curve 64]
+
+For each stream count N, a closed loop keeps N requests in flight through ``speccompile.server.scheduler``
+(what ``speccompile serve --max-batch N`` runs; no HTTP), first decoding plainly (plain batched decoding),
+then speculatively with the artifact's default plan (speculative batched decoding, draft lengths chosen by
+the load policy from call costs timed at start), the two in turns per N. Every answer is checked against the
+prompt's own batch-1 plain greedy output. ``--peers openvino`` then runs OpenVINO GenAI's
+``ContinuousBatchingPipeline`` (plain and its prompt lookup) on the source model exported to OpenVINO
+(``benchmarks/peer_compare.py``'s venv and export), same prompts (token ids), threads and stream counts.
+
+Prints one table: engine, N, aggregate tokens/s, ratio to the artifact's single-stream plain throughput,
+p50 / p95 request latency, p50 time to first token, and how many answers equal their batch-1 greedy output.
+``--cost-curve ROWS`` first prints what the load policy prices drafts with: the time of one call of n
+one-token rows (n up to ROWS) and of one row of w tokens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def closed_loop(scheduler, prompts: list[list[int]], streams: int, requests: int, max_new: int) -> dict:
+    """Keep ``streams`` requests in flight until ``requests`` have finished; their outcomes in order."""
+    from speccompile.server.openai_api import SamplingOptions
+    from speccompile.server.scheduler import Job
+
+    finished: dict[int, object] = {}
+    lock = threading.Condition()
+    submitted = 0
+
+    def submit(index: int) -> None:
+        options = SamplingOptions(max_new, 0.0, 1.0, 0, None, [])
+
+        def done(result, i=index):
+            with lock:
+                finished[i] = result
+                lock.notify()
+
+        scheduler.submit(Job(list(prompts[index % len(prompts)]), options, None, done))
+
+    start = time.perf_counter()
+    with lock:
+        while submitted < min(streams, requests):
+            submit(submitted)
+            submitted += 1
+        while len(finished) < requests:
+            before = len(finished)
+            lock.wait(timeout=600)
+            if len(finished) == before:
+                raise RuntimeError("no request finished in 10 minutes")
+            while submitted < requests and submitted - len(finished) < streams:
+                submit(submitted)
+                submitted += 1
+    seconds = time.perf_counter() - start
+    outcomes = [finished[i] for i in range(requests)]
+    for outcome in outcomes:
+        if isinstance(outcome, BaseException):
+            raise outcome
+    tokens = sum(len(o.token_ids) for o in outcomes)
+    return {
+        "tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tokens / seconds,
+        "latencies": [o.seconds for o in outcomes],
+        "ttfts": [o.ttft for o in outcomes if o.ttft is not None],
+        "outputs": [list(o.token_ids) for o in outcomes],
+    }
+
+
+def speccompile_rows(args, prompts: list[list[int]]) -> tuple[list[dict], list[list[int]]]:
+    from speccompile.runtime import load
+    from speccompile.server.scheduler import Scheduler
+
+    model = load(args.artifact, backend=args.backend)
+    reference = [
+        model.replica().generate(ids, max_new_tokens=args.max_new_tokens, speculate=False).token_ids for ids in prompts
+    ]
+    counts = [int(n) for n in args.streams.split(",")]
+    batch = max(counts)
+    schedulers = {
+        "plain batched": Scheduler(model, max_batch=batch, max_queue=args.requests, speculate=False),
+        "speculative batched": Scheduler(model, max_batch=batch, max_queue=args.requests, speculate=True),
+    }
+    costs = schedulers["speculative batched"].costs
+    if costs is not None:
+        print(f"call costs timed at start: {json.dumps(costs.as_dict())}", file=sys.stderr)
+    rows = []
+    for turn, streams in enumerate(counts):
+        names = list(schedulers) if turn % 2 == 0 else list(reversed(schedulers))
+        for name in names:
+            scheduler = schedulers[name]
+            scheduler.max_batch = streams  # the same loaded batch, N places
+            run = closed_loop(scheduler, prompts, streams, max(args.requests, streams), args.max_new_tokens)
+            run["identical"] = sum(out == reference[i % len(prompts)] for i, out in enumerate(run["outputs"]))
+            rows.append({"engine": f"speccompile {name}", "streams": streams, **run})
+            print(f"{name:22} N={streams:3}: {run['tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
+    for scheduler in schedulers.values():
+        scheduler.close()
+    return rows, reference
+
+
+def openvino_rows(args, prompts: list[list[int]], reference: list[list[int]]) -> list[dict]:
+    from peer_compare import DEFAULT_VENVS, openvino_model, venv
+
+    venvs = Path(args.venvs)
+    python = venv(venvs, "openvino", ["optimum-intel[openvino]", "openvino-genai"])
+    folder = openvino_model(venvs, Path(args.source), "fp32")
+    ids_file = venvs / "streams_ids.json"
+    ids_file.write_text(json.dumps(prompts))
+    command = [
+        str(python),
+        str(HERE / "peers" / "openvino_cb_peer.py"),
+        str(folder),
+        str(ids_file),
+        "--streams",
+        args.streams,
+        "--requests",
+        str(args.requests),
+        "--max-new-tokens",
+        str(args.max_new_tokens),
+        "--threads",
+        str(args.threads),
+    ]
+    done = subprocess.run(command, capture_output=True, text=True)
+    if done.returncode != 0:
+        print(f"OpenVINO GenAI failed: {done.stderr[-1500:]}", file=sys.stderr)
+        return []
+    report = json.loads(done.stdout)
+    rows = []
+    for mode in ("plain", "prompt_lookup"):
+        for streams, run in report.get(mode, {}).items():
+            outputs = [r["ids"] for r in sorted(run["requests"], key=lambda r: r["id"])]
+            rows.append(
+                {
+                    "engine": f"OpenVINO GenAI CB {mode.replace('_', ' ')}",
+                    "streams": int(streams),
+                    "tokens": run["tokens"],
+                    "seconds": run["seconds"],
+                    "tokens_per_s": run["tokens_per_s"],
+                    "latencies": [r["latency"] for r in run["requests"]],
+                    "ttfts": [r["ttft"] for r in run["requests"]],
+                    "identical": sum(out == reference[i % len(prompts)] for i, out in enumerate(outputs)),
+                    "outputs": outputs,
+                }
+            )
+    _ = DEFAULT_VENVS
+    return rows
+
+
+def print_cost_curve(artifact: str, backend: str | None, max_rows: int, max_width: int = 9) -> None:
+    """The cost of a batched call as the load policy times it (``CallCosts.measure``): n one-token rows in one
+    call, n = 1, 2, 4 .. ``max_rows``, and one row of w tokens (a verify alone), on this machine's cores."""
+    from speccompile.runtime import load
+    from speccompile.runtime.decoding.load import CallCosts
+
+    model = load(artifact, backend=backend)
+    costs = CallCosts.measure(model.backend, max_rows=max_rows, max_width=max_width)
+    print(f"cost of a batched call ({model.backend.name}, rows pad to the widest: {costs.pad_to_widest})")
+    print("| one-token rows in one call | ms per call | ms per row |")
+    print("|---|---|---|")
+    for n, seconds in sorted(costs.batched.items()):
+        print(f"| {n} | {seconds * 1e3:.1f} | {seconds * 1e3 / n:.2f} |")
+    print("| one row of w tokens | ms per call | ms per token |")
+    print("|---|---|---|")
+    for w, seconds in sorted(costs.alone.items()):
+        print(f"| {w} | {seconds * 1e3:.1f} | {seconds * 1e3 / w:.2f} |")
+    del model
+
+
+def print_table(rows: list[dict]) -> None:
+    single = next(
+        (r["tokens_per_s"] for r in rows if r["engine"] == "speccompile plain batched" and r["streams"] == 1), None
+    )
+    print(
+        "| engine | streams | tokens/s | vs 1-stream plain | p50 latency s | p95 latency s | p50 TTFT s | = batch-1 greedy |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        versus = f"{r['tokens_per_s'] / single:.2f}x" if single else "-"
+        lat = np.percentile(r["latencies"], [50, 95])
+        ttft = np.percentile(r["ttfts"], 50) if r["ttfts"] else float("nan")
+        print(
+            f"| {r['engine']} | {r['streams']} | {r['tokens_per_s']:.1f} | {versus} | {lat[0]:.2f} | {lat[1]:.2f} | "
+            f"{ttft:.2f} | {r['identical']}/{len(r['outputs'])} |"
+        )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("artifact")
+    parser.add_argument("--backend", default=None)
+    parser.add_argument("--streams", default="1,4,8,16")
+    parser.add_argument("--requests", type=int, default=16, help="requests per stream count (at least N)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--prompts", default=str(HERE / "data" / "smollm2_prompts.jsonl"))
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--peers", default="", help="openvino: OpenVINO GenAI's continuous batching too")
+    parser.add_argument("--source", default=None, help="the source model folder (for --peers)")
+    parser.add_argument("--venvs", default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--cost-curve", type=int, default=0, metavar="ROWS", help="also print the batched call's cost, 1..ROWS rows"
+    )
+    args = parser.parse_args()
+    if args.cost_curve:
+        print_cost_curve(args.artifact, args.backend, args.cost_curve)
+    from peer_compare import DEFAULT_VENVS
+
+    from speccompile.runtime import load
+
+    args.venvs = args.venvs or str(DEFAULT_VENVS)
+    opened = load(args.artifact, backend=args.backend)
+    texts = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
+    prompts = [opened.encode_prompt(t.get("prompt") or t.get("text")) for t in texts]
+    del opened
+    rows, reference = speccompile_rows(args, prompts)
+    if "openvino" in args.peers:
+        if args.source is None:
+            sys.exit("--peers openvino needs --source MODEL_DIR (the model the artifact was built from)")
+        rows += openvino_rows(args, prompts, reference)
+    print_table(rows)
+    if args.json:
+        args.json.write_text(json.dumps([{k: v for k, v in r.items() if k != "outputs"} for r in rows], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,335 @@
+"""Draft-and-verify decoding of a batch of sequences: one round over every sequence, written once.
+
+A sequence alone is a batch of one (``speculative.decode``); a server's concurrent requests are a batch that
+sequences join and leave between rounds (``BatchDecoder.add`` / ``remove``). Each sequence owns a cache
+slot of the backend (``Backend.run_rows``; backends without slots run a batch on replicas,
+``backends/slots.py``), its own drafter, sampling parameters, random generator and statistics.
+
+One ``step``:
+1. prompt chunks of joining sequences (``prefill_chunk`` tokens a step in all, so that running sequences
+   keep their pace while a long prompt is read); a sequence whose prompt is read emits its first token;
+2. one verify round over the running sequences: each drafter proposes (lookups first, on the host; a model
+   draft only where ``load.py`` finds it pays under the current load), the load policy cuts each draft to the
+   length that maximises the batch's tokens per second, one ``run_rows`` verifies every sequence's input
+   token and draft (rows of the full model; an early exit's verify that reuses its prefix runs per
+   sequence), and the acceptance rule (``acceptance.py``) commits each row's tokens.
+
+Every committed token is the verifier's, whatever the batch or the draft lengths, so each sequence decodes
+exactly what it decodes alone (up to floating-point near-ties where a backend's kernels round a row in a
+batch differently from the same row alone: docs/design.md section 6, ``tests/test_batched_rows.py``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from ..artifact.manifest import DraftPlan
+from ..backends.base import Backend
+from ..backends.slots import SlotView, batch_of
+from ..drafting.base import Draft, RoundContext
+from ..errors import InputError
+from ..segments import Row, full_model
+from ..tree import kv_moves
+from .acceptance import accept, pick
+from .load import PRIOR_ACCEPTANCE, CallCosts, Choice, choose_lengths, draft_pays, longest_draft
+from .request import DecodeRequest, Stats, backend_drafter, cache_length
+
+ACCEPTANCE_MEMORY = 0.8  # weight of a sequence's earlier rounds in its running acceptance
+
+
+@dataclass
+class Sequence:
+    """One request in the batch: its slot and everything it decodes with."""
+
+    request: DecodeRequest
+    drafter: object | None
+    stats: Stats
+    view: SlotView
+    rng: np.random.Generator
+    history: list[int] = field(default_factory=list)
+    pos: int = 0  # position of history[-1], whose KV is not written yet (while decoding)
+    prefilled: int = 0  # prompt tokens whose KV is written
+    finished: bool = False
+    acceptance: float = PRIOR_ACCEPTANCE
+    longest_draft: int = 0  # the most tokens its plan drafts in a round (what the load policy prices)
+    device_round: object | None = None
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def slot(self) -> int:
+        return self.view.slot
+
+    @property
+    def decoding(self) -> bool:
+        return self.prefilled == len(self.request.prompt_ids) and not self.finished
+
+    @property
+    def kv_length(self) -> int:
+        """Cache positions holding this sequence's KV (what moving its slot must copy)."""
+        return self.pos if self.prefilled == len(self.request.prompt_ids) else self.prefilled
+
+
+class BatchDecoder:
+    """Decodes up to ``max_batch`` sequences on ``backend``, one ``step`` (a round) at a time.
+
+    ``costs``: the measured call costs that let the load policy choose draft lengths (None: every sequence
+    drafts as its own drafter proposes, which is right for a sequence alone). ``prefill_chunk``: prompt tokens
+    read per step (None: whole prompts)."""
+
+    def __init__(
+        self,
+        backend: Backend,
+        max_batch: int = 1,
+        costs: CallCosts | None = None,
+        prefill_chunk: int | None = None,
+        root: Path | None = None,
+        draft_step_seconds: float | None = None,
+    ):
+        if max_batch < 1:
+            raise InputError(f"max_batch must be at least 1 (got {max_batch})")
+        if prefill_chunk is not None and prefill_chunk < 1:
+            raise InputError(f"prefill_chunk must be at least 1 token (got {prefill_chunk})")
+        self.backend = batch_of(backend) if max_batch > 1 else backend
+        self.max_batch, self.costs, self.prefill_chunk, self.root = max_batch, costs, prefill_chunk, root
+        self.draft_step_seconds = draft_step_seconds
+        self.full = full_model(backend.config.num_layers)
+        self.sequences: list[Sequence] = []  # sequence i sits in slot i
+        self.last_round: dict = {}  # what the last step did (rows, draft lengths): the server's metrics
+
+    # -- joining and leaving ---------------------------------------------------------------------------
+    def add(
+        self,
+        request: DecodeRequest,
+        plan: DraftPlan | None = None,
+        max_draft: int | None = None,
+        reserve: int = 0,
+        drafter=None,
+        stats: Stats | None = None,
+    ) -> Sequence:
+        """A new sequence in the next free slot; its prompt is read by the next steps. ``plan``: its draft plan
+        (None: plain decoding), unless ``drafter`` is given already built (for slot 0: a request alone).
+        ``reserve``: cache positions to hold at least (a batch that expects longer requests reserves once)."""
+        if len(self.sequences) >= self.max_batch:
+            raise InputError(f"the batch is full ({self.max_batch} sequences); wait for one to finish")
+        slot = len(self.sequences)
+        needed = max(cache_length(self.backend, request, plan, max_draft), reserve)
+        slots = max(self.backend.slots, 1)
+        if needed > self.backend.max_len or slot >= slots:
+            self.backend.reserve(max(needed, self.backend.max_len), slots=max(slot + 1, slots))
+        view = SlotView(self.backend, slot)
+        if drafter is None:
+            drafter = backend_drafter(view, plan, self.root, max_draft)
+        stats = stats if stats is not None else Stats()
+        sequence = Sequence(request, drafter, stats, view, np.random.default_rng(request.seed))
+        sequence.longest_draft = longest_draft(plan) if plan is not None else 0
+        sequence.stats.speculative = drafter is not None
+        if drafter is not None and len(self.sequences) == 0 and self.max_batch == 1:
+            # a sequence alone: a backend may keep its rounds on its device (token trees and drafters that
+            # read the verifier's outputs run the host round)
+            if not (drafter.drafts_trees or drafter.observes):
+                sequence.device_round = view.device_round(drafter, request.seed)
+        self.sequences.append(sequence)
+        return sequence
+
+    def remove(self, sequence: Sequence) -> None:
+        """Free ``sequence``'s slot (between steps); the last sequence moves into it, so the batch keeps its
+        first slots and its rows stay consecutive (one call)."""
+        index = self.sequences.index(sequence)
+        last = self.sequences.pop()
+        if last is not sequence:
+            self.backend.move_slot(last.slot, sequence.slot, last.kv_length)
+            last.view.slot = sequence.slot
+            self.sequences[index] = last
+        sequence.finished = True
+
+    # -- one step --------------------------------------------------------------------------------------
+    def step(self) -> list[tuple[Sequence, list[int]]]:
+        """Prompt chunks, then one verify round: (sequence, its new tokens) for every sequence that produced
+        some. A sequence whose ``finished`` turns True has stopped (``stats.stop_reason`` says why)."""
+        produced = self._prefill()
+        running = [s for s in self.sequences if s.decoding and not any(s is p for p, _ in produced)]
+        if running:
+            produced += self._round(running)
+        return produced
+
+    def _prefill(self) -> list[tuple[Sequence, list[int]]]:
+        rows, owners = [], []
+        budget = self.prefill_chunk
+        for s in self.sequences:
+            prompt = s.request.prompt_ids
+            if s.prefilled >= len(prompt) or s.finished:
+                continue
+            take = len(prompt) - s.prefilled if budget is None else min(budget, len(prompt) - s.prefilled)
+            if take <= 0:
+                break
+            rows.append(Row(s.slot, s.prefilled, list(prompt[s.prefilled : s.prefilled + take])))
+            owners.append(s)
+            if budget is not None:
+                budget -= take
+        if not rows:
+            return []
+        start = time.perf_counter()
+        outs = self.backend.run_rows(self.full, rows)
+        seconds = time.perf_counter() - start
+        produced = []
+        for s, row, logits in zip(owners, rows, outs):
+            s.prefilled += row.width
+            s.stats.prefill_seconds += seconds / len(rows)
+            if s.prefilled < len(s.request.prompt_ids):
+                continue
+            prompt = list(s.request.prompt_ids)
+            token = pick(logits[-1], s.request.params, s.rng)
+            s.history, s.pos = prompt + [token], len(prompt)
+            if s.drafter is not None:
+                s.drafter.start(prompt)
+            produced.append((s, self._emit(s, [token])))
+        return produced
+
+    def _round(self, running: list[Sequence]) -> list[tuple[Sequence, list[int]]]:
+        produced = []
+        live = []
+        for s in running:
+            budget = self._budget(s)
+            if budget <= 0:
+                s.stats.stop_reason = "length" if s.stats.new_tokens >= s.request.max_new_tokens else "context"
+                s.finished = True
+                produced.append((s, []))
+            else:
+                live.append((s, budget))
+        if not live:
+            return produced
+        if len(live) == 1 and live[0][0].device_round is not None and live[0][1] > 1:
+            s, budget = live[0]
+            ctx = RoundContext(history=s.history, pos=s.pos, limit=budget - 1, params=s.request.params, rng=s.rng)
+            return produced + [(s, self._commit(s, s.device_round(ctx, s.stats)))]
+        drafts = self._propose(live)
+        rows, verified = [], {}
+        for (s, _), draft in zip(live, drafts):
+            tokens = [s.history[-1]] + ([] if draft is None else draft.tokens)
+            if draft is not None and draft.verify_plan is not None and draft.reuse > 0:
+                # an early exit's verify that reuses its draft's prefix: this sequence's own calls
+                verified[id(s)] = s.view.verify(draft.verify_plan, tokens, s.pos, draft.reuse)
+            else:
+                tree = draft is not None and draft.is_tree
+                rows.append((s, Row(s.slot, s.pos, tokens, parents=draft.parents if tree else None)))
+        if rows:
+            for (s, _), logits in zip(rows, self.backend.run_rows(self.full, [row for _, row in rows])):
+                verified[id(s)] = logits
+        drafted = [0 if d is None else len(d.tokens) for d in drafts]
+        self.last_round = {"sequences": len(live), "rows": len(live) + sum(drafted), "drafted": drafted}
+        for (s, _), draft in zip(live, drafts):
+            logits = verified[id(s)]
+            if draft is None:
+                committed, path = [pick(logits[-1], s.request.params, s.rng)], None
+            else:
+                committed, path = accept(draft, logits, s.request.params, s.rng)
+                if path is not None:
+                    s.view.keep_rows(s.pos, kv_moves(path))
+                self._finish_round(s, draft, logits, committed, path)
+            produced.append((s, self._commit(s, committed)))
+        return produced
+
+    def _propose(self, live: list[tuple[Sequence, int]]) -> list[Draft | None]:
+        """Every live sequence's draft for this round (None: a plain step), cut by the load policy. Model draft
+        steps of all sequences run together: step j of every sequence still drafting is one call."""
+        batch = len(live)
+        drafts: list[Draft | None] = [None] * batch
+        stepping: dict[int, tuple] = {}  # index -> (its drafting generator, (token, pos) asked, ctx)
+        for i, (s, budget) in enumerate(live):
+            if s.drafter is None or budget == 1:
+                continue  # a plain step
+            if self.costs is not None and batch > 1 and s.longest_draft:
+                # the most this sequence's draft could bring, against its share of the batch's plain step: when
+                # even that does not pay, it does not propose at all (its lookups cost host time too)
+                best = min(s.longest_draft, budget - 1)
+                if not draft_pays(self.costs, s.acceptance, best, 0.0, batch):
+                    continue
+            allowed = True
+            model = s.drafter.model_part
+            if model is not None and self.costs is not None and batch > 1:
+                length = min(model.policy.max_draft, budget - 1)
+                step = self.draft_step_seconds or self.costs.round_cost([1])
+                allowed = draft_pays(self.costs, s.acceptance, length, step, batch)
+            ctx = RoundContext(s.history, s.pos, budget - 1, s.request.params, s.rng, model_allowed=allowed)
+            drafting = s.drafter.drafting(ctx)
+            try:
+                stepping[i] = (drafting, next(drafting), ctx)
+            except StopIteration as done:
+                drafts[i] = done.value
+        while stepping:
+            by_segment: dict = {}
+            for i in stepping:
+                by_segment.setdefault(live[i][0].drafter.model_part.step.kind.draft_segment, []).append(i)
+            for segment, members in by_segment.items():
+                rows = [Row(live[i][0].slot, stepping[i][1][1], [stepping[i][1][0]]) for i in members]
+                for i, logits in zip(members, self.backend.run_rows(segment, rows)):
+                    drafting, _, ctx = stepping[i]
+                    step = live[i][0].drafter.model_part.step
+                    try:
+                        stepping[i] = (drafting, drafting.send(step.from_logits(logits[-1], ctx)), ctx)
+                    except StopIteration as done:
+                        drafts[i] = done.value
+                        del stepping[i]
+        for i, (s, _) in enumerate(live):
+            draft = drafts[i]
+            if draft is not None and draft.is_tree and not s.view.tree_fits(s.pos, len(draft.tokens) + 1):
+                drafts[i] = draft.first_branch()  # a call this backend cannot make exactly: the first branch
+        if self.costs is None or batch == 1:
+            return drafts
+        available = [0 if d is None else len(d.tokens) for d in drafts]
+        lengths = choose_lengths(self.costs, [Choice(s.acceptance, n) for (s, _), n in zip(live, available)])
+        return [d if d is None or k == len(d.tokens) else _cut(d, k) for d, k in zip(drafts, lengths)]
+
+    def _finish_round(self, s: Sequence, draft: Draft, logits, committed: list[int], path) -> None:
+        """The round's statistics, the drafter's feedback and, for drafters that learn from the verifier's
+        rows, those rows; the sequence's running acceptance for the load policy."""
+        accepted = len(committed) - 1
+        s.stats.record(draft, accepted, path)
+        s.drafter.feedback(draft, accepted)
+        if s.drafter.observes:
+            ctx = RoundContext(s.history, s.pos, len(draft.tokens), s.request.params, s.rng)
+            s.drafter.observe(draft, logits, committed, ctx)
+        if draft.tokens:
+            rate = accepted / len(draft.tokens)
+            s.acceptance = ACCEPTANCE_MEMORY * s.acceptance + (1.0 - ACCEPTANCE_MEMORY) * rate
+
+    def _commit(self, s: Sequence, new: list[int]) -> list[int]:
+        s.pos += len(new)
+        s.history.extend(new)
+        return self._emit(s, new)
+
+    def _emit(self, s: Sequence, new: list[int]) -> list[int]:
+        """Cut ``new`` at the first EOS (kept, as transformers does); count it; mark a finished sequence."""
+        for i, token in enumerate(new):
+            if token in s.request.eos_ids:
+                s.stats.stop_reason = "eos"
+                new = new[: i + 1]
+                s.finished = True
+                break
+        s.stats.new_tokens += len(new)
+        if not s.finished and self._budget(s) <= 0:
+            s.stats.stop_reason = "length" if s.stats.new_tokens >= s.request.max_new_tokens else "context"
+            s.finished = True
+        if s.finished:
+            s.stats.seconds = time.perf_counter() - s.started
+        return new
+
+    def _budget(self, s: Sequence) -> int:
+        """How many more tokens ``s`` may produce: its own limit and the context (the slot's length)."""
+        return min(s.request.max_new_tokens - s.stats.new_tokens, s.view.max_len - s.pos)
+
+
+def _cut(draft: Draft, length: int) -> Draft:
+    """The first ``length`` tokens of a chain draft; a tree's first branch cut likewise (0: a plain step)."""
+    chain = draft.first_branch()
+    n = min(length, len(chain.tokens))
+    return Draft(
+        chain.tokens[:n], chain.q[:n], chain.sources[:n], min(chain.reuse, n), chain.verify_plan if n else None
+    )
+
+
+__all__ = ["BatchDecoder", "Sequence"]

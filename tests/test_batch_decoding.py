@@ -1,0 +1,243 @@
+"""The batch round (``runtime/decoding/batch.py``): every sequence of a batch decodes what it decodes alone.
+
+Sequences of different prompt and output lengths join and leave the batch between rounds, each with its own
+plan (plain, n-gram lookup chains, lookup trees, an early exit that reuses its prefix), on the torch backend
+and on ONNX Runtime's fused graphs; the load policy may cut their drafts to any length. Each sequence's
+output must equal its own batch-1 plain greedy output (the near-tie rule of docs/design.md section 6), and a
+sampled sequence must follow the plain sampler's distribution."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from lossless import assert_same_greedy, chi_square_pvalue, exact_marginals, next_token_logits, run
+from onnx_helpers import make_artifact, ort_backend
+from test_tree import TREE
+
+from speccompile.runtime.artifact.manifest import DraftPlan
+from speccompile.runtime.backends.slots import ReplicaSlots
+from speccompile.runtime.backends.torch.backend import TorchBackend
+from speccompile.runtime.decoding.batch import BatchDecoder
+from speccompile.runtime.decoding.load import CallCosts, Choice, choose_lengths, draft_pays, expected_tokens
+from speccompile.runtime.decoding.speculative import DecodeRequest
+from speccompile.runtime.sampling import SamplingParams
+
+LOOKUP = DraftPlan(name="lookup", lookup=["ngram"], lookup_max_draft=4, sources={"ngram": {"min": 1, "max": 3}})
+EXIT = DraftPlan(name="exit", exit_layer=1, head="final", sources={"model": {"max_draft": 3, "threshold": 0.0}})
+SKIP = DraftPlan(name="skip", skip_attn=[1], skip_mlp=[0], sources={"model": {"max_draft": 3, "threshold": 0.0}})
+
+
+def _prompts(vocab: int, count: int) -> list[list[int]]:
+    """Prompts that repeat themselves, so lookups draft, of different lengths."""
+    gen = torch.Generator().manual_seed(3)
+    prompts = []
+    for i in range(count):
+        head = torch.randint(3, vocab, (4 + i,), generator=gen).tolist()
+        prompts.append(head + head[:3] + torch.randint(3, vocab, (2,), generator=gen).tolist() + head)
+    return prompts
+
+
+def _decode_batch(backend, requests, max_batch, costs=None, joins=(), prefill_chunk=None):
+    """Run ``requests`` ((request, plan) pairs) through one BatchDecoder: the first ``max_batch`` from the
+    start, each later one when a place frees or at the step ``joins`` gives; their outputs in order."""
+    engine = BatchDecoder(backend, max_batch=max_batch, costs=costs, prefill_chunk=prefill_chunk)
+    outputs: dict[int, list[int]] = {}
+    pending = list(enumerate(requests))
+    live: dict[int, object] = {}
+    step = 0
+    while pending or live:
+        while pending and len(live) < max_batch and (not joins or step >= joins[min(pending[0][0], len(joins) - 1)]):
+            index, (request, plan) = pending.pop(0)
+            live[index] = engine.add(request, plan)
+            outputs[index] = []
+        by_id = {id(seq): i for i, seq in live.items()}
+        for seq, new in engine.step():
+            outputs[by_id[id(seq)]].extend(new)
+        for index, seq in list(live.items()):
+            if seq.finished:
+                engine.remove(seq)
+                del live[index]
+        step += 1
+        assert step < 2000, "the batch did not finish"
+    return [outputs[i] for i in range(len(requests))]
+
+
+def _check(decoder, alone_backend, requests, outputs) -> int:
+    near_ties = 0
+    for (request, _), got in zip(requests, outputs):
+        plain, _ = run(alone_backend, request.prompt_ids, request.max_new_tokens)
+        near_ties += assert_same_greedy(decoder, request.prompt_ids, plain, got)
+    assert near_ties <= 1, f"{near_ties} near-tie divergences: too many to be rounding"
+    return near_ties
+
+
+def _requests(decoder, plans, lengths=(9, 14, 6, 11, 8, 12)) -> list[tuple[DecodeRequest, DraftPlan | None]]:
+    prompts = _prompts(decoder.config.vocab_size, len(lengths))
+    return [
+        (DecodeRequest(prompt, new), plans[i % len(plans)]) for i, (prompt, new) in enumerate(zip(prompts, lengths))
+    ]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mistral", "gpt_neox"])
+def test_torch_batch_every_sequence_decodes_its_own_plain_output(family, tiny_decoder):
+    _, decoder = tiny_decoder(family)
+    requests = _requests(decoder, [None, LOOKUP, TREE, EXIT, SKIP, LOOKUP])
+    outputs = _decode_batch(TorchBackend(decoder), requests, max_batch=3, joins=(0, 0, 0, 2, 3, 5))
+    _check(decoder, TorchBackend(decoder), requests, outputs)
+
+
+@pytest.fixture(scope="module")
+def onnx_family(tiny_decoder, tmp_path_factory):
+    made = {}
+
+    def get(family: str):
+        if family not in made:
+            _, decoder = tiny_decoder(family)
+            plans = {p.name: p for p in (LOOKUP, TREE, EXIT, SKIP)}
+            root = make_artifact(decoder, plans, tmp_path_factory.mktemp("batch") / family, variant="fused")
+            made[family] = (decoder, root)
+        return made[family]
+
+    return get
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2", "mistral"])
+def test_onnx_batch_every_sequence_decodes_its_own_plain_output(family, onnx_family):
+    decoder, root = onnx_family(family)
+    requests = _requests(decoder, [None, LOOKUP, TREE, EXIT, SKIP, LOOKUP])
+    outputs = _decode_batch(ort_backend(root), requests, max_batch=4, joins=(0, 0, 1, 1, 4, 6), prefill_chunk=5)
+    _check(decoder, ort_backend(root), requests, outputs)
+
+
+def test_onnx_quantized_targets_in_a_batch_decode_their_own_plain_output(tiny_decoder, tmp_path):
+    """int8 / int4 graphs (int8 activations): a batch's rows run one call each for the verifier, so every output
+    is still the sequence's own plain output, to the token."""
+    _, decoder = tiny_decoder("llama")
+    for scheme in ("int8", "int4"):
+        plans = {p.name: p for p in (LOOKUP, SKIP)}
+        root = make_artifact(decoder, plans, tmp_path / scheme, variant="fused", quantize=scheme)
+        backend = ort_backend(root)
+        assert not backend.rows_share_a_call()
+        requests = _requests(decoder, [None, LOOKUP, SKIP, LOOKUP])[:4]
+        outputs = _decode_batch(backend, requests, max_batch=4)
+        alone = ort_backend(root)
+        for (request, _), got in zip(requests, outputs):
+            assert got == run(alone, request.prompt_ids, request.max_new_tokens)[0]
+
+
+def test_batch_with_the_load_policy_cutting_drafts_stays_lossless(tiny_decoder, onnx_family):
+    """Costs that make drafting expensive past two sequences: the policy cuts drafts to nothing or part of
+    them, rounds mix plain and speculative rows, and every output is still its plain one."""
+    _, decoder = tiny_decoder("llama")
+    costs = CallCosts({1: 1.0, 2: 1.05, 4: 1.2, 8: 2.0}, {1: 1.0, 2: 1.6, 3: 2.2, 4: 2.8, 5: 3.4})
+    requests = _requests(decoder, [LOOKUP, TREE, SKIP])
+    outputs = _decode_batch(TorchBackend(decoder), requests, max_batch=4, costs=costs)
+    _check(decoder, TorchBackend(decoder), requests, outputs)
+    onnx_decoder, root = onnx_family("llama")
+    requests = _requests(onnx_decoder, [LOOKUP, TREE, EXIT])
+    outputs = _decode_batch(ort_backend(root), requests, max_batch=4, costs=costs)
+    _check(onnx_decoder, ort_backend(root), requests, outputs)
+
+
+def test_a_batch_on_replicas_decodes_like_one_on_slots(tiny_decoder):
+    """Backends without slots (TensorRT, the generic torch path) batch through replicas: same outputs."""
+    _, decoder = tiny_decoder("llama")
+    requests = _requests(decoder, [None, LOOKUP, TREE])[:4]
+    on_slots = _decode_batch(TorchBackend(decoder), requests, max_batch=4)
+    on_replicas = _decode_batch(ReplicaSlots(TorchBackend(decoder)), requests, max_batch=4)
+    assert on_slots == on_replicas
+
+
+def test_a_sequence_that_leaves_hands_its_slot_to_the_last_one(tiny_decoder):
+    """Slots stay consecutive: the last sequence moves into a freed slot, with its cache, and decodes on."""
+    _, decoder = tiny_decoder("llama")
+    backend = TorchBackend(decoder)
+    engine = BatchDecoder(backend, max_batch=3)
+    prompts = _prompts(decoder.config.vocab_size, 3)
+    short, long_a, long_b = (
+        engine.add(DecodeRequest(prompts[0], 2)),
+        engine.add(DecodeRequest(prompts[1], 12)),
+        engine.add(DecodeRequest(prompts[2], 12), LOOKUP),
+    )
+    outputs = {id(s): [] for s in (short, long_a, long_b)}
+    while not (long_a.finished and long_b.finished):
+        for seq, new in engine.step():
+            outputs[id(seq)].extend(new)
+        if short.finished and short in engine.sequences:
+            engine.remove(short)
+            assert long_b.slot == 0 and [s.slot for s in engine.sequences] == [0, 1]
+    for seq, prompt in ((long_a, prompts[1]), (long_b, prompts[2])):
+        plain, _ = run(TorchBackend(decoder), prompt, 12)
+        assert_same_greedy(decoder, prompt, plain, outputs[id(seq)])
+
+
+def test_sampling_in_a_batch_follows_the_plain_distribution(small_vocab_llama):
+    """A sampled sequence beside others: its 3rd token's distribution (over seeds) is the plain sampler's,
+    by chi-square, with drafts accepted and rejected."""
+    decoder = small_vocab_llama
+    params = SamplingParams(temperature=1.0)
+    vocab = decoder.config.vocab_size
+    prompt = [x % vocab for x in range(vocab)] * 3
+    neighbour = DecodeRequest([5, 6, 7, 5, 6, 7, 5], 6)
+    thirds, accepted = [], 0
+    backend = TorchBackend(decoder)
+    for seed in range(600):
+        engine = BatchDecoder(backend, max_batch=2)
+        engine.add(neighbour, LOOKUP)
+        seq = engine.add(DecodeRequest(prompt, 3, params, seed=seed), LOOKUP)
+        tokens: list[int] = []
+        while not seq.finished:
+            for s, new in engine.step():
+                if s is seq:
+                    tokens.extend(new)
+        thirds.append(tokens[2])
+        accepted += seq.stats.accepted
+    assert 0 < accepted
+    _, expected = exact_marginals(next_token_logits(decoder), params, prompt, vocab)
+    assert chi_square_pvalue(thirds, expected) > 1e-3
+
+
+def test_expected_tokens_and_the_policy_fall_back_to_plain_under_load():
+    assert expected_tokens(0.0, 4) == pytest.approx(1.0)
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    # a call of n one-token rows: flat up to 4 rows, then linear; a row of w tokens alone costs like 1 row
+    costs = CallCosts({1: 1.0, 4: 1.0, 16: 4.0, 64: 16.0}, {1: 1.0, 5: 1.1})
+    few = [Choice(0.8, 4), Choice(0.8, 4)]
+    assert choose_lengths(costs, few) == [4, 4]  # nearly free alone: draft
+    many = [Choice(0.8, 4)] * 16
+    lengths = choose_lengths(costs, many)
+    rate = sum(expected_tokens(0.8, k) for k in lengths) / costs.round_cost([k + 1 for k in lengths])
+    assert rate >= 16 / costs.round_cost([1] * 16)  # never below plain batched decoding
+    poor = [Choice(0.05, 4)] * 16
+    assert choose_lengths(costs, poor) == [0] * 16  # drafts that are rarely right: plain batched decoding
+    padded = CallCosts({1: 1.0, 8: 1.0, 64: 8.0}, {1: 1.0}, pad_to_widest=True)
+    assert choose_lengths(padded, [Choice(0.9, 3)] * 2) == [3, 3]
+    assert choose_lengths(padded, [Choice(0.3, 3)] * 16) == [0] * 16
+    assert draft_pays(costs, 0.9, 4, 0.3, 1)
+    assert not draft_pays(costs, 0.3, 4, 0.5, 16)
+
+
+def test_measured_costs_come_from_the_backend_calls(tiny_decoder, onnx_family):
+    _, root = onnx_family("llama")
+    costs = CallCosts.measure(ort_backend(root), max_rows=4, max_width=3, context=8, repeats=1)
+    assert sorted(costs.batched) == [1, 2, 4] and sorted(costs.alone) == [1, 2, 3]
+    assert all(v > 0 for v in list(costs.batched.values()) + list(costs.alone.values()))
+    assert not costs.pad_to_widest
+    _, decoder = tiny_decoder("llama")
+    assert CallCosts.measure(TorchBackend(decoder), max_rows=2, max_width=2, context=8, repeats=1).pad_to_widest
+    again = CallCosts.from_dict(costs.as_dict())
+    assert again.round_cost([1, 1, 3]) == pytest.approx(costs.round_cost([1, 1, 3]), rel=1e-3)
+
+
+def test_batch_limits_are_one_line_errors(tiny_decoder):
+    from speccompile.runtime.errors import InputError
+
+    _, decoder = tiny_decoder("llama")
+    with pytest.raises(InputError, match="max_batch must be at least 1"):
+        BatchDecoder(TorchBackend(decoder), max_batch=0)
+    engine = BatchDecoder(TorchBackend(decoder), max_batch=1)
+    engine.add(DecodeRequest([5, 6], 3))
+    with pytest.raises(InputError, match="the batch is full"):
+        engine.add(DecodeRequest([5, 6], 3))
+    np.testing.assert_equal(len(engine.sequences), 1)

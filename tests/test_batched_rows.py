@@ -1,0 +1,136 @@
+"""Batched calls (``Backend.run_rows``): every row of a batch computes what it computes alone.
+
+Rows of one call differ in slot, position and width (a prompt chunk, one plain token, a k-token draft, a
+token tree), so a batch can hold sequences at any stage; each row's logits must be the ones the same row
+gives in a call of its own. Checked on ONNX Runtime's fused graphs (one call for the batch) and on the
+canonical torch decoder, on several families, against single-row calls on a backend of one slot."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from onnx_helpers import make_artifact, ort_backend
+
+from speccompile.runtime.artifact.manifest import DraftPlan
+from speccompile.runtime.backends.torch.backend import TorchBackend
+from speccompile.runtime.segments import Row, full_model
+
+PLANS = {"exit": DraftPlan(name="exit", exit_layer=1, head="final")}
+PARENTS = [-1, 0, 0, 1]  # a tree of 4 nodes below the input token
+
+
+def _prompts(vocab: int, lengths) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(11)
+    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
+
+
+def _batched_against_alone(make_backend, config, max_diff: float) -> float:
+    """Prefill four prompts of different lengths in one call, then one call of mixed rows (a plain token, a
+    3-token draft, a tree, a prompt chunk); every row against the same row run alone. Returns the largest
+    logit difference seen."""
+    prompts = _prompts(config.vocab_size, (7, 12, 3, 9))
+    batch, alone = make_backend(), make_backend()
+    batch.reserve(64, slots=4)
+    full = full_model(config.num_layers)
+    worst = 0.0
+
+    def compare(rows: list[Row]) -> None:
+        nonlocal worst
+        got = batch.run_rows(full, rows)
+        for row, logits in zip(rows, got):
+            alone.reserve(64)
+            for slot_prompt_row in history[row.slot]:  # the same cache contents, in slot 0 of its own backend
+                alone.run_rows(full, [Row(0, slot_prompt_row.pos, slot_prompt_row.tokens, parents=None)])
+            want = alone.run_rows(full, [Row(0, row.pos, row.tokens, parents=row.parents)])[0]
+            assert logits.shape == want.shape
+            diff = float(np.abs(logits - want).max())
+            worst = max(worst, diff)
+            assert diff <= max_diff, f"slot {row.slot}: a row in a batch differs from itself alone by {diff:.3g}"
+            assert (logits.argmax(-1) == want.argmax(-1)).all()
+
+    history: dict[int, list[Row]] = {slot: [] for slot in range(4)}
+    first = [Row(slot, 0, prompt) for slot, prompt in enumerate(prompts)]
+    compare(first)
+    for row in first:
+        history[row.slot].append(row)
+    tokens = _prompts(config.vocab_size, (1, 4, 5, 6))
+    mixed = [
+        Row(0, 7, tokens[0]),  # a plain step
+        Row(1, 12, tokens[1]),  # an input token and a 3-token draft
+        Row(2, 3, tokens[2], parents=PARENTS),  # an input token and a token tree
+        Row(3, 9, tokens[3]),  # a prompt chunk
+    ]
+    compare(mixed)
+    for row in mixed:
+        if row.parents is None:
+            history[row.slot].append(row)
+    # the tree row's KV is not kept: its slot continues from its prompt
+    steps = [Row(0, 8, [3]), Row(1, 16, [4]), Row(2, 3, [5]), Row(3, 15, [6])]
+    compare(steps)  # one call on backends that batch one-token rows
+    return worst
+
+
+@pytest.fixture(scope="module")
+def onnx_artifacts(tiny_decoder, tmp_path_factory):
+    made = {}
+
+    def get(family: str, variant: str = "fused"):
+        if (family, variant) not in made:
+            _, decoder = tiny_decoder(family)
+            root = make_artifact(decoder, PLANS, tmp_path_factory.mktemp("rows") / family, variant=variant)
+            made[family, variant] = (decoder, root)
+        return made[family, variant]
+
+    return get
+
+
+@pytest.mark.parametrize(
+    "family", ["llama", "qwen2", "gemma", "gpt_neox", "gpt2", "mistral", "llama/standard", "gpt2/standard"]
+)
+def test_onnx_rows_in_one_call_compute_what_they_compute_alone(family, onnx_artifacts):
+    decoder, root = onnx_artifacts(*family.split("/"))
+    worst = _batched_against_alone(lambda: ort_backend(root), decoder.config, max_diff=1e-5)
+    print(f"{family}: largest difference of a batched row from the same row alone {worst:.3g}")
+
+
+def test_onnx_one_token_rows_share_one_call_where_the_kernel_takes_their_positions(onnx_artifacts):
+    """Rotary applied inside GroupQueryAttention: the one-token rows of consecutive slots are one call; wider
+    rows (GroupQueryAttention takes a batch only with one new token per sequence) and rows of models with
+    learned positions (GPT-2: positions computed outside the kernel) run alone."""
+    _, llama = onnx_artifacts("llama")
+    _, gpt2 = onnx_artifacts("gpt2")
+    assert ort_backend(llama).rows_share_a_call()
+    assert not ort_backend(gpt2).rows_share_a_call()
+    backend = ort_backend(llama)
+    backend.reserve(16, slots=5)
+    calls = backend.index.calls(full_model(backend.config.num_layers))
+    steps = [Row(2, 6, [4]), Row(0, 4, [5]), Row(1, 9, [8])]
+    assert backend._groups(calls, steps) == [[1, 2, 0]]  # slot order
+    mixed = [Row(0, 4, [5]), Row(1, 9, [8, 9]), Row(2, 6, [4]), Row(3, 3, [7]), Row(4, 0, [1, 2])]
+    assert backend._groups(calls, mixed) == [[0], [1], [2, 3], [4]]
+
+
+def test_onnx_rows_keep_hidden_states_per_slot(onnx_artifacts):
+    """An early exit's prefix keeps each row's hidden states in its own slot; the suffix on them gives the
+    full model's logits, row by row."""
+    decoder, root = onnx_artifacts("llama")
+    backend = ort_backend(root)
+    backend.reserve(32, slots=2)
+    kinds = __import__("speccompile.runtime.drafting.kinds", fromlist=["kind_of"])
+    kind = kinds.kind_of(PLANS["exit"], decoder.config.num_layers)
+    prompts = _prompts(decoder.config.vocab_size, (6, 4))
+    rows = [Row(0, 0, prompts[0]), Row(1, 0, prompts[1])]
+    backend.run_rows(kind.prefix, rows)
+    got = backend.run_rows(kind.suffix, [Row(0, 0, count=6), Row(1, 0, count=4)])
+    alone = ort_backend(root)
+    for prompt, logits in zip(prompts, got):
+        alone.reserve(32)
+        np.testing.assert_allclose(logits, alone.forward(prompt, 0), atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma", "gpt2", "mistral"])
+def test_torch_rows_in_one_call_compute_what_they_compute_alone(family, tiny_decoder):
+    _, decoder = tiny_decoder(family)
+    worst = _batched_against_alone(lambda: TorchBackend(decoder), decoder.config, max_diff=1e-5)
+    print(f"{family}: largest difference of a batched row from the same row alone {worst:.3g}")
