@@ -91,7 +91,7 @@ limited 150 "$PY" -m pip install --quiet "tensorrt>=10.0,<11" "cuda-python>=12.6
 echo "       onnxruntime-gpu: $ORT_STATUS | tensorrt: $TRT_STATUS $("$PY" -c 'import tensorrt; print(tensorrt.__version__)' 2>/dev/null)"
 
 step "4/6 pytest -m cuda"
-(cd "$ROOT" && limited 120 "$PY" -m pytest -q -m cuda -p no:cacheprovider tests/test_cuda_graphs.py \
+(cd "$ROOT" && limited 120 "$PY" -m pytest -q -o addopts=-ra -m cuda -p no:cacheprovider tests/test_cuda_graphs.py \
     tests/test_tensorrt.py) >"$LOG/pytest-cuda.txt" 2>&1
 PYTEST_RC=$?
 tail -1 "$LOG/pytest-cuda.txt" | sed 's/^/       /'

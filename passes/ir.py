@@ -26,6 +26,8 @@ class DecoderIR:
     # ONNX exports' quantized weight copies (precision drafts), made once per build and reused by every export
     quantized: dict[str, Any] = field(default_factory=dict, repr=False)
     _decoder: Any = field(default=None, repr=False)
+    # a TemporaryDirectory holding extra_files' sources, removed with the IR (or when the process exits)
+    scratch: Any = field(default=None, repr=False)
 
     def attach_decoder(self, decoder) -> None:
         """Use ``decoder`` (the generic path's ``HFDecoder``, which holds its own weights) for the passes."""

@@ -83,6 +83,7 @@ class TuningContext:
     timings: dict = field(default_factory=dict)  # seconds per calibration phase
     trees: bool = False  # whether the runner's backend verifies token trees (runtime/tree.py)
     budget: object = None  # a budgeted build's Budget (passes/budget.py): progress bars show what is left
+    scratch: object = field(default=None, repr=False)  # the TemporaryDirectory behind workdir when prepare made it
 
     @classmethod
     def prepare(
@@ -141,7 +142,11 @@ class TuningContext:
         cost = measure_costs(decoder, max_draft + 1, seconds=share(TIMING_SHARE))
         lap("sublayer_costs")
         runner = runner or TorchRunner(ir)
-        workdir = Path(workdir) if workdir is not None else Path(tempfile.mkdtemp(prefix="speccompile-tune-"))
+        scratch = None
+        if workdir is None:  # a folder of its own, removed with the context (or when the process exits)
+            scratch = tempfile.TemporaryDirectory(prefix="speccompile-tune-")
+            workdir = scratch.name
+        workdir = Path(workdir)
         backend = runner.backend({})
         lap("runner_backend")
         costs = measure_step_costs(backend, cost, max_draft + LOOKUP_MAX_DRAFT + 1, seconds=share(TIMING_SHARE))
@@ -158,6 +163,7 @@ class TuningContext:
             confirm_tokens=confirm_tokens,
             runner=runner,
             workdir=workdir,
+            scratch=scratch,
             eos=frozenset(eos),
             timings=timings,
             trees=trees and backend.tree_unsupported() is None,

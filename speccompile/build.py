@@ -201,7 +201,8 @@ def tune_ir(
             del ir.extra_files[relative]
         # Plan resources (a datastore) live in the scratch folder: keep them until the artifact is written.
         if ir.extra_files:
-            keep = Path(tempfile.mkdtemp(prefix="speccompile-resources-"))
+            ir.scratch = tempfile.TemporaryDirectory(prefix="speccompile-resources-")
+            keep = Path(ir.scratch.name)
             for relative, source in list(ir.extra_files.items()):
                 (keep / relative).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copyfile(source, keep / relative)

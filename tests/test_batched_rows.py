@@ -134,3 +134,22 @@ def test_torch_rows_in_one_call_compute_what_they_compute_alone(family, tiny_dec
     _, decoder = tiny_decoder(family)
     worst = _batched_against_alone(lambda: TorchBackend(decoder), decoder.config, max_diff=1e-5)
     print(f"{family}: largest difference of a batched row from the same row alone {worst:.3g}")
+
+
+def test_torch_pads_of_a_row_near_its_end_fit_beside_a_wide_row(tiny_decoder):
+    """A one-token row at the last cache position, in one call with a prompt chunk wider than the room left:
+    the call pads it to the chunk's width, and the pads' KV writes must find room (the cache grows) instead of
+    running off the cache; the row still computes what it computes alone."""
+    _, decoder = tiny_decoder("llama")
+    config = decoder.config
+    first, chunk = _prompts(config.vocab_size, (15, 10))  # the first fills 15 of 16 positions
+    batch, alone = TorchBackend(decoder), TorchBackend(decoder)
+    batch.reserve(16, slots=2)
+    full = full_model(config.num_layers)
+    batch.run_rows(full, [Row(0, 0, first[:-1])])
+    got = batch.run_rows(full, [Row(0, 14, [first[-1]]), Row(1, 0, chunk)])
+    alone.reserve(16)
+    want = alone.run_rows(full, [Row(0, 0, first)])[0][-1:]
+    np.testing.assert_allclose(got[0], want, atol=1e-5)
+    alone.reserve(16)
+    np.testing.assert_allclose(got[1], alone.run_rows(full, [Row(0, 0, chunk)])[0], atol=1e-5)

@@ -9,6 +9,8 @@ lookup plan (n-gram 5..1, one token after a match of <= 1 token: the drafts the 
 model; no model subgraph, so every round is verified by the full graph). ``int4`` / ``int8`` / ``fp32``
 are today's graphs; ``-unpadded`` is the graph form before padding (GroupQueryAttention on exactly the
 call's rows, so one-token steps take MLAS's one-row kernel: see ``exporters/onnx_fused.FusedGraph.padding``);
+``int4-products-unpadded`` pads attention but not the products, whatever the build's CPU measures
+(``Quantizer.one_row_path_differs``: where it finds a one-row MatMulNBits kernel, ``int4`` pads them);
 ``int4-fp32act`` is MatMulNBits ``accuracy_level`` 1 (fp32 activations), the other candidate fix.
 
 For every prompt (the real-model benchmark's 12 and the 10 below), every variant decodes it plainly and
@@ -39,6 +41,7 @@ NEAR_TIE = 1e-4  # docs/design.md section 6
 VARIANTS = {
     "int4": {"variant": "fused", "quantize": "int4"},
     "int4-unpadded": {"variant": "fused", "quantize": "int4", "pad_rows": False},
+    "int4-products-unpadded": {"variant": "fused", "quantize": "int4", "pad_products": False},
     "int8": {"variant": "fused", "quantize": "int8"},
     "int8-unpadded": {"variant": "fused", "quantize": "int8", "pad_rows": False},
     "int4-fp32act": {"variant": "fused", "quantize": "int4", "accuracy_level": 1, "pad_rows": False},

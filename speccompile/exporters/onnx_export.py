@@ -186,6 +186,7 @@ def export_onnx_weights(
     accuracy_level: int = DEFAULT_ACCURACY_LEVEL,
     pack: bool = True,
     pad_rows: bool | None = None,
+    pad_products: bool | None = None,
     draft_heads: dict[str, Path] | None = None,
     derived: dict[str, np.ndarray] | None = None,
     arrays: dict[str, np.ndarray] | None = None,
@@ -203,6 +204,9 @@ def export_onnx_weights(
     a k-token verify computes exactly the 1-token steps it replaces (``FusedGraph.padding``). Quantized
     graphs need it (int8 activations turn MLAS's one-row rounding into whole quantization steps); fp32 graphs
     agree within the near-tie rule without it, and it costs their plain steps (about 0.88x measured).
+    ``pad_products`` (quantized fused graphs; default: measured here, ``Quantizer.one_row_path_differs``): every
+    ``MatMulNBits`` runs on at least two rows, where this CPU's one-row kernel rounds differently (int4 on an
+    AMD EPYC Zen 2 with AVX2; a product of two rows cost 1.03x one of one there).
     ``draft_heads`` maps plans' draft head files (exit adapters, reduced vocabularies) to where they are now.
 
     Memory: float weights already in the export's dtype are read in place (numpy views of the torch tensors)
@@ -223,6 +227,9 @@ def export_onnx_weights(
         if variant != "fused" or dtype != "float32":
             raise ValueError("quantized ONNX export needs variant='fused' and float32 weights")
         quantizer = Quantizer(quantize, block_size, accuracy_level)
+        if pad_products is None:
+            pad_products = pad_rows and quantizer.one_row_path_differs(config.hidden_size, config.intermediate_size)
+    pad_products = bool(pad_products) and quantizer is not None
     if variant == "fused" and not fused_supports(config):
         if quantizer is not None:
             raise ValueError(
@@ -241,7 +248,15 @@ def export_onnx_weights(
     L = config.num_layers
 
     if variant == "fused":
-        graph_class, graph_options = FusedGraph, {"quantizer": quantizer, "pack": pack, "pad_rows": pad_rows}
+        graph_class, graph_options = (
+            FusedGraph,
+            {
+                "quantizer": quantizer,
+                "pack": pack,
+                "pad_rows": pad_rows,
+                "pad_products": pad_products,
+            },
+        )
     else:
         graph_class, graph_options = GraphBuilder, {}
     lowering = _Lowering(config, np_dtype, weights, graph_class, graph_options, draft_heads)
@@ -289,6 +304,7 @@ def export_onnx_weights(
         "quantization": quantizer.record() if quantizer is not None else None,
         "packed_projections": pack if variant == "fused" else False,
         "padded_attention_rows": pad_rows if variant == "fused" else False,
+        "padded_product_rows": pad_products if variant == "fused" else False,  # measured at build, see above
         # several sequences' one-token steps in one call (no padding row at batch > 1; OnnxBackend.run_rows)
         "batched_steps": variant == "fused",
         "weights": rel(weights_path),
@@ -354,6 +370,7 @@ def export_options(record: dict[str, Any] | None) -> dict[str, Any]:
     if options["variant"] == "fused":
         options["pack"] = record.get("packed_projections", True)
         options["pad_rows"] = record.get("padded_attention_rows", bool(record.get("quantization")))
+        options["pad_products"] = record.get("padded_product_rows", False)
     quant = record.get("quantization")
     if quant:
         options.update(quantize=quant["scheme"], block_size=quant["block_size"], accuracy_level=quant["accuracy_level"])

@@ -13,7 +13,8 @@
   no reshapes), or ``MatMulNBits`` on its quantized form (``onnx_quant.Quantizer``);
 - a k-token call computes exactly what k 1-token calls compute (the speculative output then is the plain
   output, bit for bit, even with int8 activations): attention runs on one padding row more than the call
-  has (``padding``), and a graph that starts from another graph's hidden state (an early exit's suffix, the
+  has (``padding``), quantized products too where the CPU's one-row kernel rounds differently
+  (``pad_products``), and a graph that starts from another graph's hidden state (an early exit's suffix, the
   head) norms it with the same fused kernel the full graph uses there (``residual_start``);
 - a graph that starts from a hidden state ends at its last block's hidden state (``last_hidden``), and
   the runtime finishes it with the ``head`` graph the drafts use (``head_after_hidden``): ONNX Runtime
@@ -41,16 +42,27 @@ def gqa_rotary_ok(config: ArchConfig) -> bool:
 
 class FusedGraph(GraphBuilder):
     """See the module docstring. ``pack``: q/k/v and gate/up as one matmul each (``linear_cat``);
-    ``pad_rows``: attention on one more query row than the call has (``padding``)."""
+    ``pad_rows``: attention on one more query row than the call has (``padding``); ``pad_products``: every
+    ``MatMulNBits`` on one more row than the call has (a copy of its last, sliced off after), so that a one-token
+    step never takes a one-row kernel where the build's CPU has one that rounds differently
+    (``Quantizer.one_row_path_differs``)."""
 
     variant = "fused"
     head_after_hidden = False
 
     def __init__(
-        self, *args, quantizer: Quantizer | None = None, pack: bool = True, pad_rows: bool = True, tree: bool = False
+        self,
+        *args,
+        quantizer: Quantizer | None = None,
+        pack: bool = True,
+        pad_rows: bool = True,
+        tree: bool = False,
+        pad_products: bool = False,
     ):
         super().__init__(*args)
         self.quantizer, self.pack, self.pad_rows, self.tree = quantizer, pack, pad_rows, tree
+        self.pad_products = pad_products
+        self._seq_end: str | None = None
         self.position_ids = self.attention_bias = None  # a tree-capable graph's inputs (``declare_positions``)
         self._tree_args: tuple[str, str] | None = None
         self.seqlens_k = self.total_len = None  # int32 [batch], int32 scalar
@@ -106,6 +118,16 @@ class FusedGraph(GraphBuilder):
         if isinstance(weights, str):
             y = self.op("FusedMatMul", x, weights, domain=CONTRIB, transB=1)
             return self.op("Add", y, bias) if bias else y
+        if self.pad_products:  # at least two rows, whatever the call has (see pad_products in the docstring)
+            padded = self.op("Pad", x, self.ints(0, 0, 0, 0, 1, 0), mode="edge")
+            y = self.matmul_nbits(padded, weights, in_features, out_features, bias)
+            if self._seq_end is None:
+                self._seq_end = self.op("Slice", self.bt_shape, self.ints(1), self.ints(2))
+            return self.op("Slice", y, self.ints(0), self._seq_end, self.ints(1))
+        return self.matmul_nbits(x, weights, in_features, out_features, bias)
+
+    def matmul_nbits(self, x: str, weights: tuple[str, str, str], in_features: int, out_features: int, bias: str):
+        """One ``MatMulNBits`` with the quantizer's scheme."""
         q = self.quantizer
         args = [x, *weights, "", bias]
         while args[-1] == "":

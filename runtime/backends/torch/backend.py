@@ -261,6 +261,9 @@ class TorchBackend(Backend):
 
     def _run_group(self, segment: Segment, rows: list[Row]) -> list[np.ndarray | None]:
         n, width, first = len(rows), max(row.width for row in rows), rows[0].slot
+        reach = max(row.pos for row in rows) + width  # a short row's pads write past its tokens
+        if reach > self.slot_cache.max_len:  # a row near its end beside a wide one: room for the pads
+            self.reserve(max(reach, self.max_len), self.slots)
         where = Positions.rows([row.pos for row in rows], [row.parents for row in rows], width, self.device)
         cache = self.slot_cache.view(first, n)
         decoder = int8_twin(self.decoder) if segment.precision else self.decoder

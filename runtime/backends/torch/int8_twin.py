@@ -26,8 +26,12 @@ agreement, then the artifact's int8-behind-lookup plan timed in turns): smoothed
 step); no smoothing, fp16 down projections 87.8%, 1.46x. An artifact without scales (built before them)
 keeps the fp16 down projections.
 
-Activations use the full 8 bits (no ``reduce_range``): on a CPU without VNNI fbgemm's u8 x s8 pair sums may
-then saturate, which can only lower the draft's acceptance: the full model decides every token.
+Activations use the full 8 bits where this CPU's kernel sums u8 x s8 products exactly (VNNI, AMX), and 7 bits
+(``reduce_range``) where it does not: without VNNI, fbgemm sums each pair of products into int16 with
+saturation (AVX2's ``vpmaddubsw``), which a full 8-bit activation overflows. Measured at first use
+(``int8_pairs_saturate``), never assumed from the CPU's name: on an AMD EPYC (Zen 2, AVX2) a row of ones
+times a matrix of ones gave half its sum at 8 bits, and the twin's acceptance on the tiny test models fell
+from above 0.5 to 0.29-0.44 (lossless all the same: the full model decides every token).
 
 The full model never runs through the twin: plain decoding and every verify use the decoder itself.
 """
@@ -35,6 +39,7 @@ The full model never runs through the twin: plain decoding and every verify use 
 from __future__ import annotations
 
 import copy
+import functools
 import itertools
 import warnings
 import weakref
@@ -53,9 +58,25 @@ def int8_kernel_missing() -> str | None:
     return None
 
 
+@functools.cache
+def int8_pairs_saturate() -> bool:
+    """Whether this CPU's dynamic-int8 product saturates 8-bit activations (see the module's docstring): a row
+    of ones times a matrix of ones, whose exact product is the row's width, at the full 8 bits."""
+    width = 64
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        scale = torch.full((4,), 1 / 127, dtype=torch.double)
+        weight = torch.quantize_per_channel(
+            torch.ones(4, width), scale, torch.zeros(4, dtype=torch.long), 0, torch.qint8
+        )
+        packed = torch.ops.quantized.linear_prepack(weight, None)
+        out = torch.ops.quantized.linear_dynamic(torch.ones(2, width), packed, False)
+    return bool((out - width).abs().max() > 0.01 * width)
+
+
 class DynamicInt8Linear(nn.Module):
     """``F.linear(x, W, b)`` with ``W`` int8 per output channel (symmetric) and ``x`` quantized per call to
-    8 bits (no ``reduce_range``: see the module's docstring)."""
+    8 bits, or 7 where this CPU's kernel would saturate 8 (``int8_pairs_saturate``)."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -69,11 +90,12 @@ class DynamicInt8Linear(nn.Module):
             self._packed = torch.ops.quantized.linear_prepack(quantized, bias)
         self.in_features, self.out_features = weight.shape[1], weight.shape[0]
         self.nbytes = weight.numel() + 4 * weight.shape[0]
+        self.reduce_range = int8_pairs_saturate()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:  # a draft step is ~120 of these: no no-op casts around each
-            return torch.ops.quantized.linear_dynamic(x, self._packed, False)
-        return torch.ops.quantized.linear_dynamic(x.float(), self._packed, False).to(x.dtype)
+            return torch.ops.quantized.linear_dynamic(x, self._packed, self.reduce_range)
+        return torch.ops.quantized.linear_dynamic(x.float(), self._packed, self.reduce_range).to(x.dtype)
 
 
 class DynamicFp16Linear(nn.Module):
@@ -288,6 +310,7 @@ __all__ = [
     "fold_points",
     "input_scales_from",
     "int8_kernel_missing",
+    "int8_pairs_saturate",
     "int8_twin",
     "release_int8_twin",
     "set_input_scales",
