@@ -62,7 +62,12 @@ OTHER_PROMPTS = [
     "Summarise the causes of the French Revolution in one paragraph.",
     "Write a polite email declining an invitation to a conference talk.",
 ]
-PLAN = {"name": "lookup", "lookup": ["ngram"], "ngram_min": 1, "ngram_max": 5, "lookup_max_draft": 8, "short_ngram": 1}
+PLAN = {
+    "name": "lookup",
+    "lookup": ["ngram"],
+    "lookup_max_draft": 8,
+    "sources": {"ngram": {"min": 1, "max": 5, "short": 1}},
+}
 
 
 def chat(user: str) -> str:
