@@ -128,20 +128,10 @@ class FusedGraph(GraphBuilder):
 
     def matmul_nbits(self, x: str, weights: tuple[str, str, str], in_features: int, out_features: int, bias: str):
         """One ``MatMulNBits`` with the quantizer's scheme."""
-        q = self.quantizer
         args = [x, *weights, "", bias]
         while args[-1] == "":
             args.pop()
-        return self.op(
-            "MatMulNBits",
-            *args,
-            domain=CONTRIB,
-            K=in_features,
-            N=out_features,
-            bits=q.bits,
-            block_size=q.block_size,
-            accuracy_level=q.accuracy_level,
-        )
+        return self.op("MatMulNBits", *args, domain=CONTRIB, **self.quantizer.attributes(in_features, out_features))
 
     def linear(self, x: str, prefix: str, out_features: int) -> str:
         return self.linear_cat(x, [prefix], out_features)

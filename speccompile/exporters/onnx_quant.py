@@ -75,6 +75,16 @@ class Quantizer:
                 weights[zp_name] = zero_points
         return base, f"{base}.scales", zp_name
 
+    def attributes(self, in_features: int, out_features: int) -> dict[str, int]:
+        """A ``MatMulNBits`` node's attributes for a product of this scheme."""
+        return {
+            "K": in_features,
+            "N": out_features,
+            "bits": self.bits,
+            "block_size": self.block_size,
+            "accuracy_level": self.accuracy_level,
+        }
+
     def one_row_path_differs(self, in_features: int, out_features: int, seed: int = 0) -> bool:
         """Whether this CPU's ``MatMulNBits`` computes a row alone (M = 1) differently from the same row among
         others (M >= 2), measured on a random weight of the model's shape. MLAS takes a one-row kernel for
@@ -93,15 +103,7 @@ class Quantizer:
         packed, scales, zero_points = self.tensors(weights, "w")
         names = [packed, scales] + ([zero_points] if zero_points else [])
         node = helper.make_node(
-            "MatMulNBits",
-            ["x", *names],
-            ["y"],
-            domain=CONTRIB,
-            K=in_features,
-            N=out_features,
-            bits=self.bits,
-            block_size=self.block_size,
-            accuracy_level=self.accuracy_level,
+            "MatMulNBits", ["x", *names], ["y"], domain=CONTRIB, **self.attributes(in_features, out_features)
         )
         graph = helper.make_graph(
             [node],
