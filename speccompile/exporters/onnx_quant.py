@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any
 
@@ -85,41 +86,61 @@ class Quantizer:
             "accuracy_level": self.accuracy_level,
         }
 
-    def one_row_path_differs(self, in_features: int, out_features: int, seed: int = 0) -> bool:
-        """Whether this CPU's ``MatMulNBits`` computes a row alone (M = 1) differently from the same row among
-        others (M >= 2), measured on a random weight of the model's shape. MLAS takes a one-row kernel for
-        some schemes on some CPUs (int4 with int8 activations on an AMD EPYC Zen 2, AVX2: about 1e-6 apart,
-        which the next product's int8 activations turn into whole quantization steps; int8 there, and both on
-        the AVX-512 VNNI CPUs measured, compute M = 1 as one row of many). Where it does, the target graph
-        gives every product at least two rows (``FusedGraph.pad_products``); a verify's rows then compute
-        exactly the steps they replace. Rows of calls of 2, 3, 5 and 8 rows are compared with one another
-        too: a difference there is not one padding row can remove (the artifact's load-time self-check,
-        ``runtime/backends/onnx_selfcheck.py``, refuses to speculate where a verify still differs)."""
-        import onnxruntime as ort
-        from onnx import TensorProto, helper, numpy_helper
-
-        rng = np.random.default_rng(seed)
-        weights = {"w": (rng.standard_normal((out_features, in_features)) * 0.05).astype(np.float32)}
-        packed, scales, zero_points = self.tensors(weights, "w")
-        names = [packed, scales] + ([zero_points] if zero_points else [])
-        node = helper.make_node(
-            "MatMulNBits", ["x", *names], ["y"], domain=CONTRIB, **self.attributes(in_features, out_features)
+    def one_row_path_differs(self, in_features: int, out_features: int) -> bool:
+        """``one_row_path_differs`` for this quantizer's scheme, measured once per process and shape (a build
+        exports its graphs several times)."""
+        return one_row_path_differs(
+            self.scheme, self.block_size, self.accuracy_level, self.symmetric, in_features, out_features
         )
-        graph = helper.make_graph(
-            [node],
-            "probe",
-            [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", in_features])],
-            [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", out_features])],
-            [numpy_helper.from_array(weights[name], name) for name in names],
-        )
-        model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(CONTRIB, 1)])
-        session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-        x = rng.standard_normal((8, in_features)).astype(np.float32)
-        many = {m: session.run(None, {"x": x[:m]})[0] for m in (2, 3, 5, 8)}
-        if any(not np.array_equal(many[m], many[8][:m]) for m in (2, 3, 5)):
-            return False  # rows differ among multi-row calls too: no padding makes a verify its steps
-        alone = np.concatenate([session.run(None, {"x": x[i : i + 1]})[0] for i in range(8)])
-        return not np.array_equal(alone, many[8])
 
 
-__all__ = ["CONTRIB", "DEFAULT_ACCURACY_LEVEL", "DEFAULT_BLOCK_SIZE", "QUANTIZED_COPY", "QUANT_BITS", "Quantizer"]
+@functools.cache
+def one_row_path_differs(
+    scheme: str, block_size: int, accuracy_level: int, symmetric: bool, in_features: int, out_features: int
+) -> bool:
+    """Whether this CPU's ``MatMulNBits`` computes a row alone (M = 1) differently from the same row among
+    others (M >= 2), measured on a random weight of the model's shape. MLAS takes a one-row kernel for
+    some schemes on some CPUs (int4 with int8 activations on an AMD EPYC Zen 2, AVX2: about 1e-6 apart,
+    which the next product's int8 activations turn into whole quantization steps; int8 there, and both on
+    the AVX-512 VNNI CPUs measured, compute M = 1 as one row of many). Where it does, the target graph
+    gives every product at least two rows (``FusedGraph.pad_products``); a verify's rows then compute
+    exactly the steps they replace. Rows of calls of 2, 3, 5 and 8 rows are compared with one another
+    too: a difference there is not one padding row can remove (the artifact's load-time self-check,
+    ``runtime/backends/onnx_selfcheck.py``, refuses to speculate where a verify still differs)."""
+    import onnxruntime as ort
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    weights = {"w": (rng.standard_normal((out_features, in_features)) * 0.05).astype(np.float32)}
+    quantizer = Quantizer(scheme, block_size, accuracy_level, symmetric)
+    packed, scales, zero_points = quantizer.tensors(weights, "w")
+    names = [packed, scales] + ([zero_points] if zero_points else [])
+    node = helper.make_node(
+        "MatMulNBits", ["x", *names], ["y"], domain=CONTRIB, **quantizer.attributes(in_features, out_features)
+    )
+    graph = helper.make_graph(
+        [node],
+        "probe",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["rows", in_features])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["rows", out_features])],
+        [numpy_helper.from_array(weights[name], name) for name in names],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(CONTRIB, 1)])
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    x = rng.standard_normal((8, in_features)).astype(np.float32)
+    many = {m: session.run(None, {"x": x[:m]})[0] for m in (2, 3, 5, 8)}
+    if any(not np.array_equal(many[m], many[8][:m]) for m in (2, 3, 5)):
+        return False  # rows differ among multi-row calls too: no padding makes a verify its steps
+    alone = np.concatenate([session.run(None, {"x": x[i : i + 1]})[0] for i in range(8)])
+    return not np.array_equal(alone, many[8])
+
+
+__all__ = [
+    "CONTRIB",
+    "DEFAULT_ACCURACY_LEVEL",
+    "DEFAULT_BLOCK_SIZE",
+    "QUANTIZED_COPY",
+    "QUANT_BITS",
+    "Quantizer",
+    "one_row_path_differs",
+]
