@@ -54,6 +54,7 @@ from .lookup_autotune import NGRAM_SIZES, score_lookup
 from .plans import tuned_target
 from .precision_estimate import estimation_twin, int8_input_scales, release_twins
 from .replay import ReplayedRound, estimate_rounds, round_mix
+from .resident import return_freed_memory
 from .tuning import TuningContext
 
 SCHEMES = {"torch": ({"precision": "int8"},), "onnx": ({"precision": "int8"}, {"precision": "int4"})}
@@ -172,11 +173,14 @@ class PrecisionTune(Pass):
         decoder = self._decoder()
         if decoder.embed.weight.device.type != "cpu" or int8_kernel_missing():
             return 0.0  # the int8 twin runs on CPU only (a GPU build drafts no precision plan with this pass)
+        c.runner.release()  # the twin and the torch decoder run here: not beside the backend's sessions
         self._smooth(ir)
-        twin = estimation_twin(decoder, "int8", "torch")
         plan = precision_plan({"precision": "int8"}, c.max_draft)
         profile = c.profile(plan, c.sample(0.25))
         rate = float(np.concatenate(profile.matches).mean()) if profile.matches else 0.0
+        release_twins(decoder)  # an ONNX Runtime stand-in scored the sample: not beside the torch twin that times
+        return_freed_memory()
+        twin = estimation_twin(decoder, "int8", "torch")
         ids = torch.tensor([[3]], device=decoder.embed.weight.device)
         full = min(_best_seconds(lambda: decoder(ids)) for _ in range(5))
         draft = min(_best_seconds(lambda: twin(ids)) for _ in range(5))
@@ -185,6 +189,7 @@ class PrecisionTune(Pass):
         if c.runner.name != "torch":  # the torch twin priced the bound only: not in memory next to the sessions
             del twin
             release_int8_twin(decoder)
+            return_freed_memory()
         return hybrid_bound(c, speedup) if "lookup" in ir.plans else speedup
 
     # -- the pass ---------------------------------------------------------------------------------------------
@@ -279,11 +284,11 @@ class PrecisionTune(Pass):
                 "draft_step_ms": round(draft * 1e3, 3),
                 "verify_after_draft": round(factor, 3),
             }
-        if not self.real_loop:  # the sessions are not needed while the stand-ins score: not both in memory
-            backend = None
-            c.runner.release()
+        backend = None  # the sessions are not needed while the stand-ins score on torch: not both in memory
+        c.runner.release()
         candidates = sorted(self._candidates(ir), key=lambda found: -found[1].expected_speedup)
         release_twins(self._decoder())  # the stand-ins are for scoring only
+        return_freed_memory()
         if self.real_loop:  # the best candidates by the parallel estimate, scored again in the real loop
             scored, firsts = [], {}
             for found in candidates:  # the best of each composition, then the next best
@@ -292,6 +297,7 @@ class PrecisionTune(Pass):
             chosen += [found for found in candidates if all(found is not f for f in chosen)][
                 : max(self.real_loop - len(chosen), 0)
             ]
+            backend = c.runner.backend(plans)  # the same export's sessions, opened again
             for plan, parallel, _ in chosen:
                 rounds = self._real_rounds(backend, plan)
                 scored.append((plan, estimate_rounds(rounds, plan, c.costs), rounds, parallel))

@@ -166,6 +166,7 @@ def tune_ir(
             ChooseDefaultPlan(keep_only_default=method.keep_only_default),
         ]
         ir = PassManager(passes, log, budget if method.budgeted else None)(ir)
+        runner.release()  # the tuning sessions' packed weights are not kept while the artifact is written
         if ir.default_plan is None:
             log(
                 f"warning: no draft plan beat plain decoding on {context.device} (best confirmed "

@@ -14,21 +14,29 @@ import shutil
 from pathlib import Path
 
 from speccompile.passes.ir import DecoderIR
+from speccompile.passes.resident import drop_file_pages, return_freed_memory
 from speccompile.passes.tuning import TorchRunner
 
 
 class OnnxRunner:
+    """The ONNX Runtime sessions of the plans asked for last, over an export in the tuning run's scratch folder.
+
+    The build holds the weights about once: while the sessions are open (they hold ONNX Runtime's packed copy)
+    the torch decoder's weights, pages of the mapped model file, are dropped from memory
+    (``speccompile.memory.drop_file_pages``), and a pass that needs the torch side at length (the int8 twin's
+    bound) first ``release``s the sessions, which the next ``backend`` call opens again from the same export."""
+
     name = "onnx"
 
     def __init__(self, ir: DecoderIR, workdir: Path):
         self.ir, self.workdir = ir, Path(workdir)
         self._key = None
         self._backend = None
+        self._export = None  # (folder, record, arrays) of the last export, reopened after a release
         self._exports = 0
 
     def backend(self, plans: dict | None = None):
         from speccompile.artifact import model_plans, write_backend_files
-        from speccompile.runtime.backends.onnx import OnnxBackend
 
         plans = model_plans(plans or {})
         key = tuple(
@@ -37,8 +45,12 @@ class OnnxRunner:
                 for name, p in plans.items()
             )
         )
+        if key == self._key and self._backend is not None:
+            return self._backend
+        self._backend = None
+        return_freed_memory()  # the last sessions' packed weights go before the next ones are made
         if key != self._key:
-            self._backend = None
+            self._export = None
             folder = self.workdir / f"onnx-export-{self._exports}"
             shutil.rmtree(self.workdir / f"onnx-export-{self._exports - 1}", ignore_errors=True)  # one copy on disk
             self._exports += 1
@@ -49,16 +61,28 @@ class OnnxRunner:
                 if p.draft_head_file in self.ir.extra_files
             }  # exported as graphs (exporters/onnx_blocks.py)
             ir = dataclasses.replace(self.ir, plans=dict(plans), extra_files=heads)
-            # The sessions get the weights the torch decoder holds and the quantized copies from memory (not a
-            # private copy of weights.bin per export): the build holds the model once however many exports
+            # Tensors several sessions share come from the memory the torch decoder and the quantized copies
+            # already hold (not a private copy of weights.bin per export); the others each session reads itself.
             arrays: dict = {}
             record = write_backend_files(folder, ir, ["onnx"], onnx_memory={"arrays": arrays})["onnx"]
-            self._backend, self._key = OnnxBackend(folder, record, self.ir.config, initializers=arrays), key
+            self._export, self._key = (folder, record, arrays), key
+        self._backend = self._open()
         return self._backend
 
+    def _open(self):
+        from speccompile.runtime.backends.onnx import OnnxBackend
+
+        folder, record, arrays = self._export
+        drop_file_pages(self.ir.weights.values())  # before the sessions pack their copy, and after
+        backend = OnnxBackend(folder, record, self.ir.config, initializers=arrays)
+        drop_file_pages(self.ir.weights.values())
+        return backend
+
     def release(self) -> None:
-        """Drop the last export's sessions (its ONNX Runtime packed weights) until a backend is asked for again."""
-        self._backend, self._key = None, None
+        """Drop the sessions (ONNX Runtime's packed weights) until a backend is asked for again: the same plans'
+        sessions are then opened again from the export, without exporting anew."""
+        self._backend = None
+        return_freed_memory()
 
 
 def make_runner(name: str, ir: DecoderIR, workdir: Path):

@@ -3,6 +3,7 @@ the logits check of every graph against the torch backend."""
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -39,6 +40,27 @@ def make_artifact(
     )
     write_manifest(root, manifest)
     return root
+
+
+def split_memory_bounds(root: Path, plain: int, speculative: int) -> None:
+    """With pre-packing on, plain decoding (the verify session) holds the weights about once, packed (and a tied
+    embedding table twice), and an
+    early-exit artifact's sessions (prefix, suffix, head) each weight packed once plus one unpacked copy of the
+    tensors they share (the tied embedding: a Gather and a head); a weight packed twice would add the weights again."""
+    from speccompile.runtime.backends.onnx_initializers import shared_tensors
+
+    record = json.loads((root / "manifest.json").read_text())["backends"]["onnx"]
+    weights = (root / "onnx" / "weights.bin").stat().st_size
+    names = shared_tensors(record["graphs"], [k for k in record["graphs"] if k != "verify"], record["tensors"])
+    shared = sum({(t["offset"], t["nbytes"]): t["nbytes"] for n, t in record["tensors"].items() if n in names}.values())
+    print(
+        f"\npre-packed: weights {weights / 2**20:.1f} MiB, plain (verify) {plain / 2**20:.1f} MiB, early exit "
+        f"{speculative / 2**20:.1f} MiB, of which shared tensors {shared / 2**20:.1f} MiB"
+    )
+    embed = record["tensors"]["embed.weight"]["nbytes"]  # a tied table twice: the Gather's and the head's packed
+    assert plain <= 1.25 * weights + embed, f"plain decoding holds {plain / weights:.2f}x the weights"
+    sessions = 48 * 2**20  # two more sessions' own arenas and threads (about 20 MiB each here)
+    assert speculative <= plain + shared + sessions, f"the early exit holds {speculative / weights:.2f}x the weights"
 
 
 def ort_backend(root: Path, **kwargs) -> OnnxBackend:

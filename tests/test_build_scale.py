@@ -9,6 +9,8 @@ resident-set figures (``benchmarks/scale.py`` measures those at real shapes)."""
 from __future__ import annotations
 
 import json
+import mmap
+import sys
 import time
 
 import numpy as np
@@ -310,3 +312,31 @@ def test_an_estimation_twin_keeps_its_grid_as_codes_not_a_float_copy():
             for t in (grid.codes, grid.scale) + ((grid.zero,) if grid.zero is not None else ())
         )
         assert held < linear.weight.numel() * 4 / 2.5
+
+
+def _present_pages(array: np.ndarray) -> int:
+    page = mmap.PAGESIZE
+    first = array.__array_interface__["data"][0] // page
+    with open("/proc/self/pagemap", "rb", buffering=0) as f:
+        f.seek(first * 8)
+        entries = np.frombuffer(f.read(-(-array.nbytes // page) * 8), dtype=np.uint64)
+    return int(((entries >> np.uint64(63)) & np.uint64(1)).sum())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/pagemap")
+def test_dropping_file_pages_keeps_what_was_written(tmp_path):
+    """A build drops the mapped model file's pages while ONNX Runtime holds its packed copy: only clean file pages
+    go (read back byte for byte), a page written in a private mapping (anonymous memory now) stays as written."""
+    from speccompile.passes.resident import drop_file_pages
+
+    path = tmp_path / "weights.bin"
+    np.arange(1 << 18, dtype=np.float32).tofile(path)  # 1 MiB: 256 pages
+    mapped = np.memmap(path, dtype=np.float32, mode="c")  # private, copy on write, as transformers maps
+    total = float(np.arange(1 << 18, dtype=np.float64).sum())
+    assert float(mapped.sum(dtype=np.float64)) == total
+    mapped[5] = -1.0  # its page is now the process's own
+    assert _present_pages(mapped) > 1
+    assert drop_file_pages([mapped]) > 0
+    assert _present_pages(mapped) == 1  # the written page only
+    assert mapped[5] == -1.0 and float(mapped.sum(dtype=np.float64)) == total - 5.0 - 1.0  # read back the same
+    assert drop_file_pages([mapped[:0]]) == 0

@@ -25,7 +25,14 @@ pytest.importorskip("onnxruntime")
 onnx = pytest.importorskip("onnx")
 
 from lossless import assert_speculative_is_plain, run  # noqa: E402
-from onnx_helpers import artifact_cache, check_greedy_lossless, check_logits, make_artifact, ort_backend  # noqa: E402
+from onnx_helpers import (  # noqa: E402
+    artifact_cache,
+    check_greedy_lossless,
+    check_logits,
+    make_artifact,
+    ort_backend,
+    split_memory_bounds,
+)
 from tiny_models import FAMILIES  # noqa: E402
 
 from speccompile.exporters.onnx_export import fused_supports  # noqa: E402
@@ -229,8 +236,8 @@ def test_build_quantize_cli(tiny_model_dir, tmp_path):
 
 
 def test_fused_early_exit_memory_with_prepacking(tmp_path):
-    """With pre-packing on (the default), speculative decoding (prefix, suffix and head sessions) stays within
-    1.1x of plain decoding's resident memory (the verify session alone): the tied head is packed once."""
+    """With pre-packing on (the default), plain decoding holds the fused graphs' weights once, packed, and
+    speculative decoding (prefix, suffix and head sessions) each weight packed once (``split_memory_bounds``)."""
     import sys
 
     from tiny_models import make_model
@@ -260,4 +267,4 @@ def test_fused_early_exit_memory_with_prepacking(tmp_path):
     root = make_artifact(decoder, plan_map, tmp_path / "artifact", folder / "tokenizer.json", variant="fused")
     plain, spec = measure(root, "verify", prepack=True, threads=1), measure(root, "all", prepack=True, threads=1)
     assert spec["sessions"] == ["head", "prefix.4", "suffix.4"]
-    assert spec["bytes"] <= 1.1 * plain["bytes"], (spec["bytes"] / 2**20, plain["bytes"] / 2**20)
+    split_memory_bounds(root, plain["bytes"], spec["bytes"])

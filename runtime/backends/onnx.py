@@ -16,11 +16,13 @@ Mirrors ``runtime/backends/torch/backend.py`` call for call. The KV cache is one
 - ``standard`` graphs (ONNX ops only) concatenate past and new KV, so each call feeds one row's past slice
   ``[:, :, :pos]`` and writes the new entries of ``present`` back at ``pos .. pos+T-1``; rows run one by one.
 
-Weights are shared in memory by every session: ``weights.bin`` is read once, each unique tensor
-becomes one ``OrtValue`` over that buffer, and every session receives it through
-``SessionOptions.add_initializer`` under its own initializer names (with ORT weight prepacking
-disabled, so sessions do not make packed copies). The graphs' external-data references are therefore
-never read by ONNX Runtime.
+Weights are in memory once. A tensor that several of the backend's sessions use becomes one ``OrtValue``,
+read once from ``weights.bin``, that every such session receives through ``SessionOptions.add_initializer``.
+A tensor only one session uses is read by that session itself from the graph's external data: with weight
+prepacking on (the default) ONNX Runtime packs it for its matmul kernels and frees the bytes it read, so
+the packed copy is the only one (an ``OrtValue`` given by the caller must outlive the session, so ONNX
+Runtime keeps it beside the packed copy: SmolLM2-135M loaded at 1.45 GB that way, 0.54 GB of it the
+unpacked weights). With ``prepack=False`` every tensor is shared.
 
 This module must not import torch or transformers.
 """
@@ -41,7 +43,7 @@ from ..tree import attention_rows as tree_attention_rows
 from ..tree import depths as tree_depths
 from .base import Backend
 from .graph_index import GraphIndex, full_model_without_verify
-from .onnx_initializers import from_arrays, from_blob, read_weights
+from .onnx_initializers import from_arrays, from_blob, read_weights, shared_tensors
 from .onnx_selfcheck import tree_refusal
 
 _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "uint8": np.uint8}
@@ -149,19 +151,19 @@ class OnnxBackend(Backend):
                 raise BackendUnavailableError(f"unknown device {device!r} for the ONNX backend; use cpu or cuda")
         self.providers = providers
 
-        # -- the shared weights, read once (runtime/backends/onnx_initializers.py) -------------------
+        opened = [key for key in graphs if roles is None or key in roles]
+        # -- the weights: shared ones read once, the rest read by their one session (onnx_initializers.py) ----
+        shared = shared_tensors(graphs, opened, tensors) if prepack else set(tensors)
+        self._blob = read_weights(self.root, record, tensors, weights_rel, mmap=True)  # checked; read as needed
         if initializers is not None:
-            self._blob = None
-            self._arrays, self._ortvalues = from_arrays(ort, tensors, initializers)
+            self._arrays, self._ortvalues = from_arrays(ort, tensors, initializers, only=shared)
         else:
-            self._blob = read_weights(self.root, record, tensors, weights_rel, mmap)
-            self._arrays, self._ortvalues = from_blob(ort, tensors, self._blob)
+            self._arrays, self._ortvalues = from_blob(ort, tensors, self._blob, only=shared, copy=not mmap)
 
-        # -- one session per graph, all on the same OrtValues ---------------------------------------
+        # -- one session per graph, the shared tensors as the same OrtValues ---------------------------
         self.sessions: dict[str, Any] = {}
         self.inputs: dict[str, list[str]] = {}
         self.outputs: dict[str, list[str]] = {}
-        opened = [key for key in graphs if roles is None or key in roles]
         # Sessions take turns only when there is more than one; a lone verify session keeps onnxruntime's default
         self.spin_stop = len(opened) > 1 and stop_spinning_after_runs()
         for key in opened:
@@ -190,12 +192,13 @@ class OnnxBackend(Backend):
             options.add_session_config_entry("session.disable_prepacking", "1")
         options.log_severity_level = 3
         for name in g.get("initializers", []):
-            if name not in self._ortvalues:
+            if name not in self.record["tensors"]:
                 raise ArtifactError(
                     f"ONNX graph {g['file']!r} needs tensor {name!r}, which the manifest's tensor table "
                     "lacks; rebuild the artifact with --backend onnx"
                 )
-            options.add_initializer(name, self._ortvalues[name])
+            if name in self._ortvalues:  # the others this session reads from weights.bin itself
+                options.add_initializer(name, self._ortvalues[name])
         try:
             session = ort.InferenceSession(str(path), sess_options=options, providers=self.providers)
         except Exception as exc:  # onnxruntime raises its own exception types (InvalidProtobuf, Fail, ...)

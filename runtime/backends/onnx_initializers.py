@@ -1,7 +1,9 @@
 """The ``OrtValue`` every ONNX Runtime session of a backend shares, one per unique tensor of the export's table.
 
 Sessions receive them through ``SessionOptions.add_initializer`` (``runtime/backends/onnx.py``), so however many
-sessions a backend opens the weights are in memory once. They come from ``weights.bin`` (an artifact: read once,
+sessions a backend opens the weights are in memory once. Only tensors that several sessions read are shared so
+(``shared_tensors``) when sessions prepack their weights: a tensor one session reads is read by that session
+from the graph's external data and freed once packed, where a given ``OrtValue`` would stay beside its packed copy. They come from ``weights.bin`` (an artifact: read once,
 or memory-mapped) or from arrays a caller already holds (a build's tuning runner: the canonical weights the torch
 decoder holds, as numpy views, and the quantized copies it made once). ONNX Runtime still reads from the file
 the weights it folds at session creation (the fused graphs' packed q/k/v and gate/up projections are a Concat
@@ -45,31 +47,54 @@ def read_weights(root: Path, record: dict, tensors: dict[str, dict], relative: s
     return np.fromfile(path, dtype=np.uint8, count=need)
 
 
-def from_blob(ort, tensors: dict[str, dict], blob: np.ndarray) -> tuple[dict[tuple, np.ndarray], dict[str, Any]]:
-    """(arrays by table slot, OrtValue by tensor name) over ``blob``, the bytes of ``weights.bin``: tensors the
-    table stores once (a tied head) share one array and one OrtValue."""
+def shared_tensors(graphs: dict[str, dict], opened: list[str], tensors: dict[str, dict]) -> set[str]:
+    """The tensors whose bytes (their slot in ``weights.bin``) more than one of the ``opened`` graphs reads: those
+    become shared ``OrtValue``s; a session reads the others itself (and frees what it packs)."""
+    readers: dict[tuple, set[str]] = {}
+    for key in opened:
+        for name in graphs[key].get("initializers", []):
+            if name in tensors:
+                readers.setdefault(_slot(tensors[name]), set()).add(key)
+    return {name for name, t in tensors.items() if len(readers.get(_slot(t), ())) > 1}
+
+
+def _slot(t: dict) -> tuple:
+    return (t["offset"], t["nbytes"], t["dtype"], tuple(t["shape"]))
+
+
+def from_blob(
+    ort, tensors: dict[str, dict], blob: np.ndarray, only: set[str] | None = None, copy: bool = False
+) -> tuple[dict[tuple, np.ndarray], dict[str, Any]]:
+    """(arrays by table slot, OrtValue by tensor name) over ``blob``, the bytes of ``weights.bin``, for the tensors
+    in ``only`` (default all); ``copy`` reads each into private memory (``blob`` is then a map of the file, of
+    which only these tensors' pages are read). Tensors the table stores once (a tied head) share one array and
+    one OrtValue."""
     arrays: dict[tuple, np.ndarray] = {}
     values: dict[str, Any] = {}
     by_slot: dict[tuple, Any] = {}
     for name, t in tensors.items():
-        slot = (t["offset"], t["nbytes"], t["dtype"], tuple(t["shape"]))
+        if only is not None and name not in only:
+            continue
+        slot = _slot(t)
         if slot not in by_slot:
             arr = blob[t["offset"] : t["offset"] + t["nbytes"]].view(NUMPY_DTYPES[t["dtype"]]).reshape(t["shape"])
-            arrays[slot] = arr
-            by_slot[slot] = ort.OrtValue.ortvalue_from_numpy(arr)
+            arrays[slot] = np.array(arr) if copy else arr
+            by_slot[slot] = ort.OrtValue.ortvalue_from_numpy(arrays[slot])
         values[name] = by_slot[slot]
     return arrays, values
 
 
 def from_arrays(
-    ort, tensors: dict[str, dict], given: Mapping[str, np.ndarray]
+    ort, tensors: dict[str, dict], given: Mapping[str, np.ndarray], only: set[str] | None = None
 ) -> tuple[dict[str, np.ndarray], dict[str, Any]]:
-    """(arrays, OrtValue by tensor name) over arrays already in memory, each checked against the table's dtype
-    and shape (an ``OrtValue`` over a numpy array reads its memory: the arrays must outlive the sessions, which
-    the backend ensures by keeping them)."""
+    """(arrays, OrtValue by tensor name) over arrays already in memory, for the tensors in ``only`` (default all),
+    each checked against the table's dtype and shape (an ``OrtValue`` over a numpy array reads its memory: the
+    arrays must outlive the sessions, which the backend ensures by keeping them)."""
     arrays: dict[str, np.ndarray] = {}
     values: dict[str, Any] = {}
     for name, t in tensors.items():
+        if only is not None and name not in only:
+            continue
         arr = given.get(name)
         if arr is None or arr.dtype != NUMPY_DTYPES[t["dtype"]] or list(arr.shape) != list(t["shape"]):
             raise ArtifactError(f"tensor {name!r} is not in memory as the ONNX export's table describes it")
@@ -78,4 +103,4 @@ def from_arrays(
     return arrays, values
 
 
-__all__ = ["NUMPY_DTYPES", "from_arrays", "from_blob", "read_weights"]
+__all__ = ["NUMPY_DTYPES", "from_arrays", "from_blob", "read_weights", "shared_tensors"]

@@ -212,7 +212,8 @@ def export_onnx_weights(
     Memory: float weights already in the export's dtype are read in place (numpy views of the torch tensors)
     and written to ``weights.bin`` one tensor at a time, so an export holds no second copy of the model.
     ``derived`` (a dict the caller keeps between exports, such as a tuning run's) holds the quantized copies
-    precision drafts use: each is made once, then reused. ``arrays`` (a dict to fill): every tensor the
+    precision drafts use: each is made once, then reused, and kept as a map of the ``weights.bin`` it was first
+    written to (resident only while read: ONNX Runtime sessions read their own copy). ``arrays`` (a dict to fill): every tensor the
     graphs use, by name, for a caller that hands them to ONNX Runtime from memory (``weights.bin`` is still
     written: ONNX Runtime reads the inputs of the weight concatenations it folds, the packed projections, from
     the file, whatever initializers it is given)."""
@@ -245,6 +246,7 @@ def export_onnx_weights(
     weights = _numpy_weights(weights, np_dtype)
     if derived is not None:
         weights.update(derived)
+    reused = set(derived or ())
     L = config.num_layers
 
     if variant == "fused":
@@ -269,8 +271,15 @@ def export_onnx_weights(
         plan_records[plan_name] = {"kind": kind.name, "graphs": list(dict.fromkeys(graphs))}
 
     tensors, total_bytes, weights_path = _write_weights(lowering.graphs, weights, out_dir)
-    if derived is not None:  # quantized copies made by this export, for the next one
-        derived.update({name: array for name, array in weights.items() if QUANTIZED_COPY.search(name)})
+    if derived is not None:  # quantized copies made by this export, for the next one: read back from the file
+        # written, so that they take memory only while something reads them (ONNX Runtime reads them itself)
+        written = np.memmap(weights_path, dtype=np.uint8, mode="r") if total_bytes else None
+        for name in [n for n in weights if QUANTIZED_COPY.search(n) and n not in reused]:
+            t = tensors.get(name)
+            if t is not None:
+                view = written[t["offset"] : t["offset"] + t["nbytes"]]
+                weights[name] = view.view(np.dtype(t["dtype"])).reshape(t["shape"])
+            derived[name] = weights[name]
     if arrays is not None:
         arrays.update({name: weights[name] for name in tensors})
     graph_records = {}
