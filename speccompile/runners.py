@@ -23,7 +23,7 @@ class OnnxRunner:
 
     The build holds the weights about once: while the sessions are open (they hold ONNX Runtime's packed copy)
     the torch decoder's weights, pages of the mapped model file, are dropped from memory
-    (``speccompile.memory.drop_file_pages``), and a pass that needs the torch side at length (the int8 twin's
+    (``passes/resident.drop_file_pages``), and a pass that needs the torch side at length (the int8 twin's
     bound) first ``release``s the sessions, which the next ``backend`` call opens again from the same export."""
 
     name = "onnx"

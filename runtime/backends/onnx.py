@@ -98,8 +98,8 @@ class OnnxBackend(Backend):
         """``record`` is the manifest's ``backends["onnx"]``. ``providers`` overrides the execution
         providers chosen from ``device`` ("cpu" or "cuda"); ``threads`` is ORT's intra-op thread count
         (0: ORT's default); ``roles`` limits the sessions created to those graph keys (default: every
-        graph in the record); ``mmap=True`` maps weights.bin read-only instead of reading it into
-        private memory (pages then shared with the page cache and other processes).
+        graph in the record); ``mmap=True`` keeps the shared tensors as views of the read-only map of weights.bin
+        instead of copying them into private memory (pages then shared with the page cache and other processes).
 
         ``prepack`` (default on) lets ORT pre-pack weights for its matmul kernels: about 1.5x faster
         decoding and a verify of k tokens barely dearer than one step, which is what speculation needs;
@@ -154,7 +154,7 @@ class OnnxBackend(Backend):
         opened = [key for key in graphs if roles is None or key in roles]
         # -- the weights: shared ones read once, the rest read by their one session (onnx_initializers.py) ----
         shared = shared_tensors(graphs, opened, tensors) if prepack else set(tensors)
-        self._blob = read_weights(self.root, record, tensors, weights_rel, mmap=True)  # checked; read as needed
+        self._blob = read_weights(self.root, record, tensors, weights_rel)  # checked, mapped; read as needed
         if initializers is not None:
             self._arrays, self._ortvalues = from_arrays(ort, tensors, initializers, only=shared)
         else:

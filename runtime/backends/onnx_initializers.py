@@ -3,9 +3,10 @@
 Sessions receive them through ``SessionOptions.add_initializer`` (``runtime/backends/onnx.py``), so however many
 sessions a backend opens the weights are in memory once. Only tensors that several sessions read are shared so
 (``shared_tensors``) when sessions prepack their weights: a tensor one session reads is read by that session
-from the graph's external data and freed once packed, where a given ``OrtValue`` would stay beside its packed copy. They come from ``weights.bin`` (an artifact: read once,
-or memory-mapped) or from arrays a caller already holds (a build's tuning runner: the canonical weights the torch
-decoder holds, as numpy views, and the quantized copies it made once). ONNX Runtime still reads from the file
+from the graph's external data and freed once packed, where a given ``OrtValue`` would stay beside its packed
+copy. They come from ``weights.bin`` (an artifact: copied out of a map of the file, or kept as views of it) or
+from arrays a caller already holds (a build's tuning runner: the canonical weights the torch decoder holds, as
+numpy views, and the quantized copies it made once). ONNX Runtime still reads from the file
 the weights it folds at session creation (the fused graphs' packed q/k/v and gate/up projections are a Concat
 of initializers: constant folding reads its inputs from the external data, not from the initializers given).
 
@@ -25,10 +26,10 @@ from ..errors import ArtifactError
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "uint8": np.uint8}
 
 
-def read_weights(root: Path, record: dict, tensors: dict[str, dict], relative: str, mmap: bool = False) -> np.ndarray:
-    """The bytes of the export's ``weights.bin`` the tensor table needs, read into private memory or (``mmap``)
-    mapped read-only (pages shared with the page cache and other processes); a missing or truncated file is a
-    one-line error."""
+def read_weights(root: Path, record: dict, tensors: dict[str, dict], relative: str) -> np.ndarray:
+    """The bytes of the export's ``weights.bin`` the tensor table needs, mapped read-only (a page is read when a
+    tensor on it is: ``from_blob`` copies the shared tensors out, or keeps views); a missing or truncated file is
+    a one-line error."""
     path = root / relative
     if not path.is_file():
         raise ArtifactError(
@@ -42,9 +43,9 @@ def read_weights(root: Path, record: dict, tensors: dict[str, dict], relative: s
             f"ONNX weights file {relative!r} is truncated ({size} bytes, the graphs need {need}); restore it "
             "or rebuild the artifact with --backend onnx"
         )
-    if mmap:
-        return np.memmap(path, dtype=np.uint8, mode="r", shape=(need,))
-    return np.fromfile(path, dtype=np.uint8, count=need)
+    if need == 0:  # nothing to map (numpy cannot map zero bytes)
+        return np.zeros(0, dtype=np.uint8)
+    return np.memmap(path, dtype=np.uint8, mode="r", shape=(need,))
 
 
 def shared_tensors(graphs: dict[str, dict], opened: list[str], tensors: dict[str, dict]) -> set[str]:

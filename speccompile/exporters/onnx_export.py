@@ -213,8 +213,8 @@ def export_onnx_weights(
     and written to ``weights.bin`` one tensor at a time, so an export holds no second copy of the model.
     ``derived`` (a dict the caller keeps between exports, such as a tuning run's) holds the quantized copies
     precision drafts use: each is made once, then reused, and kept as a map of the ``weights.bin`` it was first
-    written to (resident only while read: ONNX Runtime sessions read their own copy). ``arrays`` (a dict to fill): every tensor the
-    graphs use, by name, for a caller that hands them to ONNX Runtime from memory (``weights.bin`` is still
+    written to (resident only while read: ONNX Runtime sessions read their own copy). ``arrays`` (a dict to
+    fill): every tensor the graphs use, by name, for a caller that hands them to ONNX Runtime from memory (``weights.bin`` is still
     written: ONNX Runtime reads the inputs of the weight concatenations it folds, the packed projections, from
     the file, whatever initializers it is given)."""
     if dtype not in ("float32", "float16"):
