@@ -98,7 +98,8 @@ def speccompile_rows(args, prompts: list[list[int]]) -> tuple[list[dict], list[l
     }
     costs = schedulers["speculative batched"].costs
     if costs is not None:
-        print(f"call costs timed at start: {json.dumps(costs.as_dict())}", file=sys.stderr)
+        where = "from the build's manifest" if costs.source == "manifest" else "timed at start"
+        print(f"call costs ({where}): {json.dumps(costs.as_dict())}", file=sys.stderr)
     rows = []
     for turn, streams in enumerate(counts):
         names = list(schedulers) if turn % 2 == 0 else list(reversed(schedulers))

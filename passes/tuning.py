@@ -42,6 +42,9 @@ class Runner(Protocol):
 
     def backend(self, plans: dict[str, DraftPlan] | None = None): ...
 
+    def plain_backend(self):
+        """A backend whose full model runs plain and batched calls, without exporting anything new."""
+
     def release(self) -> None:
         """Drop the backend made last (the next ``backend`` makes one again): frees its memory meanwhile."""
 
@@ -56,6 +59,10 @@ class TorchRunner:
         from speccompile.runtime.backends.torch.backend import TorchBackend
 
         return TorchBackend(self.ir.decoder(), device=self.ir.device)
+
+    def plain_backend(self):
+        """A backend whose full model runs plain and batched calls (the call costs' timing)."""
+        return self.backend()
 
     def release(self) -> None:
         """Nothing to drop: the torch backend runs the IR's own decoder."""

@@ -16,6 +16,7 @@ from speccompile.loading import SourceModel, load_source
 from speccompile.passes.adapter import DRAFT_HEADS_DIR
 from speccompile.passes.base import PassManager
 from speccompile.passes.budget import CONFIRM_SHARE, Budget, cap_seconds, default_seconds
+from speccompile.passes.call_costs import time_call_costs
 from speccompile.passes.confirm import MIN_TURNS, ChooseDefaultPlan, ConfirmPlans
 from speccompile.passes.ir import DecoderIR
 from speccompile.passes.pipeline import METHODS, BuildOptions, PipelineInputs, TuneOptions, TuningOptions
@@ -166,6 +167,8 @@ def tune_ir(
             ChooseDefaultPlan(keep_only_default=method.keep_only_default),
         ]
         ir = PassManager(passes, log, budget if method.budgeted else None)(ir)
+        seconds_left = budget.left() - budget.write_reserve if method.budgeted else None
+        time_call_costs(runner, ir, seconds_left, context.costs.forward[0], log)
         runner.release()  # the tuning sessions' packed weights are not kept while the artifact is written
         if ir.default_plan is None:
             log(

@@ -423,6 +423,21 @@ def echo_verify_costs(tuning: dict) -> None:
     )
 
 
+def echo_call_costs(tuning: dict) -> None:
+    """The batched call costs the build timed for serve's load policy (``passes/call_costs.py``): a call of n
+    one-token rows, and one row of w tokens, in ms, and the machine they describe."""
+    stored = tuning.get("call_costs")
+    if not stored:
+        return
+    from speccompile.runtime.decoding.load import CallCosts
+
+    costs = CallCosts.from_dict(stored, "the manifest's tuning.call_costs")
+    rows = ", ".join(f"{n} {seconds * 1e3:.1f}" for n, seconds in sorted(costs.batched.items()))
+    widths = ", ".join(f"{w} {seconds * 1e3:.1f}" for w, seconds in sorted(costs.alone.items()) if w > 1)
+    click.echo(f"  batched call costs (ms), one-token rows: {rows}; one row of w tokens: {widths}")
+    click.echo(f"    timed on {costs.machine or 'an unnamed machine'}")
+
+
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
 @click.option("--json", "as_json", is_flag=True, help="Print the whole manifest.")
@@ -489,6 +504,7 @@ def inspect(artifact, as_json):
             )
     echo_pass_table(manifest.tuning)
     echo_verify_costs(manifest.tuning)
+    echo_call_costs(manifest.tuning)
     for name, plan in manifest.plans.items():
         m = plan.measured
         default = " (default)" if name == manifest.default_plan else ""
@@ -728,12 +744,19 @@ def serve(
         backend=backend,
         device=device,
     )
+    costs = app.state.speccompile.scheduler.costs
+    pricing = ""
+    if costs is not None:
+        pricing = "; drafts priced with call costs " + (
+            "from the build (timed on this machine)" if costs.source == "manifest" else "timed at start"
+        )
     run_server(
         app,
         host=host,
         port=port,
         announce=lambda url: click.echo(
-            f"serving {artifact} on {url}/v1, up to {max_batch} requests in a batch, queue {max_queue}", err=True
+            f"serving {artifact} on {url}/v1, up to {max_batch} requests in a batch, queue {max_queue}{pricing}",
+            err=True,
         ),
     )
 

@@ -78,6 +78,13 @@ class OnnxRunner:
         drop_file_pages(self.ir.weights.values())
         return backend
 
+    def plain_backend(self):
+        """A backend whose full model runs plain and batched calls (the call costs' timing): the sessions open
+        now, or those of the last export opened again, without exporting for other plans."""
+        if self._backend is None and self._export is not None:
+            self._backend = self._open()
+        return self._backend if self._backend is not None else self.backend({})
+
     def release(self) -> None:
         """Drop the sessions (ONNX Runtime's packed weights) until a backend is asked for again: the same plans'
         sessions are then opened again from the export, without exporting anew."""

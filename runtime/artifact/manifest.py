@@ -382,6 +382,10 @@ class Manifest:
                 f"manifest default_plan {quote(self.default_plan)} is not one of its plans "
                 f"{quote(sorted(self.plans), 200)}; rebuild the artifact"
             )
+        if isinstance(self.tuning, dict) and "call_costs" in self.tuning:
+            from .measured import check_call_costs
+
+            check_call_costs(self.tuning["call_costs"])
         if self.dtype not in DTYPES:
             raise ArtifactError(
                 f"manifest dtype {quote(self.dtype)} is not one of {', '.join(DTYPES)}; rebuild the artifact"

@@ -9,6 +9,7 @@ fields of its own (``per_exit_layer``, ``adapter``, ...): any JSON value, not ch
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from ..errors import ArtifactError
@@ -65,4 +66,27 @@ def check_measured(measured: Any, where: str) -> dict[str, Any]:
     return measured
 
 
-__all__ = ["MEASURED_FIELDS", "check_measured"]
+def check_call_costs(data: Any, where: str = "the manifest's tuning.call_costs") -> dict[str, Any]:
+    """The batched call costs a build stored (``passes/call_costs.py``) as typed parts: ``batched`` and ``alone``
+    ({rows or tokens: seconds}, every count >= 1, every time finite and positive), ``pad_to_widest`` and
+    ``machine``; a one-line ``ArtifactError`` naming ``where`` otherwise (``runtime/decoding/load.CallCosts``)."""
+    shape = 'need {"batched": {rows: seconds}, "alone": {tokens: seconds}}'
+    if not isinstance(data, dict):
+        raise ArtifactError(f"{where} are malformed ({shape}, got {type(data).__name__}); rebuild the artifact")
+    parts: dict[str, Any] = {}
+    for name in ("batched", "alone"):
+        points = data.get(name)
+        if not isinstance(points, dict) or not points:
+            raise ArtifactError(f"{where} are malformed ({shape}; {name} is missing or empty); rebuild the artifact")
+        try:
+            parts[name] = {int(k): float(v) for k, v in points.items()}
+        except (TypeError, ValueError):
+            raise ArtifactError(f"{where}.{name} are malformed ({shape}); rebuild the artifact") from None
+        if any(k < 1 or not math.isfinite(v) or v <= 0 for k, v in parts[name].items()):
+            raise ArtifactError(f"{where}.{name} need positive times for counts >= 1; rebuild the artifact")
+    parts["pad_to_widest"] = bool(data.get("pad_to_widest", False))
+    parts["machine"] = str(data.get("machine", ""))
+    return parts
+
+
+__all__ = ["MEASURED_FIELDS", "check_call_costs", "check_measured"]

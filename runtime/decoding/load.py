@@ -7,7 +7,8 @@ down (vLLM turns speculation off above a batch size; SmartSpec / TurboSpec choos
 Here each round chooses, from
 
 - the measured cost of the backend's calls (``CallCosts``: a call of n one-token rows, a row of w tokens
-  alone; timed at load, and by the build when it has the time),
+  alone; timed by the build when it has the time and stored in the manifest, reused at load on the machine
+  they were timed on, timed at load elsewhere: ``call_costs``),
 - each sequence's expected accepted tokens for a draft of length k, from its own running acceptance
   (``expected_tokens``),
 
@@ -29,6 +30,8 @@ from typing import Sequence
 
 import numpy as np
 
+from ..artifact.measured import check_call_costs
+from ..machine import machine_key
 from ..segments import Row, full_model
 
 PRIOR_ACCEPTANCE = 0.6  # a sequence's acceptance before it has drafted (a typical lookup / self-draft rate)
@@ -44,12 +47,16 @@ def expected_tokens(acceptance: float, drafted: int) -> float:
 @dataclass
 class CallCosts:
     """Seconds of the backend's calls: ``batched[n]`` a call of n one-token rows, ``alone[w]`` one row of w
-    tokens; between and beyond the measured points, linear interpolation and extrapolation."""
+    tokens; between and beyond the measured points, linear interpolation and extrapolation. ``machine`` is
+    where they were timed (``runtime/machine.machine_key``); ``source`` says whether they were timed now or
+    read from the artifact's manifest (the build times them when it has the time: ``tuning["call_costs"]``)."""
 
     batched: dict[int, float]
     alone: dict[int, float]
     pad_to_widest: bool = False
     measured: dict = field(default_factory=dict)
+    machine: str = ""
+    source: str = "timed"
 
     @staticmethod
     def _curve(points: dict[int, float], x: float) -> float:
@@ -74,29 +81,38 @@ class CallCosts:
             self._curve(self.alone, w) for w in widths if w > 1
         )
 
+    def covers(self, max_rows: int, max_width: int) -> bool:
+        """Whether the timed points reach ``max_rows`` one-token rows and a row of ``max_width`` tokens (beyond
+        them the curves are extrapolated)."""
+        return max(self.batched) >= max_rows and max(self.alone) >= max_width
+
     def as_dict(self) -> dict:
         return {
             "batched": {str(k): float(f"{v:.6g}") for k, v in sorted(self.batched.items())},
             "alone": {str(k): float(f"{v:.6g}") for k, v in sorted(self.alone.items())},
             "pad_to_widest": self.pad_to_widest,
+            "machine": self.machine,
         }
 
     @classmethod
-    def from_dict(cls, data: dict) -> "CallCosts":
+    def from_dict(cls, data, where: str = "call costs") -> "CallCosts":
+        """The costs ``as_dict`` wrote; a one-line ``ArtifactError`` naming ``where`` when they are malformed."""
+        parts = check_call_costs(data, where)
         return cls(
-            {int(k): float(v) for k, v in data["batched"].items()},
-            {int(k): float(v) for k, v in data["alone"].items()},
-            bool(data.get("pad_to_widest", False)),
+            parts["batched"], parts["alone"], parts["pad_to_widest"], machine=parts["machine"], source="manifest"
         )
 
     @classmethod
     def measure(cls, backend, max_rows: int, max_width: int, context: int = 64, repeats: int = 3) -> "CallCosts":
         """Time the backend's calls on its own slots: n one-token rows for n = 1, 2, 4, .. ``max_rows`` and one
         row of w = 2 .. ``max_width`` tokens, at ``context`` positions of past, each the best of ``repeats``
-        after a warm-up. Seconds, on the machine and threads that will decode."""
+        after a warm-up. Seconds, on the machine and threads that will decode. The past is computed once, in
+        slot 0, and copied to the other slots (a prefill of every slot would cost ``max_rows`` times more)."""
         full = full_model(backend.config.num_layers)
         backend.reserve(context + max_width + 2, slots=max(max_rows, 1))
-        backend.run_rows(full, [Row(s, 0, [1] * context) for s in range(max_rows)])  # a past to attend to
+        backend.run_rows(full, [Row(0, 0, [1] * context)])  # a past to attend to
+        for slot in range(1, max_rows):
+            backend.move_slot(0, slot, context)
 
         def best(rows: list[Row]) -> float:
             backend.run_rows(full, rows)
@@ -111,7 +127,18 @@ class CallCosts:
         batched = {n: best([Row(s, context, [1]) for s in range(n)]) for n in counts}
         alone = {1: batched[1]}
         alone.update({w: best([Row(0, context, [1] * w)]) for w in range(2, max_width + 1)})
-        return cls(batched, alone, backend.rows_pad_to_widest)
+        return cls(batched, alone, backend.rows_pad_to_widest, machine=machine_key(backend))
+
+
+def call_costs(backend, stored, max_rows: int, max_width: int) -> CallCosts:
+    """What a batch of up to ``max_rows`` sequences drafting up to ``max_width - 1`` tokens prices its drafts with:
+    the build's costs (``stored``: a manifest's ``tuning["call_costs"]``, or None) when they were timed on this
+    machine and backend and reach those sizes; otherwise timed now on ``backend`` (a few seconds)."""
+    if stored is not None:
+        costs = CallCosts.from_dict(stored, "the manifest's tuning.call_costs")
+        if costs.machine == machine_key(backend) and costs.covers(max_rows, max_width):
+            return costs
+    return CallCosts.measure(backend, max_rows=max_rows, max_width=max_width)
 
 
 @dataclass
@@ -180,6 +207,7 @@ def longest_draft(plan) -> int:
 __all__ = [
     "CallCosts",
     "Choice",
+    "call_costs",
     "PRIOR_ACCEPTANCE",
     "choose_lengths",
     "expected_tokens",

@@ -28,7 +28,7 @@ from typing import Callable
 
 from speccompile.runtime import SpeculativeModel
 from speccompile.runtime.decoding.batch import BatchDecoder
-from speccompile.runtime.decoding.load import CallCosts, longest_draft
+from speccompile.runtime.decoding.load import call_costs, longest_draft
 from speccompile.runtime.decoding.speculative import DecodeRequest, cache_length
 from speccompile.runtime.errors import InputError
 from speccompile.runtime.sampling import SamplingParams
@@ -86,9 +86,10 @@ class Scheduler:
         self.plan = model.draft_plan(plan) if speculate else None
         self.decoder = BatchDecoder(model.backend, max_batch=max_batch, prefill_chunk=prefill_chunk, root=model.root)
         if self.plan is not None and max_batch > 1 and measure_costs:
-            # what the load policy prices drafts with, timed here on this machine's cores (a few seconds)
+            # what the load policy prices drafts with: the build's timings on this machine, or timed now (seconds)
             width = longest_draft(self.plan) + 1
-            self.decoder.costs = CallCosts.measure(self.decoder.backend, max_rows=max_batch, max_width=width)
+            stored = model.manifest.tuning.get("call_costs")
+            self.decoder.costs = call_costs(self.decoder.backend, stored, max_rows=max_batch, max_width=width)
         self.costs = self.decoder.costs
         self.waiting: collections.deque[Job] = collections.deque()
         self.running: list[Job] = []

@@ -1,0 +1,55 @@
+"""The build times the batched calls the load policy prices drafts with, and stores them in the manifest.
+
+Why: a server that batches sequences chooses each round's draft lengths from the cost of a call of n one-token
+rows and of a row of w tokens (``runtime/decoding/load.py``). Timed at every start, that is seconds of a
+server's start-up, and ``inspect`` could not show the curve. The build has the backend open on the machine it
+tuned on, so it times them once (``tuning["call_costs"]``, with the machine they describe); a server on the
+same machine reuses them, elsewhere it times its own (``runtime/decoding/load.call_costs``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from speccompile.runtime.decoding.load import CallCosts, longest_draft
+
+CALL_COST_ROWS = 16  # one-token rows timed in one call: serve's batches up to 16 reuse them without extrapolating
+REPEATS = 3  # each point: the best of this many calls after a warm-up (as ``CallCosts.measure``)
+
+
+def estimated_seconds(step_seconds: float, rows: int, width: int) -> float:
+    """About what ``CallCosts.measure`` takes, from the plain step's seconds: a call of n rows costs about a step
+    up to a few rows and grows with n past them (SmolLM2 on 2 cores: 16 rows 2.3 steps)."""
+    counts = sorted({1, rows} | {2**i for i in range(1, 8) if 2**i < rows})
+    calls = sum(max(1.0, n / 4) for n in counts) + 1.5 * max(width - 1, 0)
+    return step_seconds * ((REPEATS + 1) * calls + 3)
+
+
+def time_call_costs(runner, ir, seconds_left: float | None, step_seconds: float, log: Callable[[str], None]) -> None:
+    """Time the call costs of the IR's default plan on the runner's backend into ``ir.tuning["call_costs"]``
+    when ``seconds_left`` (None: no budget) allows; a log line either way."""
+    ir.tuning.pop("call_costs", None)
+    plan = ir.plans.get(ir.default_plan) if ir.default_plan else None
+    if plan is None:
+        return  # decodes plainly by default: batches price nothing
+    backend = runner.plain_backend()
+    if not getattr(backend, "batched", False):
+        return
+    width = longest_draft(plan) + 1
+    needed = estimated_seconds(step_seconds, CALL_COST_ROWS, width)
+    if seconds_left is not None and needed > seconds_left:
+        log(
+            f"batched call costs not timed (about {needed:.0f}s needed, {max(seconds_left, 0):.0f}s of the budget "
+            "left): a server times them at start"
+        )
+        return
+    costs = CallCosts.measure(backend, max_rows=CALL_COST_ROWS, max_width=width, repeats=REPEATS)
+    ir.tuning["call_costs"] = costs.as_dict()
+    one, many = costs.batched[1], costs.batched[CALL_COST_ROWS]
+    log(
+        f"batched call costs: 1 row {one * 1e3:.1f} ms, {CALL_COST_ROWS} rows {many * 1e3:.1f} ms "
+        f"({many / one:.2f}x), a row of {width} tokens {costs.alone[width] * 1e3:.1f} ms (stored for serve)"
+    )
+
+
+__all__ = ["CALL_COST_ROWS", "estimated_seconds", "time_call_costs"]

@@ -1,0 +1,48 @@
+"""Which machine a timing was taken on, in one line: what decides whether a stored timing may be reused.
+
+Why: call costs timed by the build (``runtime/decoding/load.py``, ``CallCosts``) are worth reusing at load only
+on the machine they describe. The processor's model name alone does not say it: this project's machines
+report "AMD EPYC" for a Zen 2 with 16 MB of L3 and AVX2 and for a Zen 4 with 32 MB and AVX-512 VNNI, whose
+batched calls cost differently. So the key adds the cache size, the vector extensions the kernels pick
+between, and the cores the process may use; a backend off the CPU adds its device string (not the GPU's
+model: a stored timing from another GPU model under the same device string would be reused).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+
+KERNEL_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "asimd", "sve")
+
+
+def cpu_description() -> str:
+    """ "<model name>, <cache size> cache, <vector extensions>, <n> cores" from /proc/cpuinfo (where there is one)."""
+    fields: dict[str, str] = {}
+    try:
+        with open("/proc/cpuinfo") as handle:
+            for line in handle:
+                if not line.strip():
+                    break  # the first processor's block says it for all
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    flags = set((fields.get("flags") or fields.get("Features") or "").split())
+    parts = [name]
+    if fields.get("cache size"):
+        parts.append(f"{fields['cache size']} cache")
+    parts.append("+".join(f for f in KERNEL_FLAGS if f in flags) or "no listed vector extensions")
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    parts.append(f"{cores} cores")
+    return ", ".join(parts)
+
+
+def machine_key(backend) -> str:
+    """What a timing on ``backend`` depends on besides the model: backend, device and processor."""
+    device = str(getattr(backend, "device", "cpu") or "cpu")
+    return f"{backend.name} on {device}: {cpu_description()}"
+
+
+__all__ = ["cpu_description", "machine_key"]
