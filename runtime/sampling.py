@@ -1,7 +1,10 @@
-"""Turning logits into a distribution, in numpy, identically for the draft and the verifier.
+"""Turning logits into a distribution and a distribution into a token, identically for the draft and the verifier,
+on the host (numpy) and on a device (torch tensors): one function each, whatever the array library.
 
 Speculative sampling is lossless with respect to the *processed* target distribution (temperature,
-top-k, top-p applied), so both sides must go through this one function.
+top-k, top-p applied), so both sides must go through this one function. The host round and the device round
+(``runtime/backends/torch/device_round.py``) both do: the functions take any array of the array API
+(``array_api_compat`` gives numpy and torch one namespace), rows ``[..., vocab]``.
 
 Any positive temperature is safe: the logits are shifted by their maximum *before* they are divided by
 the temperature, in float64, so no value can overflow (the largest becomes 0, the others tend to -inf).
@@ -15,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from array_api_compat import array_namespace, is_numpy_namespace
 
 
 @dataclass(frozen=True)
@@ -28,32 +32,56 @@ class SamplingParams:
         return self.temperature <= 0.0
 
 
-def softmax(logits: np.ndarray, temperature: float = 1.0) -> np.ndarray:
-    """softmax(logits / temperature) for any temperature > 0, without overflow (see the module docstring)."""
-    z = np.asarray(logits, dtype=np.float64)
-    with np.errstate(over="ignore", divide="ignore", under="ignore"):
-        z = (z - z.max(axis=-1, keepdims=True)) / temperature  # <= 0 everywhere: exp cannot overflow
-        e = np.exp(z)
-    return e / e.sum(axis=-1, keepdims=True)
+def _namespace(array):
+    """The array-API namespace of ``array``; numpy's for lists and numpy scalars."""
+    return array_namespace(array if hasattr(array, "shape") else np.asarray(array))
 
 
-def probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The distribution plain sampling draws from: softmax(logits / T), then top-k, then top-p."""
+def softmax(logits, temperature: float = 1.0):
+    """softmax(logits / temperature) over the last axis, for any temperature > 0, in float64, without overflow (see
+    the module docstring)."""
+    xp = _namespace(logits)
+    z = xp.astype(xp.asarray(logits), xp.float64)
+    with np.errstate(over="ignore", divide="ignore", under="ignore"):  # (numpy's warnings; torch has none)
+        z = (z - xp.max(z, axis=-1, keepdims=True)) / temperature  # <= 0 everywhere: exp cannot overflow
+        e = xp.exp(z)
+    return e / xp.sum(e, axis=-1, keepdims=True)
+
+
+def _kth_largest(probs, k: int):
+    """The k-th largest value of each row, kept as a last axis of 1 (a partition on numpy, topk on torch: both
+    linear in the vocabulary, where a full sort is not)."""
+    if is_numpy_namespace(_namespace(probs)):
+        return np.partition(probs, -k, axis=-1)[..., -k:][..., :1]
+    return probs.topk(k, dim=-1).values[..., -1:]
+
+
+def probabilities(logits, params: SamplingParams):
+    """The distribution plain sampling draws from, row by row: softmax(logits / T), then top-k, then top-p."""
     probs = softmax(logits, params.temperature)
+    xp = array_namespace(probs)
     if params.top_k and params.top_k < probs.shape[-1]:
-        kth = np.partition(probs, -params.top_k)[-params.top_k]
-        probs = np.where(probs >= kth, probs, 0.0)
+        probs = xp.where(probs >= _kth_largest(probs, params.top_k), probs, 0.0)
     if params.top_p < 1.0:
-        order = np.argsort(-probs, kind="stable")
-        cumulative = np.cumsum(probs[order])
-        keep = cumulative - probs[order] < params.top_p * cumulative[-1]
-        mask = np.zeros_like(probs, dtype=bool)
-        mask[order[keep]] = True
-        probs = np.where(mask, probs, 0.0)
-    return probs / probs.sum()
+        order = xp.argsort(probs, axis=-1, descending=True, stable=True)
+        ordered = xp.take_along_axis(probs, order, axis=-1)
+        cumulative = xp.cumulative_sum(ordered, axis=-1)
+        keep = cumulative - ordered < params.top_p * cumulative[..., -1:]
+        keep = xp.take_along_axis(keep, xp.argsort(order, axis=-1), axis=-1)  # back to vocabulary order
+        probs = xp.where(keep, probs, 0.0)
+    return probs / xp.sum(probs, axis=-1, keepdims=True)
 
 
-def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
-    """Inverse-CDF sampling; robust to the tiny float drift in cumulative sums."""
-    cdf = np.cumsum(probs)
-    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(probs) - 1))
+def sample_at(probs, u):
+    """The token at ``u`` (a uniform in [0, 1), a 0-d or one-element array) of one distribution ``probs`` ``[vocab]``
+    (need not be normalised) by inverse CDF, as a one-element array of the same library (no host read on a
+    device); robust to the tiny float drift in cumulative sums."""
+    xp = _namespace(probs)
+    cdf = xp.cumulative_sum(probs)
+    index = xp.searchsorted(cdf, xp.reshape(xp.asarray(u, dtype=cdf.dtype), (1,)) * cdf[-1], side="right")
+    return xp.clip(index, max=probs.shape[-1] - 1)
+
+
+def sample(probs, rng: np.random.Generator) -> int:
+    """A token of ``probs`` ``[vocab]`` (numpy) at one uniform draw of ``rng`` (``sample_at``)."""
+    return int(sample_at(probs, np.float64(rng.random()))[0])

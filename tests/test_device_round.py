@@ -15,7 +15,6 @@ from lossless import chi_square_pvalue as gof
 from tiny_models import FAMILIES
 
 from speccompile.runtime.artifact.manifest import DraftPlan
-from speccompile.runtime.backends.torch import device_round
 from speccompile.runtime.backends.torch.backend import TorchBackend
 from speccompile.runtime.backends.torch.device_round import DeviceRound
 from speccompile.runtime.backends.torch.graphs import eager_capture
@@ -239,15 +238,67 @@ def test_device_round_sampling_matches_target_distribution(small_vocab_llama, pl
     ],
 )
 def test_device_probabilities_are_the_host_rule(params):
-    """The device's distributions are ``sampling.probabilities`` (temperature, top-k, top-p, ties, any
-    positive temperature), row by row."""
+    """``sampling.probabilities`` on torch tensors (the device round) gives what it gives on numpy arrays (the host
+    round), and both what the rule says, written here in plain numpy a row at a time (temperature, top-k, top-p,
+    ties, any positive temperature)."""
     gen = np.random.default_rng(0)
     logits = gen.normal(0, 3, (5, 40)).astype(np.float32)
     logits[1, [3, 9, 20]] = logits[1].max() + 1.0  # an exact tie at the top
     logits[2, 5:] = -np.inf  # a reduced vocabulary's logits
-    device = device_round.probabilities(torch.from_numpy(logits), params).numpy()
-    host = np.stack([probabilities(row, params) for row in logits])
+    device = probabilities(torch.from_numpy(logits), params).numpy()
+    host = probabilities(logits, params)
     np.testing.assert_allclose(device, host, atol=1e-12)
+    np.testing.assert_allclose(host, np.stack([_reference_probabilities(row, params) for row in logits]), atol=1e-12)
+
+
+def _reference_probabilities(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The plain sampler's distribution, one row, in numpy only: softmax(logits / T) taken after the shift by the
+    maximum, top-k by partition, top-p over a stable descending order."""
+    with np.errstate(over="ignore", divide="ignore", under="ignore"):
+        e = np.exp((logits.astype(np.float64) - logits.max()) / params.temperature)
+    probs = e / e.sum()
+    if params.top_k and params.top_k < probs.shape[-1]:
+        probs = np.where(probs >= np.partition(probs, -params.top_k)[-params.top_k], probs, 0.0)
+    if params.top_p < 1.0:
+        order = np.argsort(-probs, kind="stable")
+        cumulative = np.cumsum(probs[order])
+        mask = np.zeros_like(probs, dtype=bool)
+        mask[order[cumulative - probs[order] < params.top_p * cumulative[-1]]] = True
+        probs = np.where(mask, probs, 0.0)
+    return probs / probs.sum()
+
+
+def test_the_chain_rule_is_the_same_on_host_and_device():
+    """``acceptance.accept_chain`` on numpy arrays and on torch tensors, from the same logits, drafts, draft
+    distributions and uniforms: the same accepted count and next token (greedy, and sampling with model and lookup
+    drafts), the one rule both rounds drive."""
+    from speccompile.runtime.acceptance import accept_chain
+
+    gen = np.random.default_rng(4)
+    vocab, n = 30, 5
+    for trial in range(200):
+        logits = gen.normal(0, 2, (n + 1, vocab)).astype(np.float32)
+        drafted = np.argmax(logits[:n] + gen.normal(0, 1.5, (n, vocab)), axis=-1).astype(np.int64)
+        kept = np.arange(n) < gen.integers(0, n + 1)
+        u = gen.random(n + 1)
+        q = None if trial % 2 else probabilities(logits[:n] + gen.normal(0, 1, (n, vocab)), SamplingParams(1.0))
+        for params in (SamplingParams(), SamplingParams(temperature=0.8, top_k=10)):
+            host = accept_chain(logits, drafted, params, u=u, q=q, kept=kept)
+            device = accept_chain(
+                *(torch.from_numpy(a) for a in (logits, drafted)),
+                params,
+                u=torch.from_numpy(u),
+                q=None if q is None else torch.from_numpy(q),
+                kept=torch.from_numpy(kept),
+            )
+            assert (int(host[0]), int(host[1][0])) == (int(device[0]), int(device[1][0]))
+            assert int(host[0]) <= kept.sum()
+            if params.greedy:
+                targets = logits.argmax(-1)
+                run = 0
+                while run < n and kept[run] and drafted[run] == targets[run]:
+                    run += 1
+                assert (int(host[0]), int(host[1][0])) == (run, targets[run])
 
 
 # -- one host read per round -----------------------------------------------------------------------------

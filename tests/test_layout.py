@@ -9,7 +9,19 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 RUNTIME = REPO / "runtime"
 PACKAGE = "speccompile.runtime"
-LAYERS = ["errors", "segments", "sampling", "tree", "artifact", "drafting", "backends", "decoding", "model"]
+LAYERS = [
+    "errors",
+    "machine",
+    "segments",
+    "sampling",
+    "tree",
+    "artifact",
+    "drafting",
+    "acceptance",
+    "backends",
+    "decoding",
+    "model",
+]
 """Lowest first: a module may import from its own layer and the layers before it, never after."""
 
 

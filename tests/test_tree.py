@@ -352,7 +352,7 @@ def test_tree_sampling_matches_target_distribution(small_vocab_llama, monkeypatc
                 return [c], sample(probabilities(logits[c + 1], params), rng)
         return [], sample(p, rng)
 
-    import speccompile.runtime.decoding.acceptance as acceptance
+    import speccompile.runtime.acceptance as acceptance
 
     monkeypatch.setattr(acceptance, "sample_path", biased)
     second, third, _, _ = sampled(backend, plan, params)

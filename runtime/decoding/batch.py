@@ -12,7 +12,7 @@ One ``step``:
    draft only where ``load.py`` finds it pays under the current load), the load policy cuts each draft to the
    length that maximises the batch's tokens per second, one ``run_rows`` verifies every sequence's input
    token and draft (rows of the full model; an early exit's verify that reuses its prefix runs per
-   sequence), and the acceptance rule (``acceptance.py``) commits each row's tokens.
+   sequence), and the acceptance rule (``runtime/acceptance.py``) commits each row's tokens.
 
 Every committed token is the verifier's, whatever the batch or the draft lengths, so each sequence decodes
 exactly what it decodes alone (up to floating-point near-ties where a backend's kernels round a row in a
@@ -27,6 +27,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..acceptance import accept, pick
 from ..artifact.manifest import DraftPlan
 from ..backends.base import Backend
 from ..backends.slots import SlotView, batch_of
@@ -34,7 +35,6 @@ from ..drafting.base import Draft, RoundContext
 from ..errors import InputError
 from ..segments import Row, full_model
 from ..tree import kv_moves
-from .acceptance import accept, pick
 from .load import PRIOR_ACCEPTANCE, CallCosts, Choice, choose_lengths, draft_pays, longest_draft
 from .request import DecodeRequest, Stats, backend_drafter, cache_length
 

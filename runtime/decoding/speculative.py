@@ -6,7 +6,7 @@ verify reuses the draft's prefix). Rollback after a rejection is only a smaller 
 
 The round itself is written once, over a batch of sequences (``batch.py``); a request alone is a batch of
 one. Each round asks a drafter (``runtime/drafting/base.py``) for candidates and verifies them in one call;
-the acceptance rule (``acceptance.py``) decides what is committed. A backend may keep a lone sequence's
+the acceptance rule (``runtime/acceptance.py``) decides what is committed. A backend may keep a lone sequence's
 round on its device instead (``device_round``: the torch backend on CUDA with a model draft,
 ``runtime/backends/torch/device_round.py``: one host read per round, none per drafted token).
 """

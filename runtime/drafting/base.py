@@ -4,7 +4,7 @@ A round of draft-and-verify asks a drafter for a ``Draft`` (candidate tokens, ea
 distribution q it was sampled from, or ``None`` for a deterministic source whose q is one-hot), then
 verifies ``[token] + draft.tokens`` with the full model and tells the drafter how many were accepted.
 The acceptance rule (greedy match, Leviathan/Chen rejection) is written once over drafts, in
-``runtime/decoding/acceptance.py``; a drafter sees the verifier's rows only when it declares that it
+``runtime/acceptance.py``; a drafter sees the verifier's rows only when it declares that it
 learns from them (``Drafter.observes``).
 
 Here: ``Draft``, ``RoundContext``, the ``Drafter`` interface with its declared capabilities, ``LookupSource``

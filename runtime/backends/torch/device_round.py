@@ -25,11 +25,14 @@ before it starts, so every position is known without reading the device.
   waits for nothing: the device is idle after the previous round's read). A hit drafts the round, as in
   ``HybridDrafter``. One difference from the host round, on every device: a model draft is *not*
   extended by a lookup continuation (that lookup needs the model's tokens on the host: a second sync).
-- **Sampling**: Leviathan/Chen rejection with the draft's q (one-hot for lookup tokens) on the device;
-  the distributions are ``sampling.probabilities`` computed in torch (float64, same temperature, top-k
-  and top-p rules), tokens by inverse CDF from one ``torch.rand`` per round on a generator seeded from
-  the request's seed (so a seed gives other tokens than the host round's numpy generator, from the
-  same distribution).
+- **The rule**: the acceptance test and the token after the accepted ones are the host round's own
+  (``runtime/acceptance.accept_chain``, array code that runs on these tensors as on the host's numpy
+  arrays): greedy match, or Leviathan/Chen rejection with the draft's q (one-hot for lookup tokens); the
+  distributions are ``sampling.probabilities`` (float64, the same temperature, top-k and top-p rules), and
+  tokens come by inverse CDF (``sampling.sample_at``) from one ``torch.rand`` per round on a generator seeded
+  from the request's seed (so a seed gives other tokens than the host round's numpy generator, from the
+  same distribution). What is the device round's own is only what keeps the host away: fixed-length
+  drafting with the policy's cut applied afterwards, and the one read at the end.
 
 Imported only by the torch backend (``TorchBackend.device_round``); on CPU tensors the same code runs
 (the lossless tests force it), and only its speed needs a GPU.
@@ -42,34 +45,12 @@ from typing import Sequence
 import torch
 from torch import Tensor
 
+from ...acceptance import accept_chain
 from ...drafting.base import Draft, RoundContext
 from ...drafting.kinds import kind_of
 from ...drafting.model import ModelDrafter
-from ...sampling import SamplingParams
+from ...sampling import probabilities, sample_at
 from ...segments import Segment, full_model
-
-
-def probabilities(logits: Tensor, params: SamplingParams) -> Tensor:
-    """``sampling.probabilities`` row by row on the device: ``[R, vocab]`` logits -> float64 rows."""
-    z = logits.double()
-    z = (z - z.amax(-1, keepdim=True)) / params.temperature  # <= 0 everywhere: no overflow at any temperature
-    probs = torch.softmax(z, -1)
-    if params.top_k and params.top_k < probs.shape[-1]:
-        kth = probs.topk(params.top_k, -1).values[..., -1:]
-        probs = torch.where(probs >= kth, probs, 0.0)
-    if params.top_p < 1.0:
-        ordered, order = torch.sort(probs, dim=-1, descending=True, stable=True)
-        cumulative = ordered.cumsum(-1)
-        keep = cumulative - ordered < params.top_p * cumulative[..., -1:]
-        probs = torch.where(torch.zeros_like(keep).scatter(-1, order, keep), probs, 0.0)
-    return probs / probs.sum(-1, keepdim=True)
-
-
-def sample(probs: Tensor, u: Tensor) -> Tensor:
-    """One token per row of ``probs`` ``[R, vocab]`` (need not be normalised) by inverse CDF at ``u`` ``[R]``."""
-    cdf = probs.cumsum(-1)
-    index = torch.searchsorted(cdf, (u * cdf[:, -1]).unsqueeze(-1), right=True).squeeze(-1)
-    return index.clamp_(max=probs.shape[-1] - 1)
 
 
 class TensorCalls:
@@ -139,12 +120,7 @@ class DeviceRound:
         else:
             drafted, kept, q = self._model_draft(token, ctx, n, u)
             logits = self.kind.verify(self.calls, torch.cat([token, drafted]), ctx.pos, self.kind.reuse(n))
-        if params.greedy:
-            targets = logits.argmax(-1)
-            accepted = self._accepted((drafted == targets[:n]) & kept)
-            bonus = targets.gather(0, accepted.view(1))
-        else:
-            accepted, bonus = self._sampled(logits, drafted, kept, q, u[n:], params)
+        accepted, bonus = accept_chain(logits, drafted, params, u=None if u is None else u[n:], q=q, kept=kept)
         out = torch.cat([drafted, bonus, accepted.view(1), kept.sum().view(1)]).tolist()  # the round's one sync
         tokens, bonus, accepted, kept = out[:n], out[n], out[n + 1], out[n + 2]
         if not draft.tokens and self.model is not None:
@@ -178,7 +154,7 @@ class DeviceRound:
                 confidences.append(torch.softmax(logits.double(), -1).amax(-1))
             else:
                 q = probabilities(logits, params)
-                current = sample(q, u[j : j + 1])
+                current = sample_at(q[0], u[j])
                 confidences.append(q.amax(-1))
                 qs.append(q)
             tokens.append(current)
@@ -186,28 +162,5 @@ class DeviceRound:
         kept = low.cumsum(0) - low.long() == 0  # no low-confidence token before this one
         return torch.cat(tokens), kept, torch.cat(qs) if qs else None
 
-    @staticmethod
-    def _accepted(ok: Tensor) -> Tensor:
-        """How many drafted tokens are accepted: the run of ``ok`` from the first (0-d long tensor)."""
-        return ok.long().cumprod(0).sum()
 
-    def _sampled(
-        self, logits: Tensor, drafted: Tensor, kept: Tensor, q: Tensor | None, u: Tensor, params: SamplingParams
-    ) -> tuple[Tensor, Tensor]:
-        """Leviathan/Chen rejection on the device: the accepted count and the token after them (the
-        residual's sample at a rejection, the verifier's own past the last kept draft)."""
-        n = drafted.shape[0]
-        p = probabilities(logits, params)  # [n + 1, vocab]
-        if q is None:  # lookup tokens: a one-hot q (not F.one_hot, which reads the ids back to check them)
-            q = p.new_zeros(n, p.shape[-1]).scatter_(1, drafted[:, None], 1.0)
-        p_d = p[:n].gather(1, drafted[:, None])[:, 0]
-        q_d = q.gather(1, drafted[:, None])[:, 0]
-        accepted = self._accepted((u[:n] < (p_d / q_d).clamp(max=1.0)) & kept)
-        at = accepted.view(1)
-        p_a = p.index_select(0, at)
-        residual = (p_a - torch.cat([q, q.new_zeros(1, q.shape[1])]).index_select(0, at)).clamp(min=0.0)
-        rejected = (accepted < kept.sum()) & (residual.sum() > 0)
-        return accepted, sample(torch.where(rejected, residual, p_a), u[n:])
-
-
-__all__ = ["DeviceRound", "TensorCalls", "probabilities", "sample"]
+__all__ = ["DeviceRound", "TensorCalls"]
