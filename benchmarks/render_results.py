@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
 import subprocess
 import sys
 import time
@@ -91,18 +89,11 @@ def bench_row(report: dict) -> dict:
 
 
 def this_machine() -> str:
-    return f"{_processor()}, {os.cpu_count()} cores"
+    """The CPU as the runtime keys its stored timings (``runtime/machine.cpu_description``): the model name alone
+    says "AMD EPYC" for a Zen 2 with AVX2 and for a Zen 4 with AVX-512, whose figures differ."""
+    from speccompile.runtime.machine import cpu_description
 
-
-def _processor() -> str:
-    """The CPU's model name (``platform.processor()`` is empty or just the architecture on Linux)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_description()
 
 
 def from_bench(name: str, command: str, reports: list[Path], notes: str = "") -> Path:

@@ -5,9 +5,10 @@
         [--peers openvino --source MODEL_DIR] [--json OUT.json] [--cost-curve 64]
 
 For each stream count N, a closed loop keeps N requests in flight through ``speccompile.server.scheduler``
-(what ``speccompile serve --max-batch N`` runs; no HTTP), first decoding plainly (plain batched decoding),
+(what ``speccompile serve --max-batch N`` runs; no HTTP), after an untimed warm-up of both at the largest N,
+first decoding plainly (plain batched decoding),
 then speculatively with the artifact's default plan (speculative batched decoding, draft lengths chosen by
-the load policy from call costs timed at start), the two in turns per N. Every answer is checked against the
+the load policy from the call costs the build stored, or timed at start), the two in turns per N. Every answer is checked against the
 prompt's own batch-1 plain greedy output. ``--peers openvino`` then runs OpenVINO GenAI's
 ``ContinuousBatchingPipeline`` (plain and its prompt lookup) on the source model exported to OpenVINO
 (``benchmarks/peer_compare.py``'s venv and export), same prompts (token ids), threads and stream counts.
@@ -100,6 +101,10 @@ def speccompile_rows(args, prompts: list[list[int]]) -> tuple[list[dict], list[l
     if costs is not None:
         where = "from the build's manifest" if costs.source == "manifest" else "timed at start"
         print(f"call costs ({where}): {json.dumps(costs.as_dict())}", file=sys.stderr)
+    for scheduler in schedulers.values():
+        # untimed: the first call with more sequences than before grows the cache's slots (new buffers and
+        # views), which would otherwise be timed in whichever engine ran first at that stream count
+        closed_loop(scheduler, prompts, batch, batch, 2)
     rows = []
     for turn, streams in enumerate(counts):
         names = list(schedulers) if turn % 2 == 0 else list(reversed(schedulers))

@@ -218,6 +218,49 @@ def test_expected_tokens_and_the_policy_fall_back_to_plain_under_load():
     assert not draft_pays(costs, 0.3, 4, 0.5, 16)
 
 
+def test_sequences_in_their_prompt_chunks_count_as_load(tiny_decoder):
+    """A sequence that finished its prompt while others are still in their prompt chunks drafts as if they were in
+    the round: with costs where drafting pays alone and not in a batch of eight, it steps plainly until they join
+    (and drafts once it is alone, the control). Outputs stay its own plain output either way."""
+    _, decoder = tiny_decoder("llama")
+    costs = CallCosts({1: 1.0, 16: 1.2}, {1: 1.0, 5: 1.0})
+    prompt = [5, 6, 7, 8] * 4
+    plain = BatchDecoder(TorchBackend(decoder), max_batch=1)
+    alone_seq = plain.add(DecodeRequest(prompt, 24))
+    reference = []
+    while not alone_seq.finished:
+        for _, new in plain.step():
+            reference.extend(new)
+
+    def drafted_while(joining_prompts: int) -> tuple[list[int], list[int]]:
+        engine = BatchDecoder(TorchBackend(decoder), max_batch=8, costs=costs, prefill_chunk=len(prompt))
+        first = engine.add(DecodeRequest(prompt, 24), LOOKUP)
+        for i in range(joining_prompts):
+            engine.add(DecodeRequest(list(range(3, 3 + 60 + i)), 1))  # long prompts: many steps of chunks
+        out, drafted = [], []
+        while not first.finished:
+            for seq, new in engine.step():
+                if seq is first:
+                    out.extend(new)
+            joining = any(not s.finished and s.prefilled < len(s.request.prompt_ids) for s in engine.sequences)
+            if engine.last_round and joining:
+                drafted.append(engine.last_round["drafted"][0])
+                engine.last_round = None
+        return out, drafted
+
+    out, drafted = drafted_while(7)
+    assert out == reference
+    assert drafted and all(d == 0 for d in drafted)
+    control = BatchDecoder(TorchBackend(decoder), max_batch=8, costs=costs)
+    seq = control.add(DecodeRequest(prompt, 24), LOOKUP)
+    lengths = []
+    while not seq.finished:
+        control.step()
+        if control.last_round:
+            lengths.extend(control.last_round["drafted"])
+    assert max(lengths) > 0  # alone, the same costs let it draft
+
+
 def test_measured_costs_come_from_the_backend_calls(tiny_decoder, onnx_family):
     _, root = onnx_family("llama")
     costs = CallCosts.measure(ort_backend(root), max_rows=4, max_width=3, context=8, repeats=1)
