@@ -259,6 +259,13 @@ def test_sequences_in_their_prompt_chunks_count_as_load(tiny_decoder):
         if control.last_round:
             lengths.extend(control.last_round["drafted"])
     assert max(lengths) > 0  # alone, the same costs let it draft
+    # without costs (no load policy), joining sequences add no phantom entries to the round's draft lengths
+    engine = BatchDecoder(TorchBackend(decoder), max_batch=8, prefill_chunk=len(prompt))
+    engine.add(DecodeRequest(prompt, 4), LOOKUP)
+    engine.add(DecodeRequest(list(range(3, 63)), 1))
+    engine.step()
+    engine.step()
+    assert len(engine.last_round["drafted"]) == engine.last_round["sequences"] == 1
 
 
 def test_measured_costs_come_from_the_backend_calls(tiny_decoder, onnx_family):
