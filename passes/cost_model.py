@@ -8,7 +8,6 @@ candidate plans free.
 
 from __future__ import annotations
 
-import platform
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -18,6 +17,7 @@ import torch
 from speccompile.runtime.artifact.manifest import DraftPlan
 from speccompile.runtime.backends.torch.decoder import Decoder, Positions
 from speccompile.runtime.drafting.kinds import kind_of
+from speccompile.runtime.machine import cpu_model_name
 from speccompile.runtime.segments import Segment, full_model
 
 
@@ -85,16 +85,7 @@ def _best_seconds(fn, sync=None) -> float:
 def device_name(device: str = "cpu") -> str:
     if device.startswith("cuda") and torch.cuda.is_available():
         return torch.cuda.get_device_name(torch.device(device))
-    name = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo") as handle:
-            for line in handle:
-                if line.startswith("model name"):
-                    name = line.split(":", 1)[1].strip()
-                    break
-    except OSError:
-        pass
-    return f"{name} ({torch.get_num_threads()} threads)"
+    return f"{cpu_model_name()} ({torch.get_num_threads()} threads)"
 
 
 MIN_ROUNDS = 2  # timings repeat at least this many interleaved rounds (after a warm-up), whatever their allotment

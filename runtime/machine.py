@@ -16,21 +16,32 @@ import platform
 KERNEL_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "asimd", "sve")
 
 
-def cpu_description() -> str:
-    """ "<model name>, <cache size> cache, <vector extensions>, <n> cores" from /proc/cpuinfo (where there is one)."""
+def _first_processor() -> dict[str, str]:
+    """The first processor's block of /proc/cpuinfo (it says it for all), {} where there is none."""
     fields: dict[str, str] = {}
     try:
         with open("/proc/cpuinfo") as handle:
             for line in handle:
                 if not line.strip():
-                    break  # the first processor's block says it for all
+                    break
                 key, _, value = line.partition(":")
                 fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
-    name = fields.get("model name") or platform.processor() or platform.machine()
+    return fields
+
+
+def cpu_model_name(fields: dict[str, str] | None = None) -> str:
+    """The CPU's model name ("AMD EPYC"); ``platform`` names the architecture where /proc/cpuinfo has none."""
+    fields = _first_processor() if fields is None else fields
+    return fields.get("model name") or platform.processor() or platform.machine()
+
+
+def cpu_description() -> str:
+    """ "<model name>, <cache size> cache, <vector extensions>, <n> cores" from /proc/cpuinfo (where there is one)."""
+    fields = _first_processor()
     flags = set((fields.get("flags") or fields.get("Features") or "").split())
-    parts = [name]
+    parts = [cpu_model_name(fields)]
     if fields.get("cache size"):
         parts.append(f"{fields['cache size']} cache")
     parts.append("+".join(f for f in KERNEL_FLAGS if f in flags) or "no listed vector extensions")
@@ -45,4 +56,4 @@ def machine_key(backend) -> str:
     return f"{backend.name} on {device}: {cpu_description()}"
 
 
-__all__ = ["cpu_description", "machine_key"]
+__all__ = ["cpu_description", "cpu_model_name", "machine_key"]
