@@ -168,7 +168,7 @@ def tune_ir(
         ]
         ir = PassManager(passes, log, budget if method.budgeted else None)(ir)
         seconds_left = budget.left() - budget.write_reserve if method.budgeted else None
-        time_call_costs(runner, ir, seconds_left, context.costs.forward[0], log)
+        time_call_costs(runner, ir, seconds_left, context.costs.plain_step(), log)
         runner.release()  # the tuning sessions' packed weights are not kept while the artifact is written
         if ir.default_plan is None:
             log(

@@ -102,6 +102,11 @@ class CallCosts:
             parts["batched"], parts["alone"], parts["pad_to_widest"], machine=parts["machine"], source="manifest"
         )
 
+    @staticmethod
+    def row_counts(max_rows: int) -> list[int]:
+        """The one-token row counts ``measure`` times: 1, 2, 4, .. below ``max_rows``, and ``max_rows``."""
+        return sorted({1, max_rows} | {2**i for i in range(1, 8) if 2**i < max_rows})
+
     @classmethod
     def measure(cls, backend, max_rows: int, max_width: int, context: int = 64, repeats: int = 3) -> "CallCosts":
         """Time the backend's calls on its own slots: n one-token rows for n = 1, 2, 4, .. ``max_rows`` and one
@@ -123,8 +128,7 @@ class CallCosts:
                 times.append(time.perf_counter() - start)
             return min(times)
 
-        counts = sorted({1, max_rows} | {2**i for i in range(1, 8) if 2**i < max_rows})
-        batched = {n: best([Row(s, context, [1]) for s in range(n)]) for n in counts}
+        batched = {n: best([Row(s, context, [1]) for s in range(n)]) for n in cls.row_counts(max_rows)}
         alone = {1: batched[1]}
         alone.update({w: best([Row(0, context, [1] * w)]) for w in range(2, max_width + 1)})
         return cls(batched, alone, backend.rows_pad_to_widest, machine=machine_key(backend))
