@@ -47,7 +47,7 @@ from speccompile.runtime.drafting.kinds.adapter import DraftHead
 from speccompile.runtime.errors import SpeccompileError
 
 from .base import BOUND_MARGIN, Pass, PassResult, incumbent
-from .budget import ADAPTER_GAIN, PERFECT, RATE_SLACK, exit_agreements, model_draft_bound, needed
+from .budget import ADAPTER_GAIN, PERFECT, RATE_SLACK, agreement_seconds, exit_agreements, model_draft_bound, needed
 from .cost_model import _best_seconds
 from .ir import DecoderIR
 from .plans import tuned_target
@@ -381,7 +381,9 @@ class AdapterAutotune(Pass):
         return max(bounds.values())
 
     def least_seconds(self) -> float:
-        return LEAST_SECONDS
+        """Some training (``LEAST_SECONDS``), after the exit agreements its bound reads, where no bound read them
+        yet (``agreement_seconds``)."""
+        return LEAST_SECONDS + agreement_seconds(self.context)
 
     def _chunks(self, length: int) -> tuple[list[list[int]], set[int]]:
         """Calibration prompts + the target's continuations (not the confirmation prompts'), then the

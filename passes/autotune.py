@@ -16,7 +16,7 @@ from speccompile.runtime.artifact.manifest import DraftPlan
 
 from .acceptance import best_policy
 from .base import BOUND_MARGIN, Pass, PassResult, incumbent
-from .budget import PERFECT, RATE_SLACK, exit_agreements, model_draft_bound, needed
+from .budget import PERFECT, RATE_SLACK, agreement_seconds, exit_agreements, model_draft_bound, needed
 from .ir import DecoderIR
 from .plans import EarlyExitHeads, LayerSkip
 from .tuning import TuningContext
@@ -167,6 +167,11 @@ class ExitLayerAutotune(Pass):
 
     def bound(self, ir: DecoderIR) -> float:
         return max(self.exit_bounds(incumbent(ir) * (1 + BOUND_MARGIN)).values())
+
+    def least_seconds(self) -> float:
+        """The exits' shared-head agreements its bound reads (``agreement_seconds``; all exits, as a weak
+        incumbent asks for), and one exit scored over the calibration (about half a reference pass)."""
+        return agreement_seconds(self.context) + 0.5 * self.context.timings.get("reference_pass", 0.0)
 
     def call(self, ir: DecoderIR) -> PassResult:
         start, before = time.perf_counter(), dict(ir.plans)

@@ -27,14 +27,29 @@ from speccompile.runtime.backends.torch.int8_twin import (
     twin_with,
 )
 from speccompile.runtime.drafting.kinds.precision import parse_precision
+from speccompile.runtime.memory import large_blocks_returned
 
 _GRID_TWINS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()  # decoder -> precision -> twin
+
+
+CODE_ROWS = 4096  # rows encoded at a time: a tied 151,936-token head is 0.6 GB of fp32, and each temporary as big
 
 
 def block_codes(weight: torch.Tensor, bits: int, block: int, symmetric: bool):
     """``weight`` [out, in] on a weight-only block grid along its input dimension (as ``MatMulNBits`` stores it:
     ``block`` inputs share a scale, and a zero point unless ``symmetric``): (integer codes ``[out, blocks,
-    block]``, one byte each; scales and zero points ``[out, blocks, 1]``; zero points None when symmetric)."""
+    block]``, one byte each; scales and zero points ``[out, blocks, 1]``; zero points None when symmetric).
+    Encoded ``CODE_ROWS`` rows at a time (each row's codes depend on that row only), so that the fp32
+    temporaries stay small next to the codes."""
+    out, width = weight.shape
+    if out <= CODE_ROWS:
+        return _row_codes(weight, bits, block, symmetric)
+    parts = [_row_codes(weight[lo : lo + CODE_ROWS], bits, block, symmetric) for lo in range(0, out, CODE_ROWS)]
+    codes, scale = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+    return codes, scale, None if symmetric else torch.cat([p[2] for p in parts])
+
+
+def _row_codes(weight: torch.Tensor, bits: int, block: int, symmetric: bool):
     out, width = weight.shape
     padded = -(-width // block) * block
     w = torch.zeros(out, padded, dtype=torch.float32)
@@ -68,8 +83,17 @@ class GridLinear(nn.Module):
         self.bias = linear.bias
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = dequantized(self.codes, self.scale, self.zero, self.width).to(self.dtype)
-        return nn.functional.linear(x, weight, self.bias)
+        rows = self.codes.shape[0]
+        if rows <= CODE_ROWS:
+            weight = dequantized(self.codes, self.scale, self.zero, self.width).to(self.dtype)
+            return nn.functional.linear(x, weight, self.bias)
+        # a big product (a tied head) de-quantized CODE_ROWS output rows at a time: no full fp32 copy per call
+        return torch.cat([self._rows(x, lo, min(lo + CODE_ROWS, rows)) for lo in range(0, rows, CODE_ROWS)], dim=-1)
+
+    def _rows(self, x: torch.Tensor, lo: int, hi: int) -> torch.Tensor:
+        zero = None if self.zero is None else self.zero[lo:hi]
+        weight = dequantized(self.codes[lo:hi], self.scale[lo:hi], zero, self.width).to(self.dtype)
+        return nn.functional.linear(x, weight, None if self.bias is None else self.bias[lo:hi])
 
 
 @torch.inference_mode()
@@ -107,7 +131,8 @@ def estimation_twin(decoder: nn.Module, precision: str, backend: str) -> nn.Modu
     if precision not in twins:
         scheme, block, symmetric = parse_precision(precision)
         bits = {"int4": 4, "int8": 8}[scheme]
-        twins[precision] = twin_with(decoder, lambda linear, down: GridLinear(linear, bits, block, symmetric))
+        with large_blocks_returned():  # the codes stay, their fp32 temporaries leave the resident set
+            twins[precision] = twin_with(decoder, lambda linear, down: GridLinear(linear, bits, block, symmetric))
     return twins[precision]
 
 

@@ -44,6 +44,7 @@ from speccompile.runtime.decoding.speculative import DecodeRequest, decode_all
 from speccompile.runtime.drafting import has_model_part, options
 from speccompile.runtime.drafting.kinds.precision import precision_of
 from speccompile.runtime.errors import ArtifactError
+from speccompile.runtime.memory import return_freed_memory
 
 from .acceptance import best_policy
 from .base import Pass, PassResult
@@ -54,9 +55,11 @@ from .lookup_autotune import NGRAM_SIZES, score_lookup
 from .plans import tuned_target
 from .precision_estimate import estimation_twin, int8_input_scales, release_twins
 from .replay import ReplayedRound, estimate_rounds, round_mix
-from .resident import return_freed_memory
 from .tuning import TuningContext
 
+# ``least_seconds``' measured proportions: reference passes a scheme's scoring costs, its quantized export against
+# the runner's first one, plain steps of the draft rounds' timing
+PROFILE_PASSES, EXPORT_FACTOR, DRAFT_ROUND_STEPS = 4.0, 2.0, 50
 SCHEMES = {"torch": ({"precision": "int8"},), "onnx": ({"precision": "int8"}, {"precision": "int4"})}
 LOOKUP_FIELDS = ("lookup", "lookup_max_draft", "extend")
 LOOKUP_SOURCES = ("ngram", "retrieval")  # the lookup plan's options a precision draft behind it keeps
@@ -133,9 +136,29 @@ class PrecisionTune(Pass):
         self.prompts, self.new_tokens = prompts, new_tokens
         self.schemes = SCHEMES.get(context.runner.name, SCHEMES["torch"])[: 1 if quick else None]
         self.real_loop = 0 if quick else REAL_LOOP_CANDIDATES
+        self.phases: dict[
+            str, float
+        ] = {}  # seconds per phase (bound, backend, draft_rounds, candidates, real_loop): the pass table's record
+
+    def _lap(self, phase: str, start: float) -> float:
+        now = time.perf_counter()
+        self.phases[phase] = round(self.phases.get(phase, 0.0) + now - start, 2)
+        return now
 
     def least_seconds(self) -> float:
-        return (1 + self.real_loop) * self.prompts * self.new_tokens * self.context.costs.plain_step()
+        """What the pass takes, from what calibration timed on this model and machine: per scheme, about
+        ``PROFILE_PASSES`` reference passes (the bound's sample and the stand-in's scoring of every continuation)
+        and, on ONNX Runtime, ``EXPORT_FACTOR`` times the runner's first export (the quantized graphs); the draft
+        rounds' timing; the real loop's decodes. Measured in phases (the pass table's ``phases``): SmolLM2-135M
+        14.8 s on ONNX Runtime (this gives 18.6 s), 12.2 s on torch (14.9 s); Qwen3-0.6B's shape 64-80 s on ONNX
+        Runtime (68 s), 41 s on torch (53 s). The plain-step rule it replaces said 15 s for the Qwen3 ONNX
+        case and 29 s where a Llama-3.2-1B-shaped build then spent 169 s, past its budget."""
+        c = self.context
+        plain = c.costs.plain_step()
+        export = c.timings.get("runner_backend", 0.0) if c.runner.name != "torch" else 0.0
+        per_scheme = PROFILE_PASSES * c.timings.get("reference_pass", 0.0) + EXPORT_FACTOR * export
+        loop = self.real_loop * self.prompts * self.new_tokens * plain
+        return len(self.schemes) * per_scheme + DRAFT_ROUND_STEPS * plain + loop
 
     def _decoder(self):
         return self.context.ir.decoder()
@@ -169,7 +192,7 @@ class PrecisionTune(Pass):
         """The geometric round model at the int8 twin's agreement with the target (first drafted tokens, on a
         sample of the calibration continuations, plus ``RATE_SLACK``) and its step cost relative to the
         model's, both on torch (cheap: no export); behind the lookup plan when there is one."""
-        c = self.context
+        c, start = self.context, time.perf_counter()
         decoder = self._decoder()
         if decoder.embed.weight.device.type != "cpu" or int8_kernel_missing():
             return 0.0  # the int8 twin runs on CPU only (a GPU build drafts no precision plan with this pass)
@@ -190,7 +213,9 @@ class PrecisionTune(Pass):
             del twin
             release_int8_twin(decoder)
             return_freed_memory()
-        return hybrid_bound(c, speedup) if "lookup" in ir.plans else speedup
+        bound = hybrid_bound(c, speedup) if "lookup" in ir.plans else speedup
+        self._lap("bound", start)
+        return bound
 
     # -- the pass ---------------------------------------------------------------------------------------------
     def _as_tree(self, found: tuple[DraftPlan, object, list | None], profile) -> tuple[DraftPlan, object, list | None]:
@@ -277,6 +302,7 @@ class PrecisionTune(Pass):
             backend.check_plans(plans)
         except ArtifactError as exc:  # no kernel for it here (the generic torch path, standard ONNX graphs, a GPU)
             return PassResult(ir, skipped=f"no precision draft on this backend: {exc}")
+        lap = self._lap("backend", start)
         timed = {}
         for plan in plans.values():
             draft, factor = measure_draft_rounds(backend, c.costs, plan, min(4, c.max_draft))
@@ -286,9 +312,11 @@ class PrecisionTune(Pass):
             }
         backend = None  # the sessions are not needed while the stand-ins score on torch: not both in memory
         c.runner.release()
+        lap = self._lap("draft_rounds", lap)
         candidates = sorted(self._candidates(ir), key=lambda found: -found[1].expected_speedup)
         release_twins(self._decoder())  # the stand-ins are for scoring only
         return_freed_memory()
+        lap = self._lap("candidates", lap)
         if self.real_loop:  # the best candidates by the parallel estimate, scored again in the real loop
             scored, firsts = [], {}
             for found in candidates:  # the best of each composition, then the next best
@@ -301,6 +329,7 @@ class PrecisionTune(Pass):
             for plan, parallel, _ in chosen:
                 rounds = self._real_rounds(backend, plan)
                 scored.append((plan, estimate_rounds(rounds, plan, c.costs), rounds, parallel))
+            self._lap("real_loop", lap)
         else:  # quick: the parallel estimate (rounds replayed, if a hybrid)
             scored = [(plan, parallel, replayed or [], parallel) for plan, parallel, replayed in candidates]
         seconds = round(time.perf_counter() - start, 2)
@@ -318,7 +347,7 @@ class PrecisionTune(Pass):
             )
             plan.set_option("model", "target_acceptance", tuned_target(plan.measured))
             ir.add_plan(plan)
-        return PassResult.after(ir, before, draft_costs=timed)
+        return PassResult.after(ir, before, draft_costs=timed, phases=dict(self.phases))
 
 
 __all__ = ["PrecisionTune", "behind_lookup", "hybrid_ngram_sizes", "kept_compositions", "precision_plan"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import platform
+from pathlib import Path
 
 KERNEL_FLAGS = ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "asimd", "sve")
 
@@ -50,10 +51,26 @@ def cpu_description() -> str:
     return ", ".join(parts)
 
 
+def last_level_cache_bytes() -> int | None:
+    """Bytes of the largest CPU cache (the last level: L3 on this project's machines, which /proc/cpuinfo's
+    "cache size" does not give on AMD), from sysfs; None where it is not readable."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip().upper()
+        except OSError:
+            continue
+        scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+        digits = text.rstrip("KMG")
+        if digits.isdigit():
+            sizes.append(int(digits) * scale)
+    return max(sizes) if sizes else None
+
+
 def machine_key(backend) -> str:
     """What a timing on ``backend`` depends on besides the model: backend, device and processor."""
     device = str(getattr(backend, "device", "cpu") or "cpu")
     return f"{backend.name} on {device}: {cpu_description()}"
 
 
-__all__ = ["cpu_description", "cpu_model_name", "machine_key"]
+__all__ = ["cpu_description", "cpu_model_name", "last_level_cache_bytes", "machine_key"]

@@ -14,8 +14,8 @@ import shutil
 from pathlib import Path
 
 from speccompile.passes.ir import DecoderIR
-from speccompile.passes.resident import drop_file_pages, return_freed_memory
 from speccompile.passes.tuning import TorchRunner
+from speccompile.runtime.memory import drop_file_pages, return_freed_memory
 
 
 class OnnxRunner:
@@ -23,7 +23,7 @@ class OnnxRunner:
 
     The build holds the weights about once: while the sessions are open (they hold ONNX Runtime's packed copy)
     the torch decoder's weights, pages of the mapped model file, are dropped from memory
-    (``passes/resident.drop_file_pages``), and a pass that needs the torch side at length (the int8 twin's
+    (``runtime/memory.drop_file_pages``), and a pass that needs the torch side at length (the int8 twin's
     bound) first ``release``s the sessions, which the next ``backend`` call opens again from the same export."""
 
     name = "onnx"

@@ -223,6 +223,10 @@ def test_auto_build_records_its_budget_and_pass_table(tiny_model_dir, tmp_path):
                 assert row["bound"] < row["incumbent"] * (1 + BOUND_MARGIN)
         elif "bound" in row:
             assert row["bound"] >= row["incumbent"] * (1 + BOUND_MARGIN)
+    precision = next(r for r in rows if r["pass"] == "precision_tune")
+    if "skipped" not in precision:  # its phases, what its time estimate (least_seconds) is read against
+        assert set(precision["phases"]) >= {"bound", "backend", "draft_rounds", "candidates"}
+        assert sum(precision["phases"].values()) <= precision["seconds"] + 0.05
     budget = manifest["tuning"]["budget"]
     assert budget["seconds"] == 40 and not budget["default"] and budget["used"] < 40
     (plan,) = manifest["plans"].values()
@@ -313,3 +317,57 @@ def test_the_first_plan_is_made_when_calibration_used_up_the_budget(ir):
     assert first.ran and not second.ran and set(ir.plans) == {"lookup"}
     row = ir.tuning["passes"][1]
     assert row["skipped"] == "needs 0s, 0s left" and "bound" not in row
+
+
+def test_the_precision_pass_is_priced_from_what_calibration_timed(tiny_decoder):
+    """The precision pass's time estimate grows with the reference pass (its scoring repeats it) and, on an
+    exporting backend, with the first export (its quantized graphs), not only with the plain step: a
+    Llama-3.2-1B-shaped build was told 29 s by the plain-step rule and spent 169 s, past its budget."""
+    import numpy as np
+
+    from speccompile.passes.precision_tune import EXPORT_FACTOR, PROFILE_PASSES, PrecisionTune
+    from speccompile.passes.tuning import TuningContext
+
+    _, decoder = tiny_decoder("llama")
+    ir = DecoderIR(decoder.config, {})
+    ir.attach_decoder(decoder)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, decoder.config.vocab_size, 8).tolist() for _ in range(3)]
+    context = TuningContext.prepare(ir, prompts, 8, 4, show_progress=False)
+    quick = PrecisionTune(context, show_progress=False, quick=True)
+    context.timings.update(reference_pass=10.0, runner_backend=20.0)
+    base = quick.least_seconds()
+    assert base >= PROFILE_PASSES * 10.0  # torch: no export to repeat
+    context.timings["reference_pass"] = 30.0
+    assert quick.least_seconds() == pytest.approx(base + PROFILE_PASSES * 20.0)
+
+    class Exporting:  # the runner's name is what the estimate reads: ONNX Runtime exports its quantized graphs
+        name = "onnx"
+
+    context.runner = Exporting()
+    assert quick.least_seconds() == pytest.approx(base + PROFILE_PASSES * 20.0 + EXPORT_FACTOR * 20.0)
+
+
+def test_the_exit_agreements_are_priced_until_they_are_known(tiny_decoder):
+    """The early-exit and adapter passes' time estimates include the shared-head agreements their bounds read
+    (one head product per scored position and exit), until a bound has read them: a Llama-3.2-1B-shaped
+    build's early-exit bound spent 51 s of the 32 it had left."""
+    import numpy as np
+
+    from speccompile.passes.autotune import ExitLayerAutotune
+    from speccompile.passes.budget import agreement_seconds, exit_agreements
+    from speccompile.passes.tuning import TuningContext
+
+    _, decoder = tiny_decoder("llama")
+    ir = DecoderIR(decoder.config, {})
+    ir.attach_decoder(decoder)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, decoder.config.vocab_size, 8).tolist() for _ in range(3)]
+    context = TuningContext.prepare(ir, prompts, 8, 4, show_progress=False)
+    exits = ExitLayerAutotune(context, show_progress=False, full=False)
+    before, needs = agreement_seconds(context), exits.least_seconds()
+    assert before > 0 and needs >= before
+    context.cost.head = [10 * h for h in context.cost.head]  # a head ten times dearer: ten times the estimate
+    assert agreement_seconds(context) == pytest.approx(10 * before)
+    exit_agreements(context)
+    assert agreement_seconds(context) == 0.0 and exits.least_seconds() == pytest.approx(needs - before)

@@ -327,7 +327,7 @@ def _present_pages(array: np.ndarray) -> int:
 def test_dropping_file_pages_keeps_what_was_written(tmp_path):
     """A build drops the mapped model file's pages while ONNX Runtime holds its packed copy: only clean file pages
     go (read back byte for byte), a page written in a private mapping (anonymous memory now) stays as written."""
-    from speccompile.passes.resident import drop_file_pages
+    from speccompile.runtime.memory import drop_file_pages
 
     path = tmp_path / "weights.bin"
     np.arange(1 << 18, dtype=np.float32).tofile(path)  # 1 MiB: 256 pages
@@ -340,3 +340,20 @@ def test_dropping_file_pages_keeps_what_was_written(tmp_path):
     assert _present_pages(mapped) == 1  # the written page only
     assert mapped[5] == -1.0 and float(mapped.sum(dtype=np.float64)) == total - 5.0 - 1.0  # read back the same
     assert drop_file_pages([mapped[:0]]) == 0
+
+
+def test_a_big_product_is_encoded_and_de_quantized_a_few_rows_at_a_time(monkeypatch):
+    """A tied head (151,936 rows at Qwen3-0.6B's shapes) is encoded and de-quantized ``CODE_ROWS`` rows at a time:
+    the same codes and scales as at once, and the same outputs up to the product's rounding."""
+    from speccompile.passes import precision_estimate
+    from speccompile.passes.precision_estimate import GridLinear, block_codes
+
+    linear = torch.nn.Linear(96, 50)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(1))
+    whole = {(bits, sym): block_codes(linear.weight, bits, 32, sym) for bits, sym in ((4, False), (8, True))}
+    full = {key: GridLinear(linear, key[0], 32, key[1])(x) for key in whole}
+    monkeypatch.setattr(precision_estimate, "CODE_ROWS", 16)  # 50 rows: four parts, the last one short
+    for (bits, symmetric), expected in whole.items():
+        parts = block_codes(linear.weight, bits, 32, symmetric)
+        assert all((a is None and b is None) or torch.equal(a, b) for a, b in zip(parts, expected))
+        torch.testing.assert_close(GridLinear(linear, bits, 32, symmetric)(x), full[bits, symmetric])

@@ -1,6 +1,10 @@
 """The CPU product forms (runtime/backends/torch/cpu_linear.py): W @ x^T and MKL's packed product compute F.linear's
 products, are chosen per row count by measurement, and are lossless when forced on for every row count."""
 
+import mmap
+import sys
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -93,13 +97,17 @@ def test_choice_covers_counts_between_probes():
 
 @needs_mkl
 def test_packed_choice():
-    """The packed form where it is within ``preference`` of the form chosen otherwise, which then gives way."""
+    """The packed form where it is within ``preference`` of the form chosen otherwise, which then gives way; and
+    nowhere unless it beats the other forms by ``gain`` at some count (its packs double the weights' memory)."""
     weights = [torch.randn(64, 32), torch.randn(32, 64)]
     packs = [MklPack(w) for w in weights]
     every = frozenset(range(1, MAX_ROWS + 1))
-    assert choose_forms(weights, packs, rows=(1, 4), margin=float("inf"), preference=float("inf")) == (
-        frozenset(),
+    assert choose_forms(
+        weights, packs, rows=(1, 4), margin=float("inf"), preference=float("inf"), gain=float("inf")
+    ) == (frozenset(), every)
+    assert choose_forms(weights, packs, rows=(1, 4), margin=float("inf"), preference=float("inf"), gain=0.0) == (
         every,
+        frozenset(),
     )
     assert choose_forms(weights, packs, rows=(1, 4), margin=float("inf"), preference=0.0) == (every, frozenset())
 
@@ -198,3 +206,63 @@ def test_torch_backend_packs_the_canonical_decoder_on_cpu(tiny_decoder):
     product = decoder.layers[0].attn._qkv[0]
     assert type(product) is StreamingLinear and product.streaming_rows == decoder._streaming_rows
     assert product._forward_hooks is not decoder.layers[0].attn.q._forward_hooks
+
+
+def test_forms_are_timed_on_a_prefix_sized_by_the_cache(monkeypatch):
+    """The timing reads the first weights up to a few times the last-level cache, not all of them: its packs are
+    made only for those (a whole second copy of a big model's weights otherwise, for a timing)."""
+    from speccompile.runtime.backends.torch import cpu_linear
+
+    weights = [torch.zeros(1024, 1024) for _ in range(8)]  # 4 MiB each
+    monkeypatch.setattr(cpu_linear, "MIN_PROBE_BYTES", 1)
+    monkeypatch.setattr(cpu_linear, "last_level_cache_bytes", lambda: 2 << 20)
+    assert cpu_linear.probe_weights(weights) == weights[:2]  # 4 x 2 MiB reached after the second
+    monkeypatch.setattr(cpu_linear, "last_level_cache_bytes", lambda: None)
+    assert cpu_linear.probe_weights(weights) == weights
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/pagemap")
+def test_packing_projections_drops_the_mapped_pages_they_replace(tiny_decoder, tmp_path):
+    """q/k/v and gate/up re-stored as one product each: their former tensors, mapped from a weights file, leave
+    the resident set (a third copy otherwise); the other weights' pages and the outputs stay as they were."""
+    hf, _ = tiny_decoder("llama")
+    config = arch_config(hf)
+    weights = canonical_weights(hf, config)
+    page = mmap.PAGESIZE
+    offsets, offset = {}, 0
+    for name, w in weights.items():
+        offsets[name] = offset
+        offset += -(-w.numel() * 4 // page) * page  # each tensor on pages of its own
+    path = tmp_path / "weights.bin"
+    with open(path, "wb") as f:
+        for name, w in weights.items():
+            f.seek(offsets[name])
+            f.write(w.detach().float().contiguous().numpy().tobytes())
+        f.truncate(offset)
+    mapped = np.memmap(path, dtype=np.uint8, mode="c")  # private, copy on write, as transformers maps
+    arrays = {
+        name: mapped[offsets[name] : offsets[name] + w.numel() * 4].view(np.float32).reshape(w.shape)
+        for name, w in weights.items()
+    }
+    decoder = build_decoder(config, {name: torch.from_numpy(a) for name, a in arrays.items()}, copy=False)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.inference_mode():
+        before = decoder(ids)
+    assert all(_present_pages(a) > 0 for a in arrays.values())
+    pack_projections(decoder)
+    replaced = [n for n in arrays if n.endswith((".q.weight", ".k.weight", ".v.weight", ".gate.weight", ".up.weight"))]
+    kept = [n for n in arrays if n.endswith((".o.weight", ".down.weight"))]
+    assert replaced and kept
+    with torch.inference_mode():
+        after = decoder(ids)
+    assert all(_present_pages(arrays[n]) == 0 for n in replaced)
+    assert all(_present_pages(arrays[n]) > 0 for n in kept)
+    torch.testing.assert_close(after, before, rtol=1e-5, atol=1e-5)
+
+
+def _present_pages(array: np.ndarray) -> int:
+    first = array.__array_interface__["data"][0] // mmap.PAGESIZE
+    with open("/proc/self/pagemap", "rb", buffering=0) as f:
+        f.seek(first * 8)
+        entries = np.frombuffer(f.read(-(-array.nbytes // mmap.PAGESIZE) * 8), dtype=np.uint64)
+    return int(((entries >> np.uint64(63)) & np.uint64(1)).sum())

@@ -12,6 +12,7 @@ PACKAGE = "speccompile.runtime"
 LAYERS = [
     "errors",
     "machine",
+    "memory",
     "segments",
     "sampling",
     "tree",

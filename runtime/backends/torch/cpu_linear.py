@@ -20,8 +20,9 @@ for one to sixteen rows depends on the CPU and the BLAS build:
   the form, which ``SPECCOMPILE_CPU_LINEAR=standard`` avoids.
 
 ``use_streaming_linears`` times the forms on the model's own weights (cold, in model order, as a step
-reads them) for each row count and switches the model's ``nn.Linear`` modules to ``StreamingLinear``,
-which applies the winner per count. Every form computes the same dot products; like any change of kernel
+reads them; the first few times the last-level cache's size of them, ``probe_weights``) for each row count
+and switches the model's ``nn.Linear`` modules to ``StreamingLinear``, which applies the winner per count.
+Packs are kept only where they beat the other forms clearly (``PACK_GAIN``): they double the weights' memory. Every form computes the same dot products; like any change of kernel
 they may round differently, which the near-tie rule of lossless greedy covers (docs/design.md section 6): a
 backend's plain and speculative decoding always run the same modules.
 
@@ -38,12 +39,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...machine import last_level_cache_bytes
+
 MAX_ROWS = 16  # longest verify the choice covers (a lookup draft is at most 12 tokens); longer calls use F.linear
 PROBE_ROWS = (1, 2, 3, 4, 8, 16)  # probed row counts (the others follow the probed count below them)
 MODES = ("auto", "standard", "streaming", "packed")
 # the packed form is kept for a row count when it is at most this much slower than the form otherwise chosen:
 # one form for every count keeps a step and a verify on the same kernel (at SmolLM2's shapes, bitwise)
 PACKED_PREFERENCE = 1.03
+# ... but packs are made at all only where, at some probed count, the packed form takes at most this much of the
+# best other form's time: a pack is a second copy of every weight (2.4 GB on Qwen3-0.6B), worth it where MKL
+# re-packs per call (Intel Xeon: 27 against 44 ms at 8 rows), not for SmolLM2's 7% at one row on an AMD EPYC Zen 2
+PACK_GAIN = 0.9
+# the forms are timed on the first weights in model order up to this many bytes per byte of last-level cache
+# (at least MIN_PROBE_BYTES): a stream that size runs at memory bandwidth as the whole model does, and the packs
+# the timing makes are only that big
+PROBE_CACHE_MULTIPLE, MIN_PROBE_BYTES = 4, 64 << 20
 STREAMING_MARGIN = 0.9  # W @ x^T is kept for a row count when it is more than 10% faster than F.linear
 
 
@@ -170,12 +181,15 @@ def choose_forms(
     repeats: int = 3,
     margin: float = STREAMING_MARGIN,
     preference: float = PACKED_PREFERENCE,
+    gain: float = PACK_GAIN,
 ) -> tuple[frozenset[int], frozenset[int]]:
     """(row counts given ``W @ x^T``, row counts given MKL's packed product), from 1..MAX_ROWS, timed over all
     of ``weights`` (``packs``: their MKL packs, in the same order; None: no packed form). Per probed count the
     forms run in turns, ``repeats`` times each, best time kept. ``W @ x^T`` is chosen where it beats
     ``F.linear`` by more than ``1 - margin``; the packed form where it takes at most ``preference`` times
-    the form chosen so far. A count between two probed ones follows the lower one."""
+    the form chosen so far, provided that at some probed count it takes at most ``gain`` times the best
+    other form (else no count gets it: its packs are a second copy of the weights). A count between two
+    probed ones follows the lower one."""
     if not weights:
         return frozenset(), frozenset()
     widths = {w.shape[1] for w in weights}
@@ -193,7 +207,7 @@ def choose_forms(
 
     forms = ("standard", "streaming") + (("packed",) if packs else ())
     every_product(rows[0], "standard")  # warm-up (allocator, thread pool)
-    streaming, packed = set(), set()
+    streaming, packed, gains = set(), set(), []
     for n in rows:
         best = {form: float("inf") for form in forms}
         for _ in range(repeats):  # in turns, so that a slow moment of the machine does not fall on one form only
@@ -205,7 +219,25 @@ def choose_forms(
             chosen = best["streaming"]
         if best.get("packed", float("inf")) <= preference * chosen:
             packed.add(n)
+        gains.append(best.get("packed", float("inf")) / min(best["standard"], best["streaming"]))
+    if not gains or min(gains) > gain:
+        packed = set()
     return _follow_lower(streaming - packed, rows), _follow_lower(packed, rows)
+
+
+def probe_weights(weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The first of ``weights`` (model order) that ``choose_forms`` times: ``PROBE_CACHE_MULTIPLE`` times the
+    last-level cache's bytes (at least ``MIN_PROBE_BYTES``; all of them where the cache is not known)."""
+    cache = last_level_cache_bytes()
+    if cache is None:
+        return weights
+    limit, total, chosen = max(PROBE_CACHE_MULTIPLE * cache, MIN_PROBE_BYTES), 0, []
+    for w in weights:
+        if total >= limit:
+            break
+        chosen.append(w)
+        total += w.numel() * w.element_size()
+    return chosen
 
 
 def use_streaming_linears(
@@ -246,13 +278,14 @@ def use_streaming_linears(
     elif mode == "streaming":
         chosen = every
     elif mode == "auto" and linears:
-        candidates = [MklPack(w) for w in weights] if mkl_packing_missing() is None else []
-        chosen, packed_rows = choose_forms(weights, candidates or None)
+        probed = probe_weights(weights)
+        candidates = [MklPack(w) for w in probed] if mkl_packing_missing() is None else []
+        chosen, packed_rows = choose_forms(probed, candidates or None)
     packs: dict[int, MklPack] = {}
-    if (
-        packed_rows
-    ):  # the packs timed, or made now (a pack not chosen is dropped here: memory only the chosen form takes)
-        packs = {id(w): pack for w, pack in zip(weights, candidates or [MklPack(w) for w in weights])}
+    if packed_rows:  # the packs timed, the others made now (packs not chosen are dropped here, never all made)
+        packs = {id(w): pack for w, pack in zip(weights, candidates)}
+        packs.update({id(w): MklPack(w) for w in weights if id(w) not in packs})
+    del candidates
     stepping = {id(m) for m in timed}
     for module in linears:
         module.__class__ = StreamingLinear

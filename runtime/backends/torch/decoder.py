@@ -21,6 +21,7 @@ from torch import Tensor, nn
 
 from ...artifact.manifest import ArchConfig
 from ...errors import ArtifactError, quote
+from ...memory import drop_file_pages
 
 _ACTIVATIONS = {
     "silu": F.silu,
@@ -140,7 +141,9 @@ def pack_projections(model: nn.Module) -> list[tuple[nn.Linear, tuple[nn.Linear,
     class of the q (or gate) module, so the same product form (``cpu_linear``), and is not registered as
     a submodule (it has hooks, buffers and parameters of its own). Each output is the same dot product
     as before; like any change of kernel it may round differently, and plain and speculative decoding
-    run the same modules. Returns the packed products made, each with the modules it replaces."""
+    run the same modules. The parts' former tensors leave the resident set as each product is made, where
+    they were clean pages of a mapped file (``runtime/memory.drop_file_pages``; the weights of a loaded
+    artifact or of the model a build read). Returns the packed products made, each with the modules it replaces."""
     packed = []
     for module in model.modules():
         if isinstance(module, Attention):
@@ -154,7 +157,8 @@ def pack_projections(model: nn.Module) -> list[tuple[nn.Linear, tuple[nn.Linear,
         if name in module.__dict__ or len({(p.weight.dtype, p.weight.device, p.bias is None) for p in parts}) != 1:
             continue
         sizes = [p.out_features for p in parts]
-        weight = torch.cat([p.weight.detach() for p in parts])
+        originals = [p.weight.detach() for p in parts]
+        weight = torch.cat(originals)
         bias = torch.cat([p.bias.detach() for p in parts]) if parts[0].bias is not None else None
         for part, w, b in zip(
             parts, weight.split(sizes), bias.split(sizes) if bias is not None else [None] * len(parts)
@@ -170,6 +174,10 @@ def pack_projections(model: nn.Module) -> list[tuple[nn.Linear, tuple[nn.Linear,
         views = tuple(p.weight.data_ptr() for p in parts)
         object.__setattr__(module, name, (product, sizes, parts, views))  # not in state_dict or modules()
         packed.append((product, parts))
+        # the parts now view the concatenation: their old tensors, pages of the mapped weights file where the
+        # weights were loaded from one, are never read again (a third copy otherwise: Qwen3-0.6B 1.15 GB)
+        drop_file_pages(originals, whole_storage=False)
+        del originals
     return packed
 
 
