@@ -158,20 +158,28 @@ class ExitLayerAutotune(Pass):
     def exit_bounds(self, floor: float | None = None) -> dict[int, float]:
         """Each exit's bound at its shared-head agreement (plus slack); an exit whose bound with perfect drafts
         is below ``floor`` keeps that one (its agreement, a head product over the calibration, is not needed)."""
-        plan = lambda e: DraftPlan(name="candidate", exit_layer=e)  # noqa: E731
-        exits = range(1, self.context.ir.config.num_layers)
-        bounds = {e: model_draft_bound(self.context, plan(e), PERFECT) for e in exits}
+        bounds = self._perfect_bounds()
         for e, m in exit_agreements(self.context, needed(bounds, floor)).items():
-            bounds[e] = min(bounds[e], model_draft_bound(self.context, plan(e), m + RATE_SLACK))
+            plan = DraftPlan(name="candidate", exit_layer=e)
+            bounds[e] = min(bounds[e], model_draft_bound(self.context, plan, m + RATE_SLACK))
         return bounds
+
+    def _perfect_bounds(self) -> dict[int, float]:
+        """Each exit's bound were its drafts always right (cheap: costs only)."""
+        return {
+            e: model_draft_bound(self.context, DraftPlan(name="candidate", exit_layer=e), PERFECT)
+            for e in range(1, self.context.ir.config.num_layers)
+        }
 
     def bound(self, ir: DecoderIR) -> float:
         return max(self.exit_bounds(incumbent(ir) * (1 + BOUND_MARGIN)).values())
 
     def least_seconds(self) -> float:
-        """The exits' shared-head agreements its bound reads (``agreement_seconds``; all exits, as a weak
-        incumbent asks for), and one exit scored over the calibration (about half a reference pass)."""
-        return agreement_seconds(self.context) + 0.5 * self.context.timings.get("reference_pass", 0.0)
+        """The shared-head agreements its bound reads (``agreement_seconds``: the exits that could beat the
+        incumbent even if always right), and one exit scored over the calibration (about half a reference
+        pass)."""
+        exits = needed(self._perfect_bounds(), incumbent(self.context.ir) * (1 + BOUND_MARGIN))
+        return agreement_seconds(self.context, exits) + 0.5 * self.context.timings.get("reference_pass", 0.0)
 
     def call(self, ir: DecoderIR) -> PassResult:
         start, before = time.perf_counter(), dict(ir.plans)

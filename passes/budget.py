@@ -199,19 +199,28 @@ def _agreement_stride(context) -> int:
 
 def agreement_seconds(context, exits=None) -> float:
     """About what ``exit_agreements`` still takes for ``exits`` (default: every block): one head product per
-    scored position and exit not yet known, at the sublayer timings' head cost per token. A bound that reads
-    them is not free on a big vocabulary: a Llama-3.2-1B-shaped build's early-exit bound took 51 s of the 32
-    its budget had left."""
+    scored position and exit not yet known, at the cost per position of one such product, timed once per
+    tuning run on the first calibration sequence (the sublayer timings' head, a few cold tokens, priced it
+    3.6x too high on SmolLM2). A bound that reads them is not free on a big vocabulary: a
+    Llama-3.2-1B-shaped build's early-exit bound took 51 s of the 32 its budget had left."""
     L = context.ir.config.num_layers
     wanted = range(1, L) if exits is None else exits
     known = context.signals.get("exit_agreements", {})
     missing = sum(1 for e in wanted if e not in known)
-    if not missing:
+    scored_refs = [ref for ref in context.references if ref.exits is not None and len(ref.targets)]
+    if not missing or not scored_refs:
         return 0.0
     stride = _agreement_stride(context)
-    scored = sum(len(ref.targets[::stride]) for ref in context.references if ref.exits is not None)
-    head = context.cost.head
-    return missing * scored * head[-1] / len(head)
+    if "head_seconds_per_position" not in context.signals:
+        hidden = scored_refs[0].exits[1 if L > 1 else 0][:, ::stride]
+        head = context.ir.decoder().head
+        with torch.inference_mode():
+            head(hidden[:, :1])  # warm
+            start = time.perf_counter()
+            head(hidden)
+        context.signals["head_seconds_per_position"] = (time.perf_counter() - start) / hidden.shape[1]
+    scored = sum(len(ref.targets[::stride]) for ref in scored_refs)
+    return missing * scored * context.signals["head_seconds_per_position"]
 
 
 def lookup_hit_share(context, rounds, plan: DraftPlan) -> tuple[float, float, float]:

@@ -350,7 +350,8 @@ def test_the_precision_pass_is_priced_from_what_calibration_timed(tiny_decoder):
 
 def test_the_exit_agreements_are_priced_until_they_are_known(tiny_decoder):
     """The early-exit and adapter passes' time estimates include the shared-head agreements their bounds read
-    (one head product per scored position and exit), until a bound has read them: a Llama-3.2-1B-shaped
+    (one head product per scored position and exit, priced per position by one timed product), until a bound
+    has read them: a Llama-3.2-1B-shaped
     build's early-exit bound spent 51 s of the 32 it had left."""
     import numpy as np
 
@@ -365,9 +366,11 @@ def test_the_exit_agreements_are_priced_until_they_are_known(tiny_decoder):
     prompts = [rng.integers(0, decoder.config.vocab_size, 8).tolist() for _ in range(3)]
     context = TuningContext.prepare(ir, prompts, 8, 4, show_progress=False)
     exits = ExitLayerAutotune(context, show_progress=False, full=False)
-    before, needs = agreement_seconds(context), exits.least_seconds()
-    assert before > 0 and needs >= before
-    context.cost.head = [10 * h for h in context.cost.head]  # a head ten times dearer: ten times the estimate
+    scoring = 0.5 * context.timings["reference_pass"]  # one exit scored, after the bound
+    before = agreement_seconds(context)
+    assert before > 0 and exits.least_seconds() > scoring
+    assert context.signals["head_seconds_per_position"] > 0  # timed once, on a head product of the calibration
+    context.signals["head_seconds_per_position"] *= 10  # a head ten times dearer: ten times the estimate
     assert agreement_seconds(context) == pytest.approx(10 * before)
     exit_agreements(context)
-    assert agreement_seconds(context) == 0.0 and exits.least_seconds() == pytest.approx(needs - before)
+    assert agreement_seconds(context) == 0.0 and exits.least_seconds() == pytest.approx(scoring)
