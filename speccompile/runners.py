@@ -88,6 +88,8 @@ class OnnxRunner:
     def release(self) -> None:
         """Drop the sessions (ONNX Runtime's packed weights) until a backend is asked for again: the same plans'
         sessions are then opened again from the export, without exporting anew."""
+        if self._backend is None:
+            return
         self._backend = None
         return_freed_memory()
 

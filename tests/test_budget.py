@@ -374,3 +374,51 @@ def test_the_exit_agreements_are_priced_until_they_are_known(tiny_decoder):
     assert agreement_seconds(context) == pytest.approx(10 * before)
     exit_agreements(context)
     assert agreement_seconds(context) == 0.0 and exits.least_seconds() == pytest.approx(scoring)
+
+
+def test_the_layer_skip_bound_is_priced_from_the_reference_pass(tiny_decoder):
+    """The layer-skip bound profiles its probes (a quarter of the sequences each) before the pass may be skipped:
+    its time estimate counts them, so it grows with the reference pass."""
+    import numpy as np
+
+    from speccompile.passes.autotune import CosineAutotune
+    from speccompile.passes.tuning import TuningContext
+
+    _, decoder = tiny_decoder("llama")
+    ir = DecoderIR(decoder.config, {})
+    ir.attach_decoder(decoder)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, decoder.config.vocab_size, 8).tolist() for _ in range(3)]
+    context = TuningContext.prepare(ir, prompts, 8, 4, show_progress=False)
+    cosine = CosineAutotune(context, show_progress=False, full=False)
+    context.timings["reference_pass"] = 4.0
+    needs = cosine.least_seconds()
+    assert needs > 0 and needs % 1.0 == 0  # whole probes of a quarter pass each
+    context.timings["reference_pass"] = 8.0
+    assert cosine.least_seconds() == pytest.approx(2 * needs)
+
+
+def test_scoring_on_torch_releases_the_onnx_sessions(tiny_decoder, tmp_path):
+    """A draft scored on the torch decoder reads its weights again: ONNX Runtime's sessions (their packed copy
+    of the same weights) are released first, and the next backend opens them again from the same export."""
+    import numpy as np
+
+    from speccompile.convert import arch_config, canonical_weights
+    from speccompile.passes.tuning import TuningContext
+    from speccompile.runners import make_runner
+
+    hf, _ = tiny_decoder("llama")
+    config = arch_config(hf)
+    ir = DecoderIR(config, canonical_weights(hf, config))
+    decoder = ir.decoder()
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, decoder.config.vocab_size, 8).tolist() for _ in range(3)]
+    runner = make_runner("onnx", ir, tmp_path)
+    context = TuningContext.prepare(ir, prompts, 8, 4, show_progress=False, runner=runner, workdir=tmp_path)
+    opened = runner.backend({})
+    assert runner._backend is opened
+    context.profile(DraftPlan(name="e", exit_layer=1))
+    assert runner._backend is None
+    again = runner.plain_backend()
+    again.reserve(8)
+    assert again is not opened and again.forward([1, 2, 3], 0).shape[-1] == decoder.config.vocab_size
