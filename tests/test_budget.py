@@ -323,17 +323,10 @@ def test_the_precision_pass_is_priced_from_what_calibration_timed(tiny_decoder):
     """The precision pass's time estimate grows with the reference pass (its scoring repeats it) and, on an
     exporting backend, with the first export (its quantized graphs), not only with the plain step: a
     Llama-3.2-1B-shaped build was told 29 s by the plain-step rule and spent 169 s, past its budget."""
-    import numpy as np
 
     from speccompile.passes.precision_tune import EXPORT_FACTOR, PROFILE_PASSES, PrecisionTune
-    from speccompile.passes.tuning import TuningContext
 
-    _, decoder = tiny_decoder("llama")
-    ir = DecoderIR(decoder.config, {})
-    ir.attach_decoder(decoder)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, decoder.config.vocab_size, 8).tolist() for _ in range(3)]
-    context = TuningContext.prepare(ir, prompts, 8, 4, show_progress=False)
+    context = tiny_context(tiny_decoder)
     quick = PrecisionTune(context, show_progress=False, quick=True)
     context.timings.update(reference_pass=10.0, runner_backend=20.0)
     base = quick.least_seconds()
@@ -353,18 +346,11 @@ def test_the_exit_agreements_are_priced_until_they_are_known(tiny_decoder):
     (one head product per scored position and exit, priced per position by one timed product), until a bound
     has read them: a Llama-3.2-1B-shaped
     build's early-exit bound spent 51 s of the 32 it had left."""
-    import numpy as np
 
     from speccompile.passes.autotune import ExitLayerAutotune
     from speccompile.passes.budget import agreement_seconds, exit_agreements
-    from speccompile.passes.tuning import TuningContext
 
-    _, decoder = tiny_decoder("llama")
-    ir = DecoderIR(decoder.config, {})
-    ir.attach_decoder(decoder)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, decoder.config.vocab_size, 8).tolist() for _ in range(3)]
-    context = TuningContext.prepare(ir, prompts, 8, 4, show_progress=False)
+    context = tiny_context(tiny_decoder)
     exits = ExitLayerAutotune(context, show_progress=False, full=False)
     scoring = 0.5 * context.timings["reference_pass"]  # one exit scored, after the bound
     before = agreement_seconds(context)
@@ -379,17 +365,10 @@ def test_the_exit_agreements_are_priced_until_they_are_known(tiny_decoder):
 def test_the_layer_skip_bound_is_priced_from_the_reference_pass(tiny_decoder):
     """The layer-skip bound profiles its probes (a quarter of the sequences each) before the pass may be skipped:
     its time estimate counts them, so it grows with the reference pass."""
-    import numpy as np
 
     from speccompile.passes.autotune import CosineAutotune
-    from speccompile.passes.tuning import TuningContext
 
-    _, decoder = tiny_decoder("llama")
-    ir = DecoderIR(decoder.config, {})
-    ir.attach_decoder(decoder)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, decoder.config.vocab_size, 8).tolist() for _ in range(3)]
-    context = TuningContext.prepare(ir, prompts, 8, 4, show_progress=False)
+    context = tiny_context(tiny_decoder)
     cosine = CosineAutotune(context, show_progress=False, full=False)
     context.timings["reference_pass"] = 4.0
     needs = cosine.least_seconds()
@@ -401,6 +380,21 @@ def test_the_layer_skip_bound_is_priced_from_the_reference_pass(tiny_decoder):
 def test_scoring_on_torch_releases_the_onnx_sessions(tiny_decoder, tmp_path):
     """A draft scored on the torch decoder reads its weights again: ONNX Runtime's sessions (their packed copy
     of the same weights) are released first, and the next backend opens them again from the same export."""
+
+    context = tiny_context(tiny_decoder, onnx_in=tmp_path)
+    runner, decoder = context.runner, context.ir.decoder()
+    opened = runner.backend({})
+    assert runner._backend is opened
+    context.profile(DraftPlan(name="e", exit_layer=1))
+    assert runner._backend is None
+    again = runner.plain_backend()
+    again.reserve(8)
+    assert again is not opened and again.forward([1, 2, 3], 0).shape[-1] == decoder.config.vocab_size
+
+
+def tiny_context(tiny_decoder, onnx_in=None):
+    """A tuning context of the tiny llama on three random prompts (8 tokens each, 8 more decoded): on the torch
+    runner, or with ``onnx_in`` (a folder) on ONNX Runtime's."""
     import numpy as np
 
     from speccompile.convert import arch_config, canonical_weights
@@ -410,15 +404,7 @@ def test_scoring_on_torch_releases_the_onnx_sessions(tiny_decoder, tmp_path):
     hf, _ = tiny_decoder("llama")
     config = arch_config(hf)
     ir = DecoderIR(config, canonical_weights(hf, config))
-    decoder = ir.decoder()
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, decoder.config.vocab_size, 8).tolist() for _ in range(3)]
-    runner = make_runner("onnx", ir, tmp_path)
-    context = TuningContext.prepare(ir, prompts, 8, 4, show_progress=False, runner=runner, workdir=tmp_path)
-    opened = runner.backend({})
-    assert runner._backend is opened
-    context.profile(DraftPlan(name="e", exit_layer=1))
-    assert runner._backend is None
-    again = runner.plain_backend()
-    again.reserve(8)
-    assert again is not opened and again.forward([1, 2, 3], 0).shape[-1] == decoder.config.vocab_size
+    prompts = [rng.integers(0, config.vocab_size, 8).tolist() for _ in range(3)]
+    runner = make_runner("onnx", ir, onnx_in) if onnx_in is not None else None
+    return TuningContext.prepare(ir, prompts, 8, 4, show_progress=False, runner=runner, workdir=onnx_in)
