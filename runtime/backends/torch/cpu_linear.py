@@ -22,9 +22,10 @@ for one to sixteen rows depends on the CPU and the BLAS build:
 ``use_streaming_linears`` times the forms on the model's own weights (cold, in model order, as a step
 reads them; the first few times the last-level cache's size of them, ``probe_weights``) for each row count
 and switches the model's ``nn.Linear`` modules to ``StreamingLinear``, which applies the winner per count.
-Packs are kept only where they beat the other forms clearly (``PACK_GAIN``): they double the weights' memory. Every form computes the same dot products; like any change of kernel
-they may round differently, which the near-tie rule of lossless greedy covers (docs/design.md section 6): a
-backend's plain and speculative decoding always run the same modules.
+Packs are kept only where they beat the other forms clearly (``PACK_GAIN``): they double the weights' memory.
+Every form computes the same dot products; like any change of kernel they may round differently, which the
+near-tie rule of lossless greedy covers (docs/design.md section 6): a backend's plain and speculative decoding
+always run the same modules.
 
 ``SPECCOMPILE_CPU_LINEAR=standard`` keeps ``F.linear`` everywhere; ``=streaming`` / ``=packed`` use that
 form for every row count up to ``MAX_ROWS`` without timing.
