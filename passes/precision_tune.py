@@ -136,9 +136,8 @@ class PrecisionTune(Pass):
         self.prompts, self.new_tokens = prompts, new_tokens
         self.schemes = SCHEMES.get(context.runner.name, SCHEMES["torch"])[: 1 if quick else None]
         self.real_loop = 0 if quick else REAL_LOOP_CANDIDATES
-        self.phases: dict[
-            str, float
-        ] = {}  # seconds per phase (bound, backend, draft_rounds, candidates, real_loop): the pass table's record
+        # seconds per phase (bound, backend, draft_rounds, candidates, real_loop): the pass table's record
+        self.phases: dict[str, float] = {}
 
     def _lap(self, phase: str, start: float) -> float:
         now = time.perf_counter()

@@ -142,11 +142,9 @@ def return_freed_memory() -> None:
     import gc
 
     gc.collect()
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None).malloc_trim(0)
-        except (OSError, AttributeError):  # not glibc (musl has no malloc_trim)
-            pass
+    malloc_trim = _glibc("malloc_trim")
+    if malloc_trim is not None:
+        malloc_trim(0)
 
 
 __all__ = ["drop_file_pages", "large_blocks_returned", "return_freed_memory"]
