@@ -11,7 +11,8 @@ then speculatively with the artifact's default plan (speculative batched decodin
 the load policy from the call costs the build stored, or timed at start), the two in turns per N. Every answer is checked against the
 prompt's own batch-1 plain greedy output. ``--peers openvino`` then runs OpenVINO GenAI's
 ``ContinuousBatchingPipeline`` (plain and its prompt lookup) on the source model exported to OpenVINO
-(``benchmarks/peer_compare.py``'s venv and export), same prompts (token ids), threads and stream counts.
+(``benchmarks/peer_compare.py``'s venv and export), same prompts (token ids), threads and stream counts, with its
+prefix caching on, as ours copies a prompt prefix it has read already (the prompts share a chat template).
 
 Prints one table: engine, N, aggregate tokens/s, ratio to the artifact's single-stream plain throughput,
 p50 / p95 request latency, p50 time to first token, and how many answers equal their batch-1 greedy output.
@@ -141,6 +142,7 @@ def openvino_rows(args, prompts: list[list[int]], reference: list[list[int]]) ->
         str(args.max_new_tokens),
         "--threads",
         str(args.threads),
+        "--prefix-caching",  # as ours: a batch copies a prompt prefix it has read (runtime/decoding/batch.py)
     ]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
@@ -153,7 +155,8 @@ def openvino_rows(args, prompts: list[list[int]], reference: list[list[int]]) ->
             outputs = [r["ids"] for r in sorted(run["requests"], key=lambda r: r["id"])]
             rows.append(
                 {
-                    "engine": f"OpenVINO GenAI CB {mode.replace('_', ' ')}",
+                    "engine": f"OpenVINO GenAI CB {mode.replace('_', ' ')}"
+                    + (", prefix caching" if report.get("prefix_caching") else ""),
                     "streams": int(streams),
                     "tokens": run["tokens"],
                     "seconds": run["seconds"],

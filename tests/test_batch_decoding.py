@@ -38,9 +38,10 @@ def _prompts(vocab: int, count: int) -> list[list[int]]:
     return prompts
 
 
-def _decode_batch(backend, requests, max_batch, costs=None, joins=(), prefill_chunk=None):
+def _decode_batch(backend, requests, max_batch, costs=None, joins=(), prefill_chunk=None, sequences=None):
     """Run ``requests`` ((request, plan) pairs) through one BatchDecoder: the first ``max_batch`` from the
-    start, each later one when a place frees or at the step ``joins`` gives; their outputs in order."""
+    start, each later one when a place frees or at the step ``joins`` gives; their outputs in order
+    (``sequences``: a list that gets each request's ``Sequence``, in order)."""
     engine = BatchDecoder(backend, max_batch=max_batch, costs=costs, prefill_chunk=prefill_chunk)
     outputs: dict[int, list[int]] = {}
     pending = list(enumerate(requests))
@@ -51,6 +52,8 @@ def _decode_batch(backend, requests, max_batch, costs=None, joins=(), prefill_ch
             index, (request, plan) = pending.pop(0)
             live[index] = engine.add(request, plan)
             outputs[index] = []
+            if sequences is not None:
+                sequences.append(live[index])
         by_id = {id(seq): i for i, seq in live.items()}
         for seq, new in engine.step():
             outputs[by_id[id(seq)]].extend(new)
@@ -138,6 +141,65 @@ def test_batch_with_the_load_policy_cutting_drafts_stays_lossless(tiny_decoder, 
     requests = _requests(onnx_decoder, [LOOKUP, TREE, EXIT])
     outputs = _decode_batch(ort_backend(root), requests, max_batch=4, costs=costs)
     _check(onnx_decoder, ort_backend(root), requests, outputs)
+
+
+def _shared_prefix_requests(decoder, plans, prefix=12) -> list[tuple[DecodeRequest, DraftPlan | None]]:
+    """Requests whose prompts begin with the same ``prefix`` tokens (a chat template's system prompt), then
+    differ; one prompt is the shared part and one token only."""
+    gen = torch.Generator().manual_seed(11)
+    vocab = decoder.config.vocab_size
+    shared = torch.randint(3, vocab, (prefix,), generator=gen).tolist()
+    tails = [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in (5, 9, 1, 7, 3, 6)]
+    tails = [tail + tail[:2] + tail for tail in tails]  # repeats, so that lookups draft
+    lengths = (9, 12, 6, 10, 8, 11)
+    return [
+        (DecodeRequest(shared + tail, new), plans[i % len(plans)]) for i, (tail, new) in enumerate(zip(tails, lengths))
+    ]
+
+
+@pytest.mark.parametrize("backend_kind", ["torch", "onnx"])
+def test_a_shared_prompt_prefix_is_copied_not_recomputed(backend_kind, tiny_decoder, onnx_family):
+    """Sequences that join after a prompt with the same first tokens was read copy that prefix's KV from the
+    spare slot (which moves up when the batch grows into it) and read only the rest of their prompt; each still
+    decodes its own batch-1 plain output. The first sequence has nothing to copy, and a prompt alone
+    (``max_batch`` 1) never keeps one."""
+    if backend_kind == "torch":
+        _, decoder = tiny_decoder("llama")
+        make = lambda: TorchBackend(decoder)  # noqa: E731
+    else:
+        decoder, root = onnx_family("qwen2")
+        make = lambda: ort_backend(root)  # noqa: E731
+    requests = _shared_prefix_requests(decoder, [None, LOOKUP, TREE, EXIT, SKIP, LOOKUP])
+    sequences: list = []
+    outputs = _decode_batch(make(), requests, max_batch=3, joins=(0, 1, 2, 3, 3, 4), sequences=sequences)
+    _check(decoder, make(), requests, outputs)
+    reused = [s.stats.reused_prompt_tokens for s in sequences]
+    assert reused[0] == 0 and all(n == 12 for n in reused[1:]), reused
+    assert all(s.reused == n for s, n in zip(sequences, reused))
+    alone = BatchDecoder(make(), max_batch=1)
+    first = alone.add(requests[0][0])
+    while not first.finished:
+        alone.step()
+    assert alone.prefix_slot is None and not alone.reuse_prefixes
+    assert not BatchDecoder(ReplicaSlots(make()), max_batch=3).reuse_prefixes  # replicas trade places, not copy
+
+
+def test_a_spare_prefix_slot_is_not_a_sequence_slot(tiny_decoder):
+    """The kept prefix's slot sits after the sequences' slots and moves out of a joining sequence's way: the
+    batch's slots stay 0..n-1, and the spare one keeps the prompt's KV through the move."""
+    _, decoder = tiny_decoder("llama")
+    backend = TorchBackend(decoder)
+    engine = BatchDecoder(backend, max_batch=3)
+    (first, _), (second, _), (third, _) = _shared_prefix_requests(decoder, [None])[:3]
+    a = engine.add(first)
+    engine.step()  # a's prompt is read: the spare slot is the one after it
+    assert engine.prefix == list(first.prompt_ids) and engine.prefix_slot == 1
+    kept = backend.slot_cache.k[:, 1, :, : len(first.prompt_ids)].clone()
+    b = engine.add(second)  # takes slot 1: the prefix moves to slot 2 first
+    assert (a.slot, b.slot, engine.prefix_slot) == (0, 1, 2) and b.reused == 12
+    torch.testing.assert_close(backend.slot_cache.k[:, 2, :, : len(first.prompt_ids)], kept, rtol=0, atol=0)
+    c = engine.add(third)
+    assert c.slot == 2 and engine.prefix_slot == 3 and c.reused == 12
 
 
 def test_a_batch_on_replicas_decodes_like_one_on_slots(tiny_decoder):

@@ -204,7 +204,8 @@ def test_torch_backend_packs_the_canonical_decoder_on_cpu(tiny_decoder):
     assert all("_qkv" in block.attn.__dict__ and "_gate_up" in block.mlp.__dict__ for block in decoder.layers)
     # the packed product takes the q module's class and its chosen row counts (cpu_linear), nothing else
     product = decoder.layers[0].attn._qkv[0]
-    assert type(product) is StreamingLinear and product.streaming_rows == decoder._streaming_rows
+    assert type(product) is StreamingLinear
+    assert (product.streaming_rows, product.packed_rows) == decoder._forms[tuple(product.weight.shape)]
     assert product._forward_hooks is not decoder.layers[0].attn.q._forward_hooks
 
 
@@ -219,6 +220,58 @@ def test_forms_are_timed_on_a_prefix_sized_by_the_cache(monkeypatch):
     assert cpu_linear.probe_weights(weights) == weights[:2]  # 4 x 2 MiB reached after the second
     monkeypatch.setattr(cpu_linear, "last_level_cache_bytes", lambda: None)
     assert cpu_linear.probe_weights(weights) == weights
+
+
+def test_a_weight_larger_than_the_probe_is_timed_on_its_first_rows(monkeypatch):
+    """A head over a large vocabulary is timed on a row prefix of the probe's size (a view), not packed whole."""
+    from speccompile.runtime.backends.torch import cpu_linear
+
+    head = torch.zeros(4096, 256)  # 4 MiB, 1 KiB a row
+    monkeypatch.setattr(cpu_linear, "MIN_PROBE_BYTES", 1)
+    monkeypatch.setattr(cpu_linear, "last_level_cache_bytes", lambda: 256 << 10)  # probe: 1 MiB
+    (probe,) = cpu_linear.probe_weights([head])
+    assert probe.shape == (1024, 256) and probe.data_ptr() == head.data_ptr()
+    monkeypatch.setattr(cpu_linear, "last_level_cache_bytes", lambda: 1 << 20)  # 4 MiB: the whole head
+    assert cpu_linear.probe_weights([head]) == [head]
+
+
+@needs_mkl
+def test_forms_are_chosen_per_weight_shape(tiny_decoder, monkeypatch):
+    """Each shape gets the forms timed on its own weights, and packs are made only for the shapes where the
+    packed form won: a shape where it loses keeps one copy of its weights."""
+    from speccompile.runtime.backends.torch import cpu_linear
+
+    hf, _ = tiny_decoder("llama")
+    config = arch_config(hf)
+    decoder = build_decoder(config, canonical_weights(hf, config))
+    every = frozenset(range(1, MAX_ROWS + 1))
+    timed: list[tuple[int, ...]] = []
+
+    def by_shape(weights, packs=None):
+        shapes = {tuple(w.shape) for w in weights}
+        assert len(shapes) == 1 and packs is not None and len(packs) == len(weights)  # one shape per timing
+        timed.append(shapes.pop())
+        tall = weights[0].shape[0] > weights[0].shape[1]
+        return (frozenset(), every) if tall else (every, frozenset())
+
+    monkeypatch.setenv("SPECCOMPILE_CPU_LINEAR", "auto")
+    monkeypatch.setattr(cpu_linear, "choose_forms", by_shape)
+    TorchBackend(decoder)
+    stepped = [decoder.layers[0].attn._qkv[0], decoder.layers[0].attn.o, decoder.layers[0].mlp._gate_up[0]]
+    stepped += [decoder.layers[0].mlp.down, decoder.lm_head]
+    shapes = {tuple(m.weight.shape) for m in stepped}
+    assert sorted(timed) == sorted(shapes) and decoder._forms.keys() == shapes
+    packed_bytes = 0
+    for module in stepped:
+        tall = module.weight.shape[0] > module.weight.shape[1]
+        assert (module.streaming_rows, module.packed_rows) == ((frozenset(), every) if tall else (every, frozenset()))
+        assert (module.mkl_pack is not None) == tall
+    for module in {id(m.weight): m for m in decoder.modules() if isinstance(m, StreamingLinear)}.values():
+        packed_bytes += module.weight.numel() * 4 if module.mkl_pack is not None else 0
+    products = [block.attn._qkv[0] for block in decoder.layers] + [block.mlp._gate_up[0] for block in decoder.layers]
+    packed_bytes += sum(p.weight.numel() * 4 for p in products if p.mkl_pack is not None)
+    assert 0 < decoder._packed_bytes == packed_bytes
+    assert decoder._streaming_rows == every and decoder._packed_rows == every  # some shape gets each
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/pagemap")
@@ -266,3 +319,30 @@ def _present_pages(array: np.ndarray) -> int:
         f.seek(first * 8)
         entries = np.frombuffer(f.read(-(-array.nbytes // mmap.PAGESIZE) * 8), dtype=np.uint64)
     return int(((entries >> np.uint64(63)) & np.uint64(1)).sum())
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/maps")
+def test_a_loaded_artifact_holds_its_weights_file_mapped_not_copied(tiny_artifact):
+    """Loading on CPU keeps the weights in the file's memory map (pages read as a step needs them): a copy would
+    hold every weight twice while loading. The products packed at load are new tensors; the others are the file."""
+    from speccompile.runtime.model import read_artifact
+
+    manifest = read_artifact(tiny_artifact)
+    path = (tiny_artifact / manifest.backends["torch"]["weights"]).resolve()
+    backend = TorchBackend.from_files(path, manifest.config)
+    mapped = []
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6 and fields[5].strip() == str(path):
+                start, end = (int(x, 16) for x in fields[0].split("-"))
+                mapped.append((start, end))
+    decoder = backend.decoder
+
+    def in_file(t: torch.Tensor) -> bool:
+        return any(start <= t.data_ptr() < end for start, end in mapped)
+
+    assert mapped, "the weights file is not mapped"
+    assert in_file(decoder.layers[0].attn.o.weight) and in_file(decoder.layers[-1].mlp.down.weight)
+    assert in_file(decoder.embed.weight)
+    assert not in_file(decoder.layers[0].attn._qkv[0].weight)  # the concatenated product: a new tensor

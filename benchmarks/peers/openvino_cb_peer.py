@@ -62,17 +62,26 @@ def main() -> None:
     parser.add_argument("--assistant-tokens", type=int, default=5)
     parser.add_argument("--max-ngram", type=int, default=3)
     parser.add_argument("--modes", default="plain,prompt_lookup")
+    parser.add_argument(
+        "--prefix-caching",
+        action="store_true",
+        help="keep computed KV blocks for later prompts with the same first tokens (SchedulerConfig.enable_prefix_caching)",
+    )
     args = parser.parse_args()
     properties = {"INFERENCE_NUM_THREADS": args.threads}
     if args.precision != "default":
         properties["INFERENCE_PRECISION_HINT"] = args.precision
     prompts = json.load(open(args.ids_file))
-    report: dict = {"versions": {"openvino": ov.__version__, "openvino_genai": genai.__version__}}
+    report: dict = {
+        "versions": {"openvino": ov.__version__, "openvino_genai": genai.__version__},
+        "prefix_caching": args.prefix_caching,
+    }
     for mode in args.modes.split(","):
         scheduler = genai.SchedulerConfig()
         scheduler.max_num_seqs = max(int(n) for n in args.streams.split(","))
         scheduler.cache_size = 1  # GB of KV blocks: ample for these streams
         scheduler.dynamic_split_fuse = True
+        scheduler.enable_prefix_caching = args.prefix_caching
         extra = {"prompt_lookup": True} if mode == "prompt_lookup" else {}
         pipe = genai.ContinuousBatchingPipeline(args.model_dir, scheduler, "CPU", {**properties, **extra})
         config = pipe.get_config()

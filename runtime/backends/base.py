@@ -78,6 +78,11 @@ class Backend(ABC):
     Runtime, the canonical torch decoder). Other backends serve a batch through ``slots.ReplicaSlots``: one
     replica per sequence, rows run one by one (exact, not faster)."""
 
+    slots_copy: bool = False
+    """Whether ``move_slot`` copies a slot's cache and the source slot keeps it (one buffer with a slot dimension:
+    ONNX Runtime, the canonical torch decoder); replicas trade places instead. A batch keeps a shared prompt
+    prefix's KV in a spare slot only where slots copy (``runtime/decoding/batch.py``)."""
+
     rows_pad_to_widest: bool = False
     """How a batched call prices its rows (``runtime/decoding/load.py``): True when every row of a call is padded
     to the widest (torch); False when one-token rows share a call and wider rows run alone (ONNX Runtime)."""

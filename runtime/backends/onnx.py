@@ -431,6 +431,7 @@ class OnnxBackend(Backend):
 
     # -- the backend interface ---------------------------------------------------------------------
     batched = True
+    slots_copy = True  # one KV buffer per layer with a slot dimension: move_slot copies
 
     def run(self, segment: Segment, pos: int, tokens: Sequence[int] | None = None, count: int = 0) -> np.ndarray | None:
         return self.run_rows(segment, [Row(0, pos, tokens, count)])[0]

@@ -24,6 +24,7 @@ class Stats:
     accepted: int = 0
     seconds: float = 0.0
     prefill_seconds: float = 0.0
+    reused_prompt_tokens: int = 0  # prompt tokens whose KV a batch copied from an earlier prompt's
     stop_reason: str = "length"
     speculative: bool = True
     round_log: list[tuple[int, int]] = field(default_factory=list)  # (drafted, accepted) per round

@@ -19,10 +19,14 @@ for one to sixteen rows depends on the CPU and the BLAS build:
   relies on it. The pack is a second copy of each weight, in memory only (nothing is stored): the price of
   the form, which ``SPECCOMPILE_CPU_LINEAR=standard`` avoids.
 
-``use_streaming_linears`` times the forms on the model's own weights (cold, in model order, as a step
-reads them; the first few times the last-level cache's size of them, ``probe_weights``) for each row count
-and switches the model's ``nn.Linear`` modules to ``StreamingLinear``, which applies the winner per count.
-Packs are kept only where they beat the other forms clearly (``PACK_GAIN``): they double the weights' memory.
+``use_streaming_linears`` times the forms on the model's own weights for each row count, once per weight
+shape (cold, in model order, as a step reads them; the first few times the last-level cache's size of each
+shape's weights, ``probe_weights``), and switches the model's ``nn.Linear`` modules to ``StreamingLinear``,
+which applies its shape's winner per count. The choice is per shape because the forms rank differently by
+shape: on the AMD EPYC Zen 2, with Qwen3-0.6B's weights and one row, MKL's packed product took 0.7x the time
+of the other forms on the tall matrices (q/k/v, gate/up, the head) and 1.0-1.15x on the wide ones (o, down).
+Packs are kept only where they beat the other forms clearly (``PACK_GAIN``): they double their weights' memory,
+so a pack made for a shape where it gains nothing is a copy for nothing (0.56 GB on Qwen3-0.6B).
 Every form computes the same dot products; like any change of kernel they may round differently, which the
 near-tie rule of lossless greedy covers (docs/design.md section 6): a backend's plain and speculative decoding
 always run the same modules.
@@ -228,7 +232,9 @@ def choose_forms(
 
 def probe_weights(weights: list[torch.Tensor]) -> list[torch.Tensor]:
     """The first of ``weights`` (model order) that ``choose_forms`` times: ``PROBE_CACHE_MULTIPLE`` times the
-    last-level cache's bytes (at least ``MIN_PROBE_BYTES``; all of them where the cache is not known)."""
+    last-level cache's bytes (at least ``MIN_PROBE_BYTES``; all of them where the cache is not known). A first
+    weight larger than that alone (a head over a large vocabulary) is timed on its first rows up to it: a view,
+    and a pack of that size, not of the whole matrix."""
     cache = last_level_cache_bytes()
     if cache is None:
         return weights
@@ -238,20 +244,37 @@ def probe_weights(weights: list[torch.Tensor]) -> list[torch.Tensor]:
             break
         chosen.append(w)
         total += w.numel() * w.element_size()
+    first = chosen[0] if chosen else None
+    if len(chosen) == 1 and first.dim() == 2 and first.is_contiguous() and total > 2 * limit:
+        rows = -(-limit // (first.shape[1] * first.element_size()))
+        chosen = [first[:rows]]
     return chosen
+
+
+def _by_shape(weights: list[torch.Tensor]) -> dict[tuple[int, ...], list[torch.Tensor]]:
+    """``weights`` grouped by shape, each group in model order."""
+    groups: dict[tuple[int, ...], list[torch.Tensor]] = {}
+    for w in weights:
+        groups.setdefault(tuple(w.shape), []).append(w)
+    return groups
+
+
+Forms = tuple[frozenset[int], frozenset[int]]  # (row counts given W @ x^T, row counts given MKL's packed product)
 
 
 def use_streaming_linears(
     model: nn.Module, packed: list[tuple[nn.Linear, tuple[nn.Linear, ...]]] = ()
 ) -> frozenset[int]:
     """Switch every float ``nn.Linear`` of a CPU ``model`` to ``StreamingLinear`` with the product form per
-    row count measured to be fastest (once per model: later calls return the first choice). Returns the
-    counts given the streaming form; ``model._packed_rows`` holds those given the packed form and
-    ``model._packed_bytes`` what its packs take.
+    row count measured to be fastest for its weight's shape (once per model: later calls return the first
+    choice). ``model._forms`` holds the choice per shape; ``model._streaming_rows`` and ``model._packed_rows``
+    the counts some shape gives the streaming and the packed form (what is returned: the streaming ones), and
+    ``model._packed_bytes`` what the packs take.
 
     ``packed``: products made by ``decoder.pack_projections`` (not submodules of ``model``), each with
     the modules it replaces; the timing reads the products a step runs, so the packed ones instead of
-    their parts, and every one of them is switched (only what a step runs gets an MKL pack)."""
+    their parts, and every one of them is switched (only what a step runs gets an MKL pack; a part, run only
+    where its product no longer applies, takes its product's choice without the pack)."""
     chosen = getattr(model, "_streaming_rows", None)
     if chosen is not None:
         return chosen
@@ -263,36 +286,45 @@ def use_streaming_linears(
         return type(m) is nn.Linear and m.weight.device.type == "cpu" and m.weight.dtype == torch.float32
 
     timed = [m for m in stepped if eligible(m)]  # what a step runs, in model order
-    linears = timed + [part for _, parts in packed for part in parts if eligible(part)]
+    parts = [(part, product) for product, group in packed for part in group if eligible(part)]
     mode = os.environ.get("SPECCOMPILE_CPU_LINEAR", "auto").strip().lower()
     if mode not in MODES:
         raise ValueError(f"SPECCOMPILE_CPU_LINEAR={mode!r}: use one of {', '.join(MODES)}")
     weights = list(dict.fromkeys(m.weight for m in timed))  # tied weights: read once, as a step does
-    every = frozenset(range(1, MAX_ROWS + 1))
-    chosen = packed_rows = frozenset()
-    candidates: list[MklPack] = []
-    if mode == "packed":
-        missing = mkl_packing_missing() if linears else None
+    groups = _by_shape(weights)
+    every, nothing = frozenset(range(1, MAX_ROWS + 1)), frozenset()
+    fixed = {"standard": (nothing, nothing), "streaming": (every, nothing), "packed": (nothing, every)}
+    if mode == "packed" and (timed or parts):
+        missing = mkl_packing_missing()
         if missing:
             raise ValueError(f"SPECCOMPILE_CPU_LINEAR=packed: {missing}; use auto or standard")
-        packed_rows = every
-    elif mode == "streaming":
-        chosen = every
-    elif mode == "auto" and linears:
-        probed = probe_weights(weights)
+    forms: dict[tuple[int, ...], Forms] = {}
+    timed_packs: dict[int, MklPack] = {}  # packs the timing made of whole weights, kept where their shape wins
+    for shape, group in groups.items():
+        if mode != "auto":
+            forms[shape] = fixed[mode]
+            continue
+        probed = probe_weights(group)
         candidates = [MklPack(w) for w in probed] if mkl_packing_missing() is None else []
-        chosen, packed_rows = choose_forms(probed, candidates or None)
-    packs: dict[int, MklPack] = {}
-    if packed_rows:  # the packs timed, the others made now (packs not chosen are dropped here, never all made)
-        packs = {id(w): pack for w, pack in zip(weights, candidates)}
-        packs.update({id(w): MklPack(w) for w in weights if id(w) not in packs})
-    del candidates
-    stepping = {id(m) for m in timed}
-    for module in linears:
+        forms[shape] = choose_forms(probed, candidates or None)
+        if forms[shape][1]:
+            whole = {id(w) for w in group}
+            timed_packs.update({id(w): pack for w, pack in zip(probed, candidates) if id(w) in whole})
+        del candidates  # the packs of shapes where they lost are dropped here, never all made
+    packs = {
+        id(w): timed_packs.get(id(w)) or MklPack(w) for w in weights if forms[tuple(w.shape)][1]
+    }  # the packs chosen: every weight of a shape that gets the packed form
+    del timed_packs
+    for module in timed:
         module.__class__ = StreamingLinear
-        module.streaming_rows = chosen
-        module.packed_rows = packed_rows
-        module.mkl_pack = packs.get(id(module.weight)) if id(module) in stepping else None
-    model._streaming_rows, model._packed_rows = chosen, packed_rows
+        module.streaming_rows, module.packed_rows = forms[tuple(module.weight.shape)]
+        module.mkl_pack = packs.get(id(module.weight))
+    for part, product in parts:
+        part.__class__ = StreamingLinear
+        part.streaming_rows, part.packed_rows = forms.get(tuple(product.weight.shape), fixed["standard"])
+        part.mkl_pack = None
+    model._forms = forms
+    model._streaming_rows = frozenset().union(*(f[0] for f in forms.values()))
+    model._packed_rows = frozenset().union(*(f[1] for f in forms.values()))
     model._packed_bytes = sum(pack.nbytes for pack in packs.values())
-    return chosen
+    return model._streaming_rows

@@ -604,9 +604,8 @@ def build_decoder(
 ) -> Decoder:
     """A ready-to-run decoder from canonical weights, without paying for a random initialisation. ``copy``
     False: the decoder holds the given tensors themselves where they already have its dtype and device (a
-    build's conversion: the source model's memory-mapped tensors, held once); by default it copies them (a
-    loaded artifact: a view kept of a memory-mapped file would keep its pages resident next to the products
-    the torch backend re-stores)."""
+    build's conversion and a loaded artifact on CPU: memory-mapped tensors, held once; the products the torch
+    backend re-stores drop the mapped pages they replace, ``pack_projections``); by default it copies them."""
     with torch.device("meta"):
         model = Decoder(config)
     model = model.to_empty(device=device)
