@@ -12,7 +12,9 @@ the load policy from the call costs the build stored, or timed at start), the tw
 prompt's own batch-1 plain greedy output. ``--peers openvino`` then runs OpenVINO GenAI's
 ``ContinuousBatchingPipeline`` (plain and its prompt lookup) on the source model exported to OpenVINO
 (``benchmarks/peer_compare.py``'s venv and export), same prompts (token ids), threads and stream counts, with its
-prefix caching on, as ours copies a prompt prefix it has read already (the prompts share a chat template).
+prefix caching on (``--peer-prefix-caching off`` turns it off), as ours keeps the prompts a batch has read
+(``runtime/decoding/prompt_cache.py``). The prompts share a chat template, and 16 requests over 12 prompts
+repeat some: with prompts kept across the runs, both engines read most prompts from their caches.
 
 Prints one table: engine, N, aggregate tokens/s, ratio to the artifact's single-stream plain throughput,
 p50 / p95 request latency, p50 time to first token, and how many answers equal their batch-1 greedy output.
@@ -96,7 +98,8 @@ def speccompile_rows(args, prompts: list[list[int]]) -> tuple[list[dict], list[l
     batch = max(counts)
     schedulers = {
         "plain batched": Scheduler(model, max_batch=batch, max_queue=args.requests, speculate=False),
-        "speculative batched": Scheduler(model, max_batch=batch, max_queue=args.requests, speculate=True),
+        # a replica: its own cache slots (the same weights), since a batch's slots and kept prompts are its own
+        "speculative batched": Scheduler(model.replica(), max_batch=batch, max_queue=args.requests, speculate=True),
     }
     costs = schedulers["speculative batched"].costs
     if costs is not None:
@@ -142,8 +145,7 @@ def openvino_rows(args, prompts: list[list[int]], reference: list[list[int]]) ->
         str(args.max_new_tokens),
         "--threads",
         str(args.threads),
-        "--prefix-caching",  # as ours: a batch copies a prompt prefix it has read (runtime/decoding/batch.py)
-    ]
+    ] + (["--prefix-caching"] if args.peer_prefix_caching == "on" else [])
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         print(f"OpenVINO GenAI failed: {done.stderr[-1500:]}", file=sys.stderr)
@@ -221,6 +223,12 @@ def main() -> int:
     parser.add_argument("--peers", default="", help="openvino: OpenVINO GenAI's continuous batching too")
     parser.add_argument("--source", default=None, help="the source model folder (for --peers)")
     parser.add_argument("--venvs", default=None)
+    parser.add_argument(
+        "--peer-prefix-caching",
+        choices=("on", "off"),
+        default="on",
+        help="OpenVINO GenAI's prefix caching (on: as ours, which keeps the prompts a batch has read)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
         "--cost-curve", type=int, default=0, metavar="ROWS", help="also print the batched call's cost, 1..ROWS rows"

@@ -159,10 +159,10 @@ def _shared_prefix_requests(decoder, plans, prefix=12) -> list[tuple[DecodeReque
 
 @pytest.mark.parametrize("backend_kind", ["torch", "onnx"])
 def test_a_shared_prompt_prefix_is_copied_not_recomputed(backend_kind, tiny_decoder, onnx_family):
-    """Sequences that join after a prompt with the same first tokens was read copy that prefix's KV from the
-    spare slot (which moves up when the batch grows into it) and read only the rest of their prompt; each still
-    decodes its own batch-1 plain output. The first sequence has nothing to copy, and a prompt alone
-    (``max_batch`` 1) never keeps one."""
+    """Sequences that join after a prompt with the same first tokens was read copy that prefix's KV from a kept
+    prompt's slot (which moves up when the batch grows into it) and read only the rest of their prompt; each
+    still decodes its own batch-1 plain output. The first sequence has nothing to copy; a request alone
+    (``max_batch`` 1) and replicas keep no prompts."""
     if backend_kind == "torch":
         _, decoder = tiny_decoder("llama")
         make = lambda: TorchBackend(decoder)  # noqa: E731
@@ -180,26 +180,65 @@ def test_a_shared_prompt_prefix_is_copied_not_recomputed(backend_kind, tiny_deco
     first = alone.add(requests[0][0])
     while not first.finished:
         alone.step()
-    assert alone.prefix_slot is None and not alone.reuse_prefixes
-    assert not BatchDecoder(ReplicaSlots(make()), max_batch=3).reuse_prefixes  # replicas trade places, not copy
+    assert alone.prompts.capacity == 0 and not alone.prompts.kept
+    assert BatchDecoder(ReplicaSlots(make()), max_batch=3).prompts.capacity == 0  # replicas trade places
 
 
-def test_a_spare_prefix_slot_is_not_a_sequence_slot(tiny_decoder):
-    """The kept prefix's slot sits after the sequences' slots and moves out of a joining sequence's way: the
-    batch's slots stay 0..n-1, and the spare one keeps the prompt's KV through the move."""
+def _read_prompts(engine, *requests):
+    """Add ``requests`` and step until each has read its prompt; the sequences."""
+    added = [engine.add(r) for r in requests]
+    while any(s.prefilled < len(s.request.prompt_ids) for s in added):
+        engine.step()
+    return added
+
+
+def test_kept_prompts_stay_out_of_the_sequences_slots(tiny_decoder):
+    """Kept prompts sit in slots after the sequences' and move out of a joining sequence's way with their KV;
+    the batch's slots stay 0..n-1."""
     _, decoder = tiny_decoder("llama")
     backend = TorchBackend(decoder)
     engine = BatchDecoder(backend, max_batch=3)
     (first, _), (second, _), (third, _) = _shared_prefix_requests(decoder, [None])[:3]
-    a = engine.add(first)
-    engine.step()  # a's prompt is read: the spare slot is the one after it
-    assert engine.prefix == list(first.prompt_ids) and engine.prefix_slot == 1
+    (a,) = _read_prompts(engine, first)
+    assert [(e.tokens, e.slot) for e in engine.prompts.kept] == [(list(first.prompt_ids), 1)]
     kept = backend.slot_cache.k[:, 1, :, : len(first.prompt_ids)].clone()
-    b = engine.add(second)  # takes slot 1: the prefix moves to slot 2 first
-    assert (a.slot, b.slot, engine.prefix_slot) == (0, 1, 2) and b.reused == 12
+    (b,) = _read_prompts(engine, second)  # takes slot 1: the first prompt moves to slot 2 first
+    assert (a.slot, b.slot, b.reused) == (0, 1, 12)
+    assert [e.slot for e in engine.prompts.kept] == [2, 3]
     torch.testing.assert_close(backend.slot_cache.k[:, 2, :, : len(first.prompt_ids)], kept, rtol=0, atol=0)
     c = engine.add(third)
-    assert c.slot == 2 and engine.prefix_slot == 3 and c.reused == 12
+    assert c.slot == 2 and c.reused == 12 and sorted(e.slot for e in engine.prompts.kept) == [3, 4]
+
+
+def test_a_repeated_prompt_copies_all_but_its_last_token_and_the_oldest_is_evicted(tiny_decoder):
+    """A prompt read before is copied whole but for its last token; a prompt that extends a kept one (the next
+    turn of a conversation) replaces it; beyond ``keep_prompts`` the least recently used one goes. Every
+    sequence still decodes its own plain output."""
+    _, decoder = tiny_decoder("llama")
+    backend = TorchBackend(decoder)
+    engine = BatchDecoder(backend, max_batch=2, keep_prompts=2)
+    gen = torch.Generator().manual_seed(23)
+    vocab = decoder.config.vocab_size
+    one, two, three = (torch.randint(3, vocab, (10 + i,), generator=gen).tolist() for i in range(3))
+    turn = one + torch.randint(3, vocab, (4,), generator=gen).tolist()
+    outputs = {}
+    for name, prompt in (("one", one), ("two", two), ("one again", one), ("turn", turn), ("three", three)):
+        s = engine.add(DecodeRequest(prompt, 6))
+        outputs[name] = []
+        while not s.finished:
+            for _, new in engine.step():
+                outputs[name].extend(new)
+        engine.remove(s)
+        expected = {"one": 0, "two": 0, "one again": len(one) - 1, "turn": len(one), "three": 0}[name]
+        assert s.reused == expected, (name, s.reused)
+        kept = [e.tokens for e in sorted(engine.prompts.kept, key=lambda e: e.last_used)]
+        if name == "turn":
+            assert kept == [two, turn]  # the conversation's next turn replaced its first
+        if name == "three":
+            assert kept == [turn, three]  # "two", least recently used, was evicted
+    for name, prompt in (("one", one), ("one again", one), ("turn", turn)):
+        plain, _ = run(TorchBackend(decoder), prompt, 6)
+        assert_same_greedy(decoder, prompt, plain, outputs[name])
 
 
 def test_a_batch_on_replicas_decodes_like_one_on_slots(tiny_decoder):

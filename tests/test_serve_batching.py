@@ -91,6 +91,27 @@ def test_concurrent_requests_in_one_batch_each_answer_their_own_prompt(server, m
     assert httpx.get(url + "/health").json()["max_batch"] == 3
 
 
+def test_a_prompt_that_begins_like_the_last_one_reuses_its_kv(server, model, plan):
+    """The second of two prompts with the same first tokens copies their KV (the batch's spare prefix slot):
+    OpenAI's ``usage.prompt_tokens_details.cached_tokens`` and ``/metrics`` count them, and the answer is
+    still the prompt's own greedy output."""
+    url, _ = server
+    client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    shared = "# Answer with Python code only, no prose, and keep it short.\n" * 2
+    first, second = shared + "def add(a, b):", shared + "class Point:"
+    common = len(model.tokenizer.encode(shared))
+    assert common >= 8
+    before = metric(url, "speccompile_cached_prompt_tokens", "_total")
+    usages = []
+    for prompt in (first, second):
+        response = client.completions.create(model="tiny", prompt=prompt, max_tokens=6, temperature=0)
+        assert response.model_extra["speccompile"]["token_ids"] == expected(model, plan, prompt, 6)
+        usages.append(response.usage)
+    cached = usages[1].prompt_tokens_details.cached_tokens
+    assert common - 1 <= cached < usages[1].prompt_tokens  # a token at the seam may merge differently
+    assert metric(url, "speccompile_cached_prompt_tokens", "_total") - before >= cached
+
+
 def test_a_client_that_goes_away_leaves_the_batch_and_the_others_finish(server, model, plan):
     url, app = server
     scheduler = app.state.speccompile.scheduler

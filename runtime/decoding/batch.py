@@ -14,11 +14,9 @@ One ``step``:
    token and draft (rows of the full model; an early exit's verify that reuses its prefix runs per
    sequence), and the acceptance rule (``runtime/acceptance.py``) commits each row's tokens.
 
-A joining sequence whose prompt begins like the last prompt read (a chat template's system prompt, a shared
-instruction) copies that prefix's KV from a spare slot instead of computing it again (``PREFIX_MIN_TOKENS`` or
-more tokens; backends whose slots are one cache). Why: under load a prompt's prefill is about half the work of
-a short request, and requests to one service mostly share their first tokens (SmolLM2's chat template: 25 of
-the benchmark prompts' 76-115 tokens).
+A joining sequence whose prompt begins like a prompt the batch has read (a chat template's system prompt, a
+shared document, the earlier turns of a conversation) copies that prefix's KV from a spare slot instead of
+computing it again (``prompt_cache.py``).
 
 Every committed token is the verifier's, whatever the batch or the draft lengths, so each sequence decodes
 exactly what it decodes alone (up to floating-point near-ties where a backend's kernels round a row in a
@@ -42,10 +40,10 @@ from ..errors import InputError
 from ..segments import Row, full_model
 from ..tree import kv_moves
 from .load import PRIOR_ACCEPTANCE, CallCosts, Choice, choose_lengths, draft_pays, longest_draft
+from .prompt_cache import PromptCache
 from .request import DecodeRequest, Stats, backend_drafter, cache_length
 
 ACCEPTANCE_MEMORY = 0.8  # weight of a sequence's earlier rounds in its running acceptance
-PREFIX_MIN_TOKENS = 8  # a shorter shared prompt prefix is computed again, not copied
 
 
 @dataclass
@@ -82,11 +80,14 @@ class Sequence:
 
 
 class BatchDecoder:
-    """Decodes up to ``max_batch`` sequences on ``backend``, one ``step`` (a round) at a time.
+    """Decodes up to ``max_batch`` sequences on ``backend``, one ``step`` (a round) at a time. The backend's cache
+    slots are this decoder's (its sequences' and its kept prompts'): another batch needs a replica.
 
     ``costs``: the measured call costs that let the load policy choose draft lengths (None: every sequence
     drafts as its own drafter proposes, which is right for a sequence alone). ``prefill_chunk``: prompt tokens
-    read per step (None: whole prompts)."""
+    read per step (None: whole prompts). ``keep_prompts``: prompts whose KV is kept for later prompts that begin
+    alike (``prompt_cache.py``; None: as many as ``max_batch`` where slots copy and the batch has more than one
+    place, else none)."""
 
     def __init__(
         self,
@@ -96,6 +97,7 @@ class BatchDecoder:
         prefill_chunk: int | None = None,
         root: Path | None = None,
         draft_step_seconds: float | None = None,
+        keep_prompts: int | None = None,
     ):
         if max_batch < 1:
             raise InputError(f"max_batch must be at least 1 (got {max_batch})")
@@ -106,12 +108,13 @@ class BatchDecoder:
         self.draft_step_seconds = draft_step_seconds
         self.full = full_model(backend.config.num_layers)
         self.sequences: list[Sequence] = []  # sequence i sits in slot i
-        # the last prompt read and the spare slot holding its KV (beyond the sequences' slots): for a decoder that
-        # serves one request after another (not a request alone), on backends whose slots are one cache
-        # (``move_slot`` copies there; replicas trade places)
-        self.reuse_prefixes = max_batch > 1 and self.backend.slots_copy
-        self.prefix: list[int] = []
-        self.prefix_slot: int | None = None
+        # prompts read, kept in spare slots for later prompts that begin alike: in a decoder that serves one
+        # request after another (not a request alone), on backends whose slots copy; as many as the batch has places
+        if keep_prompts is None:
+            keep_prompts = max_batch if max_batch > 1 and self.backend.slots_copy else 0
+        if keep_prompts and not self.backend.slots_copy:
+            raise InputError(f"the {self.backend.name} backend cannot keep prompts: its slots do not copy")
+        self.prompts = PromptCache(self.backend, keep_prompts)
         self.last_round: dict = {}  # what the last step did (rows, draft lengths): the server's metrics
 
     # -- joining and leaving ---------------------------------------------------------------------------
@@ -134,8 +137,7 @@ class BatchDecoder:
         slots = max(self.backend.slots, 1)
         if needed > self.backend.max_len or slot >= slots:
             self.backend.reserve(max(needed, self.backend.max_len), slots=max(slot + 1, slots))
-        if self.prefix_slot == slot:  # the spare slot moves up, out of the new sequence's way
-            self._keep_prefix(slot, slot + 1)
+        self.prompts.vacate(slot, busy=slot)  # a kept prompt in this slot moves up, out of the sequence's way
         view = SlotView(self.backend, slot)
         if drafter is None:
             drafter = backend_drafter(view, plan, self.root, max_draft)
@@ -143,9 +145,9 @@ class BatchDecoder:
         sequence = Sequence(request, drafter, stats, view, np.random.default_rng(request.seed))
         sequence.longest_draft = longest_draft(plan) if plan is not None else 0
         sequence.stats.speculative = drafter is not None
-        shared = self._shared_prefix(request.prompt_ids)
+        source, shared = self.prompts.match(request.prompt_ids)
         if shared:
-            self.backend.move_slot(self.prefix_slot, slot, shared)
+            self.backend.move_slot(source, slot, shared)
             sequence.prefilled = sequence.reused = shared
             sequence.stats.reused_prompt_tokens = shared
         if drafter is not None and len(self.sequences) == 0 and self.max_batch == 1:
@@ -166,36 +168,6 @@ class BatchDecoder:
             last.view.slot = sequence.slot
             self.sequences[index] = last
         sequence.finished = True
-
-    # -- prompt prefixes shared between requests --------------------------------------------------------
-    def _shared_prefix(self, prompt) -> int:
-        """How many first tokens of ``prompt`` to copy from the kept prefix's KV (0: none; never the last token,
-        whose logits the sequence needs)."""
-        if self.prefix_slot is None:
-            return 0
-        limit = min(len(prompt) - 1, len(self.prefix))
-        shared = 0
-        while shared < limit and prompt[shared] == self.prefix[shared]:
-            shared += 1
-        return shared if shared >= PREFIX_MIN_TOKENS else 0
-
-    def _keep_prefix(self, source: int, target: int | None = None) -> None:
-        """Copy the KV of the prompt in slot ``source`` (the kept prefix's slot, or a sequence that has just read its
-        prompt) into the spare slot: ``target``, or the first slot after the sequences'."""
-        target = len(self.sequences) if target is None else target
-        length = len(self.prefix)
-        if target >= self.backend.slots:
-            self.backend.reserve(self.backend.max_len, slots=target + 1)
-        self.backend.move_slot(source, target, length)
-        self.prefix_slot = target
-
-    def _remember_prompt(self, s: Sequence, prompt: list[int]) -> None:
-        """Keep the KV of the prompt ``s`` has just read, for the next sequences that begin like it."""
-        if not self.reuse_prefixes or len(prompt) < PREFIX_MIN_TOKENS or prompt == self.prefix:
-            return
-        previous = self.prefix_slot
-        self.prefix = prompt
-        self._keep_prefix(s.slot, previous if previous is not None and previous >= len(self.sequences) else None)
 
     # -- one step --------------------------------------------------------------------------------------
     def step(self) -> list[tuple[Sequence, list[int]]]:
@@ -234,7 +206,7 @@ class BatchDecoder:
             if s.prefilled < len(s.request.prompt_ids):
                 continue
             prompt = list(s.request.prompt_ids)
-            self._remember_prompt(s, prompt)
+            self.prompts.remember(s.slot, prompt, busy=len(self.sequences))
             token = pick(logits[-1], s.request.params, s.rng)
             s.history, s.pos = prompt + [token], len(prompt)
             if s.drafter is not None:

@@ -76,6 +76,11 @@ class ServerMetrics:
         )
         self.rejected = Counter("speccompile_rejected_requests", "Requests refused with 429 (queue full)", registry=r)
         self.prompt_tokens = Counter("speccompile_prompt_tokens", "Prompt tokens of decoded requests", registry=r)
+        self.cached_prompt_tokens = Counter(
+            "speccompile_cached_prompt_tokens",
+            "Prompt tokens whose KV was copied from an earlier prompt with the same first tokens, not computed",
+            registry=r,
+        )
         self.completion_tokens = Counter("speccompile_completion_tokens", "Tokens generated", registry=r)
         self.decode_seconds = Counter("speccompile_decode_seconds", "Seconds requests spent in the server", registry=r)
         self.rounds = Counter("speccompile_verify_rounds", "Speculative verify rounds", registry=r)
@@ -143,6 +148,7 @@ class ServerMetrics:
     def record(self, outcome: Outcome) -> None:
         """Called from the batch thread when a request finishes (prometheus-client is thread-safe)."""
         self.prompt_tokens.inc(outcome.prompt_tokens)
+        self.cached_prompt_tokens.inc(outcome.cached_tokens)
         self.completion_tokens.inc(len(outcome.token_ids))
         if outcome.ttft is not None:
             self.time_to_first_token.observe(outcome.ttft)

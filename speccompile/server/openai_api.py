@@ -460,12 +460,14 @@ class Outcome:
     drafted: int | None = None  # known when decoding ran to the end
     accepted: int | None = None
     ttft: float | None = None  # seconds from arrival to the first token (the batch scheduler measures it)
+    cached_tokens: int = 0  # prompt tokens whose KV was copied from an earlier prompt's (a shared prefix)
 
     def usage(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": len(self.token_ids),
             "total_tokens": self.prompt_tokens + len(self.token_ids),
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},  # OpenAI's field for reused prompt KV
         }
 
     def extension(self) -> dict:

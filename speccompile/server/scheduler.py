@@ -248,6 +248,7 @@ class Scheduler:
                 job.ended_by,
             )
         outcome.ttft = None if job.first_token is None else job.first_token - job.submitted
+        outcome.cached_tokens = job.sequence.reused if job.sequence is not None else 0
         self._leave(job, outcome)
 
     def _leave(self, job: Job, result: object) -> None:
