@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import threading
@@ -86,14 +87,49 @@ def closed_loop(scheduler, prompts: list[list[int]], streams: int, requests: int
     }
 
 
-def speccompile_rows(args, prompts: list[list[int]]) -> tuple[list[dict], list[list[int]]]:
+def prompt_sets(base: list[list[int]], counts: list[int], requests: int, marker=None) -> dict[str, list[list[int]]]:
+    """The prompts of each run: "warm" (the untimed warm-up) and one set per stream count. Without ``marker``
+    every run decodes ``base`` (16 requests over 12 prompts repeat some, and every run repeats the last).
+    With it (``--unique-prompts``) each request of each run gets a prompt of its own: a base prompt with
+    ``marker(text)``'s tokens inserted after the prefix all base prompts share (the chat template), so caches
+    of earlier prompts help only with that prefix, as for many users of one service."""
+    keys = {"warm": max(counts), **{str(n): max(requests, n) for n in counts}}
+    if marker is None:
+        return {key: base for key in keys}
+    shared = len(os.path.commonprefix(base))
+    return {
+        key: [
+            base[i % len(base)][:shared] + marker(f"(request {run}.{i}) ") + base[i % len(base)][shared:]
+            for i in range(n)
+        ]
+        for run, (key, n) in enumerate(keys.items())
+    }
+
+
+def references(model, sets: dict[str, list[list[int]]], max_new: int) -> dict[tuple[int, ...], list[int]]:
+    """Every timed prompt's batch-1 plain greedy output (a replica: the engines' caches are not touched)."""
+    alone = model.replica()
+    out: dict[tuple[int, ...], list[int]] = {}
+    for key, prompts in sets.items():
+        if key == "warm":
+            continue
+        for ids in prompts:
+            if tuple(ids) not in out:
+                out[tuple(ids)] = alone.generate(ids, max_new_tokens=max_new, speculate=False).token_ids
+    return out
+
+
+def identical(outputs: list[list[int]], prompts: list[list[int]], reference: dict) -> int:
+    """How many of a run's outputs (request i decoded ``prompts[i % len(prompts)]``) equal their reference."""
+    return sum(out == reference[tuple(prompts[i % len(prompts)])] for i, out in enumerate(outputs))
+
+
+def speccompile_rows(args, sets: dict[str, list[list[int]]]) -> tuple[list[dict], dict]:
     from speccompile.runtime import load
     from speccompile.server.scheduler import Scheduler
 
     model = load(args.artifact, backend=args.backend)
-    reference = [
-        model.replica().generate(ids, max_new_tokens=args.max_new_tokens, speculate=False).token_ids for ids in prompts
-    ]
+    reference = references(model, sets, args.max_new_tokens)
     counts = [int(n) for n in args.streams.split(",")]
     batch = max(counts)
     schedulers = {
@@ -108,15 +144,16 @@ def speccompile_rows(args, prompts: list[list[int]]) -> tuple[list[dict], list[l
     for scheduler in schedulers.values():
         # untimed: the first call with more sequences than before grows the cache's slots (new buffers and
         # views), which would otherwise be timed in whichever engine ran first at that stream count
-        closed_loop(scheduler, prompts, batch, batch, 2)
+        closed_loop(scheduler, sets["warm"], batch, batch, 2)
     rows = []
     for turn, streams in enumerate(counts):
         names = list(schedulers) if turn % 2 == 0 else list(reversed(schedulers))
+        prompts = sets[str(streams)]
         for name in names:
             scheduler = schedulers[name]
             scheduler.max_batch = streams  # the same loaded batch, N places
             run = closed_loop(scheduler, prompts, streams, max(args.requests, streams), args.max_new_tokens)
-            run["identical"] = sum(out == reference[i % len(prompts)] for i, out in enumerate(run["outputs"]))
+            run["identical"] = identical(run["outputs"], prompts, reference)
             rows.append({"engine": f"speccompile {name}", "streams": streams, **run})
             print(f"{name:22} N={streams:3}: {run['tokens_per_s']:.1f} tokens/s", file=sys.stderr, flush=True)
     for scheduler in schedulers.values():
@@ -124,14 +161,14 @@ def speccompile_rows(args, prompts: list[list[int]]) -> tuple[list[dict], list[l
     return rows, reference
 
 
-def openvino_rows(args, prompts: list[list[int]], reference: list[list[int]]) -> list[dict]:
+def openvino_rows(args, sets: dict[str, list[list[int]]], reference: dict) -> list[dict]:
     from peer_compare import DEFAULT_VENVS, openvino_model, venv
 
     venvs = Path(args.venvs)
     python = venv(venvs, "openvino", ["optimum-intel[openvino]", "openvino-genai"])
     folder = openvino_model(venvs, Path(args.source), "fp32")
     ids_file = venvs / "streams_ids.json"
-    ids_file.write_text(json.dumps(prompts))
+    ids_file.write_text(json.dumps(sets))
     command = [
         str(python),
         str(HERE / "peers" / "openvino_cb_peer.py"),
@@ -165,7 +202,7 @@ def openvino_rows(args, prompts: list[list[int]], reference: list[list[int]]) ->
                     "tokens_per_s": run["tokens_per_s"],
                     "latencies": [r["latency"] for r in run["requests"]],
                     "ttfts": [r["ttft"] for r in run["requests"]],
-                    "identical": sum(out == reference[i % len(prompts)] for i, out in enumerate(outputs)),
+                    "identical": identical(outputs, sets[streams], reference),
                     "outputs": outputs,
                 }
             )
@@ -229,6 +266,11 @@ def main() -> int:
         default="on",
         help="OpenVINO GenAI's prefix caching (on: as ours, which keeps the prompts a batch has read)",
     )
+    parser.add_argument(
+        "--unique-prompts",
+        action="store_true",
+        help="a prompt of its own for every request of every run (a marker after the shared chat template)",
+    )
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
         "--cost-curve", type=int, default=0, metavar="ROWS", help="also print the batched call's cost, 1..ROWS rows"
@@ -244,12 +286,14 @@ def main() -> int:
     opened = load(args.artifact, backend=args.backend)
     texts = [json.loads(line) for line in Path(args.prompts).read_text().splitlines() if line.strip()]
     prompts = [opened.encode_prompt(t.get("prompt") or t.get("text")) for t in texts]
+    marker = opened.tokenizer.encode if args.unique_prompts else None
+    sets = prompt_sets(prompts, [int(n) for n in args.streams.split(",")], args.requests, marker)
     del opened
-    rows, reference = speccompile_rows(args, prompts)
+    rows, reference = speccompile_rows(args, sets)
     if "openvino" in args.peers:
         if args.source is None:
             sys.exit("--peers openvino needs --source MODEL_DIR (the model the artifact was built from)")
-        rows += openvino_rows(args, prompts, reference)
+        rows += openvino_rows(args, sets, reference)
     print_table(rows)
     if args.json:
         args.json.write_text(json.dumps([{k: v for k, v in r.items() if k != "outputs"} for r in rows], indent=1))

@@ -8,7 +8,8 @@ speccompile:
         [--requests 16] [--precision f32] [--assistant-tokens 5] [--max-ngram 3]
 
 For each stream count N and each mode (plain, prompt lookup): a closed loop keeps N requests in flight
-(``add_request`` then ``step`` until done; a finished request is replaced by the next prompt) until
+(``add_request`` then ``step`` until done; a finished request is replaced by the next prompt of that run's
+list: IDS.json holds one list of prompts for every run, or one per run keyed "warm", "1", "4", ...) until
 ``--requests`` requests have completed. Prints one JSON object: per mode and N, the aggregate tokens/s, the
 per-request latencies and times to first token, and every request's output ids (greedy).
 """
@@ -71,7 +72,9 @@ def main() -> None:
     properties = {"INFERENCE_NUM_THREADS": args.threads}
     if args.precision != "default":
         properties["INFERENCE_PRECISION_HINT"] = args.precision
-    prompts = json.load(open(args.ids_file))
+    sets = json.load(open(args.ids_file))  # a list of prompts for every run, or one list per run
+    if isinstance(sets, list):
+        sets = {"warm": sets, **{n: sets for n in args.streams.split(",")}}
     report: dict = {
         "versions": {"openvino": ov.__version__, "openvino_genai": genai.__version__},
         "prefix_caching": args.prefix_caching,
@@ -90,10 +93,10 @@ def main() -> None:
         if mode == "prompt_lookup":
             config.num_assistant_tokens = args.assistant_tokens
             config.max_ngram_size = args.max_ngram
-        run(pipe, prompts, 1, 1, config)  # warm-up: kernels compiled, blocks allocated
+        run(pipe, sets["warm"], 1, 1, config)  # warm-up: kernels compiled, blocks allocated
         report[mode] = {}
         for streams in map(int, args.streams.split(",")):
-            report[mode][str(streams)] = run(pipe, prompts, streams, max(args.requests, streams), config)
+            report[mode][str(streams)] = run(pipe, sets[str(streams)], streams, max(args.requests, streams), config)
         del pipe
     json.dump(report, sys.stdout)
 
