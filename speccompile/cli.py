@@ -637,6 +637,14 @@ def inspect(artifact, as_json):
     metavar="MB",
     help="Admit fewer requests at once when their KV caches would exceed MB megabytes (default: no limit).",
 )
+@click.option(
+    "--keep-prompts",
+    type=click.IntRange(0),
+    default=None,
+    metavar="N",
+    help="Prompts whose KV is kept for later prompts that begin alike (a system prompt, a conversation's earlier "
+    "turns), one cache slot each (default: --max-batch; 0: none).",
+)
 @click.option("--plan", default=None, help="Draft plan to use (default: the manifest's default plan).")
 @click.option(
     "--api-key",
@@ -692,6 +700,7 @@ def serve(
     max_queue,
     prefill_chunk,
     kv_budget,
+    keep_prompts,
     plan,
     api_key,
     ray_address,
@@ -724,6 +733,7 @@ def serve(
             max_queue=max_queue,
             prefill_chunk=prefill_chunk,
             kv_budget_bytes=None if kv_budget is None else int(kv_budget * 1e6),
+            keep_prompts=keep_prompts,
             plan=plan,
             api_key=api_key,
             backend=backend,
@@ -739,6 +749,7 @@ def serve(
         max_queue=max_queue,
         prefill_chunk=prefill_chunk,
         kv_budget_bytes=None if kv_budget is None else int(kv_budget * 1e6),
+        keep_prompts=keep_prompts,
         plan=plan,
         api_key=api_key,
         backend=backend,

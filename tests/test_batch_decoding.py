@@ -21,6 +21,7 @@ from speccompile.runtime.backends.torch.backend import TorchBackend
 from speccompile.runtime.decoding.batch import BatchDecoder
 from speccompile.runtime.decoding.load import CallCosts, Choice, choose_lengths, draft_pays, expected_tokens
 from speccompile.runtime.decoding.speculative import DecodeRequest
+from speccompile.runtime.errors import InputError
 from speccompile.runtime.sampling import SamplingParams
 
 LOOKUP = DraftPlan(name="lookup", lookup=["ngram"], lookup_max_draft=4, sources={"ngram": {"min": 1, "max": 3}})
@@ -182,6 +183,9 @@ def test_a_shared_prompt_prefix_is_copied_not_recomputed(backend_kind, tiny_deco
         alone.step()
     assert alone.prompts.capacity == 0 and not alone.prompts.kept
     assert BatchDecoder(ReplicaSlots(make()), max_batch=3).prompts.capacity == 0  # replicas trade places
+    with pytest.raises(InputError, match="cannot keep prompts"):
+        BatchDecoder(ReplicaSlots(make()), max_batch=3, keep_prompts=2)
+    assert BatchDecoder(make(), max_batch=3, keep_prompts=0).prompts.capacity == 0
 
 
 def _read_prompts(engine, *requests):

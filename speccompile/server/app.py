@@ -305,13 +305,16 @@ def create_app(
     speculate: bool = True,
     prefill_chunk: int | None = 256,
     kv_budget_bytes: int | None = None,
+    keep_prompts: int | None = None,
     slots: int | None = None,
     on_outcome: Callable[[Outcome], None] | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible ASGI app serving one artifact: up to ``max_batch`` requests decode together in one
     batch (one copy of the weights, each round reading them once), ``max_queue`` more wait. Pass an artifact
     folder (loaded with ``load``) or an already loaded model. ``prefill_chunk``: prompt tokens read per round
-    beside the running requests; ``kv_budget_bytes``: admit fewer requests when their caches would not fit.
+    beside the running requests; ``kv_budget_bytes``: admit fewer requests when their caches would not fit;
+    ``keep_prompts``: prompts whose KV is kept for later prompts that begin alike (None: ``max_batch``; 0: none;
+    each takes one more slot of cache, beyond ``kv_budget_bytes``).
     ``slots``: the earlier name of ``max_batch``. ``on_outcome`` also gets every finished request's figures
     (from the batch thread): the Ray replicas feed Ray's metrics with it."""
     if slots is not None:
@@ -334,6 +337,7 @@ def create_app(
         max_queue=max_queue,
         prefill_chunk=prefill_chunk,
         kv_budget_bytes=kv_budget_bytes,
+        keep_prompts=keep_prompts,
         speculate=speculate,
         plan=plan,
         observe=lambda round_: metrics_box and metrics_box[0].observe_round(round_),

@@ -89,6 +89,7 @@ class ServeArgs(BaseModel):
     max_queue: int = Field(16, ge=0, description="requests that may wait for a replica; then 429")
     prefill_chunk: int = Field(256, ge=1, description="prompt tokens a joiner prefills per round")
     kv_budget_bytes: int | None = Field(None, ge=1, description="a replica's KV cache budget in bytes")
+    keep_prompts: int | None = Field(None, ge=0, description="prompts whose KV a replica keeps (None: max_batch)")
     plan: str | None = None
     speculate: bool = True
     api_key: str | None = None
@@ -155,6 +156,8 @@ def capacity(args: ServeArgs) -> tuple[dict, int, int]:
     server = {"max_batch": args.max_batch, "max_queue": args.max_queue, "prefill_chunk": args.prefill_chunk}
     if args.kv_budget_bytes is not None:
         server["kv_budget_bytes"] = args.kv_budget_bytes
+    if args.keep_prompts is not None:
+        server["keep_prompts"] = args.keep_prompts
     return server, args.max_batch, args.max_queue
 
 

@@ -76,6 +76,7 @@ class Scheduler:
         plan: str | None = None,
         measure_costs: bool = True,
         observe: Callable[[dict], None] | None = None,
+        keep_prompts: int | None = None,
     ):
         if max_batch < 1:
             raise InputError(f"max_batch must be at least 1 (got {max_batch})")
@@ -84,7 +85,9 @@ class Scheduler:
         self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
         self.kv_budget_bytes, self.observe = kv_budget_bytes, observe
         self.plan = model.draft_plan(plan) if speculate else None
-        self.decoder = BatchDecoder(model.backend, max_batch=max_batch, prefill_chunk=prefill_chunk, root=model.root)
+        self.decoder = BatchDecoder(
+            model.backend, max_batch=max_batch, prefill_chunk=prefill_chunk, root=model.root, keep_prompts=keep_prompts
+        )
         if self.plan is not None and max_batch > 1 and measure_costs:
             # what the load policy prices drafts with: the build's timings on this machine, or timed now (seconds)
             width = longest_draft(self.plan) + 1
