@@ -246,13 +246,17 @@ def main() -> int:
     try:
         model_name = httpx.get(base_url + "/health").json()["model"]
         rss_idle = rss_mib(server.pid)
-        # Warm-up: the batch decodes the longest prompt at every place once, so the KV cache has reached the size
-        # the run needs; "before" is measured after it, so growth over the run means memory is not given back.
-        longest = [max(prompts, key=len)]
+        # Warm-up: the batch decodes the longest prompt at every place, then every prompt once, so the KV cache
+        # has reached the size the run needs (the batch's places and the slots of the prompts it keeps for later
+        # ones that begin alike, runtime/decoding/prompt_cache.py); "before" is measured after it, so growth over
+        # the run means memory is not given back.
+        by_length = sorted(prompts, key=len, reverse=True)
         warm = argparse.Namespace(
             **{**vars(args), "requests": args.max_batch, "concurrency": args.max_batch, "cancel_every": 0}
         )
-        warmup = asyncio.run(run_load(base_url, model_name, longest, expected, warm))
+        warmup = asyncio.run(run_load(base_url, model_name, by_length[:1], expected, warm))
+        every = argparse.Namespace(**{**vars(warm), "requests": len(prompts)})
+        asyncio.run(run_load(base_url, model_name, by_length, expected, every))
         rss_before = rss_mib(server.pid)
         result = asyncio.run(run_load(base_url, model_name, prompts, expected, args))
         rss_after = rss_mib(server.pid)
