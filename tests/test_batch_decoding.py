@@ -188,6 +188,23 @@ def test_a_shared_prompt_prefix_is_copied_not_recomputed(backend_kind, tiny_deco
     assert BatchDecoder(make(), max_batch=3, keep_prompts=0).prompts.capacity == 0
 
 
+def test_quantized_targets_copy_kept_prompts_to_the_token(tiny_decoder, tmp_path):
+    """int8 / int4 graphs: a prompt prefix copied from another prompt's prefill (a call of another row count) gives
+    each sequence its own plain output to the token, as the quantized targets' batches do."""
+    _, decoder = tiny_decoder("llama")
+    for scheme in ("int8", "int4"):
+        root = make_artifact(
+            decoder, {p.name: p for p in (LOOKUP, SKIP)}, tmp_path / scheme, variant="fused", quantize=scheme
+        )
+        requests = _shared_prefix_requests(decoder, [None, LOOKUP, SKIP])
+        sequences: list = []
+        outputs = _decode_batch(ort_backend(root), requests, max_batch=3, joins=(0, 1, 2, 3, 3, 4), sequences=sequences)
+        assert [s.reused for s in sequences] == [0, 12, 12, 12, 12, 12]
+        alone = ort_backend(root)
+        for (request, _), got in zip(requests, outputs):
+            assert got == run(alone, request.prompt_ids, request.max_new_tokens)[0], scheme
+
+
 def _read_prompts(engine, *requests):
     """Add ``requests`` and step until each has read its prompt; the sequences."""
     added = [engine.add(r) for r in requests]
