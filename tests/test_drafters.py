@@ -5,6 +5,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from lossless import assert_same_greedy, chi_square_pvalue, exact_marginals, next_token_logits, run
 from tiny_models import FAMILIES
 
@@ -73,6 +75,47 @@ def test_datastore_follows_the_majority_path(tmp_path):
     store.save(tmp_path / "ds.safetensors")
     again = Datastore.load(tmp_path / "ds.safetensors")
     assert again.continuation([0, 5, 6], 3) == [7, 8, 1] and len(again) == len(store)
+
+
+def _brute_continuation(sequences, depth, tail, limit, min_n):
+    """The datastore's rule read off the sequences directly: the longest end of ``tail`` (``min_n``..``depth``
+    tokens) that occurs, then the majority path over its occurrences (ties to the smallest token)."""
+    for n in range(min(depth, len(tail)), min_n - 1, -1):
+        query = list(tail[-n:])
+        follows = [(s, i + n) for s in sequences for i in range(len(s) - n + 1) if s[i : i + n] == query]
+        if follows:
+            break
+    else:
+        return []
+    follows = sorted(follows, key=lambda f: tuple(f[0][f[1] - n : f[1] - n + depth]) + (-1,) * depth)[:256]
+    out = []
+    for _ in range(limit):
+        nexts = [s[i] for s, i in follows if i < len(s)]
+        if not nexts:
+            break
+        token = min(set(nexts), key=lambda t: (-nexts.count(t), t))
+        out.append(token)
+        follows = [(s, i + 1) for s, i in follows if i < len(s) and s[i] == token]
+    return out
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    sequences=st.lists(st.lists(st.integers(0, 5), min_size=1, max_size=30), min_size=1, max_size=6),
+    tail=st.lists(st.integers(0, 5), min_size=1, max_size=6),
+    limit=st.integers(1, 6),
+    min_n=st.integers(1, 3),
+)
+def test_datastore_lookups_match_a_brute_force_reading(sequences, tail, limit, min_n):
+    """The column-by-column search and the kept answers give what scanning the sequences gives, asked twice
+    (the second answer is the kept one) and after a caller changed the first."""
+    store = Datastore.build(sequences, depth=3)
+    expected = _brute_continuation(sequences, 3, tail, limit, min_n)
+    first = store.continuation(tail, limit, min_n)
+    assert first == expected
+    first.append(99)
+    assert store.continuation(tail, limit, min_n) == expected
+    assert store.continuations(tail, limit, min_n)[:1] == ([expected] if expected else [])
 
 
 # -- lossless greedy on every family, both backends ------------------------------------------------------

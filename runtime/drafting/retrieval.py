@@ -6,11 +6,18 @@ greedy continuations of it) and stored in the artifact as safetensors: the token
 binary-searches the positions whose first n tokens equal the end of the context (longest n first),
 then follows the majority path: at each step the most frequent next token among the matches, keeping
 only the matches that agree. numpy only; the q of a retrieved token is one-hot.
+
+A lookup depends only on the last ``depth`` tokens of the context and its limits, so its answers are kept
+(``ANSWERS_KEPT``, least recently used out). Why: the build replays about a hundred lookup plans over the same
+calibration text (``passes/lookup_autotune.py``) and most of its retrieval lookups are repeats; the search
+itself narrows one column of the sorted keys at a time (two ``searchsorted`` each) instead of slicing the
+tokens at every probe of a Python binary search (SmolLM2's torch build: retrieval was 8 of the pass's 21 s
+under a profiler).
 """
 
 from __future__ import annotations
 
-import bisect
+from collections import OrderedDict
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -25,6 +32,7 @@ from .base import Draft, LookupSource, RoundContext, SourceOptions
 
 SEPARATOR = -1
 MAX_MATCHES = 256  # matches considered when choosing the majority continuation
+ANSWERS_KEPT = 65536  # lookups whose answers a datastore keeps (a few MB)
 
 
 class Datastore:
@@ -32,6 +40,9 @@ class Datastore:
         self.depth = depth
         self.tokens = np.concatenate([tokens.astype(np.int64), np.full(depth + 64, SEPARATOR, np.int64)])
         self.order = order.astype(np.int64)
+        # the first ``depth`` tokens at every sorted position, one column per token: sorted lexicographically
+        self.keys = self.tokens[self.order[:, None] + np.arange(depth)].astype(np.int32)
+        self.answers: OrderedDict[tuple, list] = OrderedDict()
 
     @classmethod
     def build(cls, sequences: Sequence[Sequence[int]], depth: int = 4) -> "Datastore":
@@ -72,12 +83,27 @@ class Datastore:
         return len(self.order)
 
     def _range(self, query: tuple[int, ...]) -> tuple[int, int]:
-        n = len(query)
+        """The sorted positions whose first ``len(query)`` tokens are ``query``: within the rows that share the
+        first j tokens, column j is sorted, so each token narrows the range with two searches."""
+        lo, hi = 0, len(self.order)
+        for j, token in enumerate(query):
+            column = self.keys[lo:hi, j]
+            lo, hi = lo + int(np.searchsorted(column, token, "left")), lo + int(np.searchsorted(column, token, "right"))
+            if lo >= hi:
+                break
+        return lo, hi
 
-        def key(p):
-            return tuple(self.tokens[p : p + n].tolist())
-
-        return bisect.bisect_left(self.order, query, key=key), bisect.bisect_right(self.order, query, key=key)
+    def _remember(self, key: tuple, compute) -> list:
+        """``compute()``, or the answer kept for ``key`` (a copy either way: callers may extend it)."""
+        found = self.answers.get(key)
+        if found is None:
+            found = compute()
+            self.answers[key] = found
+            if len(self.answers) > ANSWERS_KEPT:
+                self.answers.popitem(last=False)
+        else:
+            self.answers.move_to_end(key)
+        return [list(x) for x in found] if found and isinstance(found[0], list) else list(found)
 
     def _match(self, tail: Sequence[int], min_n: int) -> tuple[tuple[int, ...], np.ndarray] | None:
         """The longest end of ``tail`` (at least ``min_n`` tokens) found in the store, and where each of its
@@ -104,12 +130,20 @@ class Datastore:
         return out
 
     def continuation(self, tail: Sequence[int], limit: int, min_n: int = 1) -> list[int]:
+        key = ("one", tuple(int(t) for t in tail[-self.depth :]), limit, min_n)
+        return self._remember(key, lambda: self._continuation(tail, limit, min_n))
+
+    def _continuation(self, tail: Sequence[int], limit: int, min_n: int) -> list[int]:
         match = self._match(tail, min_n)
         return [] if match is None else self._majority_path(match[1], limit)
 
     def continuations(self, tail: Sequence[int], limit: int, min_n: int = 1, most: int = 4) -> list[list[int]]:
         """Up to ``most`` continuations of the longest match: the majority path (``continuation``), then each
         other next token seen after the match, most frequent first, followed by its own majority path."""
+        key = ("all", tuple(int(t) for t in tail[-self.depth :]), limit, min_n, most)
+        return self._remember(key, lambda: self._continuations(tail, limit, min_n, most))
+
+    def _continuations(self, tail: Sequence[int], limit: int, min_n: int, most: int) -> list[list[int]]:
         match = self._match(tail, min_n)
         first = [] if match is None else self._majority_path(match[1], limit)
         if not first or most <= 1:
