@@ -2,7 +2,7 @@
 
     python benchmarks/streams.py ARTIFACT [--backend onnx] [--streams 1,4,8,16] [--requests 16]
         [--max-new-tokens 64] [--prompts benchmarks/data/smollm2_prompts.jsonl]
-        [--peers openvino --source MODEL_DIR] [--json OUT.json] [--cost-curve 64]
+        [--peers openvino --source MODEL_DIR] [--peer-kv-cache default,f32] [--json OUT.json] [--cost-curve 64]
 
 For each stream count N, a closed loop keeps N requests in flight through ``speccompile.server.scheduler``
 (what ``speccompile serve --max-batch N`` runs; no HTTP), after an untimed warm-up of both at the largest N,
@@ -13,7 +13,8 @@ prompt's own batch-1 plain greedy output. ``--peers openvino`` then runs OpenVIN
 ``ContinuousBatchingPipeline`` (plain and its prompt lookup) on the source model exported to OpenVINO
 (``benchmarks/peer_compare.py``'s venv and export), same prompts (token ids), threads and stream counts, with its
 prefix caching on (``--peer-prefix-caching off`` turns it off), as ours keeps the prompts a batch has read
-(``runtime/decoding/prompt_cache.py``). The prompts share a chat template, and 16 requests over 12 prompts
+(``runtime/decoding/prompt_cache.py``), once with its CPU plugin's default KV cache (8-bit, ``u8``, in OpenVINO
+2026.4: what a user gets, not the fp32 model's computation) and once with an fp32 KV cache (``--peer-kv-cache``). The prompts share a chat template, and 16 requests over 12 prompts
 repeat some: with prompts kept across the runs, both engines read most prompts from their caches.
 
 Prints one table: engine, N, aggregate tokens/s, ratio to the artifact's single-stream plain throughput,
@@ -162,51 +163,55 @@ def speccompile_rows(args, sets: dict[str, list[list[int]]]) -> tuple[list[dict]
 
 
 def openvino_rows(args, sets: dict[str, list[list[int]]], reference: dict) -> list[dict]:
-    from peer_compare import DEFAULT_VENVS, openvino_model, venv
+    """OpenVINO GenAI's continuous batching, plain and prompt lookup, once per ``--peer-kv-cache`` precision."""
+    from peer_compare import openvino_model, venv
 
     venvs = Path(args.venvs)
     python = venv(venvs, "openvino", ["optimum-intel[openvino]", "openvino-genai"])
     folder = openvino_model(venvs, Path(args.source), "fp32")
     ids_file = venvs / "streams_ids.json"
     ids_file.write_text(json.dumps(sets))
-    command = [
-        str(python),
-        str(HERE / "peers" / "openvino_cb_peer.py"),
-        str(folder),
-        str(ids_file),
-        "--streams",
-        args.streams,
-        "--requests",
-        str(args.requests),
-        "--max-new-tokens",
-        str(args.max_new_tokens),
-        "--threads",
-        str(args.threads),
-    ] + (["--prefix-caching"] if args.peer_prefix_caching == "on" else [])
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        print(f"OpenVINO GenAI failed: {done.stderr[-1500:]}", file=sys.stderr)
-        return []
-    report = json.loads(done.stdout)
     rows = []
-    for mode in ("plain", "prompt_lookup"):
-        for streams, run in report.get(mode, {}).items():
-            outputs = [r["ids"] for r in sorted(run["requests"], key=lambda r: r["id"])]
-            rows.append(
-                {
-                    "engine": f"OpenVINO GenAI CB {mode.replace('_', ' ')}"
-                    + (", prefix caching" if report.get("prefix_caching") else ""),
-                    "streams": int(streams),
-                    "tokens": run["tokens"],
-                    "seconds": run["seconds"],
-                    "tokens_per_s": run["tokens_per_s"],
-                    "latencies": [r["latency"] for r in run["requests"]],
-                    "ttfts": [r["ttft"] for r in run["requests"]],
-                    "identical": identical(outputs, sets[streams], reference),
-                    "outputs": outputs,
-                }
-            )
-    _ = DEFAULT_VENVS
+    for kv_cache in args.peer_kv_cache.split(","):
+        command = [
+            str(python),
+            str(HERE / "peers" / "openvino_cb_peer.py"),
+            str(folder),
+            str(ids_file),
+            "--streams",
+            args.streams,
+            "--requests",
+            str(args.requests),
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--threads",
+            str(args.threads),
+            "--kv-cache-precision",
+            kv_cache,
+        ] + (["--prefix-caching"] if args.peer_prefix_caching == "on" else [])
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            print(f"OpenVINO GenAI ({kv_cache} KV cache) failed: {done.stderr[-1500:]}", file=sys.stderr)
+            continue
+        report = json.loads(done.stdout)
+        caching = ", prefix caching" if report.get("prefix_caching") else ""
+        precision = report.get("kv_cache_precision", kv_cache) + (" (its default)" if kv_cache == "default" else "")
+        for mode in ("plain", "prompt_lookup"):
+            for streams, run in report.get(mode, {}).items():
+                outputs = [r["ids"] for r in sorted(run["requests"], key=lambda r: r["id"])]
+                rows.append(
+                    {
+                        "engine": f"OpenVINO GenAI CB {mode.replace('_', ' ')}{caching}, {precision} KV cache",
+                        "streams": int(streams),
+                        "tokens": run["tokens"],
+                        "seconds": run["seconds"],
+                        "tokens_per_s": run["tokens_per_s"],
+                        "latencies": [r["latency"] for r in run["requests"]],
+                        "ttfts": [r["ttft"] for r in run["requests"]],
+                        "identical": identical(outputs, sets[streams], reference),
+                        "outputs": outputs,
+                    }
+                )
     return rows
 
 
@@ -265,6 +270,12 @@ def main() -> int:
         choices=("on", "off"),
         default="on",
         help="OpenVINO GenAI's prefix caching (on: as ours, which keeps the prompts a batch has read)",
+    )
+    parser.add_argument(
+        "--peer-kv-cache",
+        default="default,f32",
+        help="OpenVINO GenAI's KV cache precisions to run, comma-separated: default (its CPU plugin's own: u8 in "
+        "2026.4, an 8-bit cache) and f32 (the fp32 model's computation, as ours)",
     )
     parser.add_argument(
         "--unique-prompts",
