@@ -1,5 +1,6 @@
-"""The CPU product forms (runtime/backends/torch/cpu_linear.py): W @ x^T and MKL's packed product compute F.linear's
-products, are chosen per row count by measurement, and are lossless when forced on for every row count."""
+"""The CPU product forms (runtime/backends/torch/cpu_linear.py): W @ x^T and the packed products (MKL's, oneDNN's)
+compute F.linear's products, are chosen per row count by measurement, and are lossless when forced on for every
+row count."""
 
 import mmap
 import sys
@@ -15,10 +16,13 @@ from speccompile.runtime.artifact.manifest import DraftPlan
 from speccompile.runtime.backends.torch.backend import TorchBackend
 from speccompile.runtime.backends.torch.cpu_linear import (
     MAX_ROWS,
-    MklPack,
+    PACK_KINDS,
     StreamingLinear,
+    WeightPack,
+    available_pack_kinds,
     choose_forms,
-    mkl_packing_missing,
+    fastest_packs,
+    packing_missing,
     use_streaming_linears,
 )
 from speccompile.runtime.backends.torch.decoder import build_decoder, pack_projections
@@ -37,24 +41,31 @@ def test_streaming_linear_computes_f_linear(bias):
         torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
-needs_mkl = pytest.mark.skipif(
-    mkl_packing_missing() is not None, reason=f"no MKL packed product: {mkl_packing_missing()}"
+needs_a_pack = pytest.mark.skipif(packing_missing() is not None, reason=f"no packed product: {packing_missing()}")
+each_pack_kind = pytest.mark.parametrize(
+    "kind",
+    [
+        pytest.param(
+            kind, id=kind.kind, marks=pytest.mark.skipif(kind.missing() is not None, reason=kind.missing() or "")
+        )
+        for kind in PACK_KINDS
+    ],
 )
 
 
-def packed_layer(out_features: int = 80, in_features: int = 48, bias: bool = True) -> StreamingLinear:
+def packed_layer(kind, out_features: int = 80, in_features: int = 48, bias: bool = True) -> StreamingLinear:
     torch.manual_seed(0)
     layer = torch.nn.Linear(in_features, out_features, bias=bias)
     layer.__class__ = StreamingLinear
-    layer.packed_rows, layer.mkl_pack = frozenset(range(1, MAX_ROWS + 1)), MklPack(layer.weight)
+    layer.packed_rows, layer.pack = frozenset(range(1, MAX_ROWS + 1)), kind(layer.weight)
     return layer
 
 
-@needs_mkl
+@each_pack_kind
 @pytest.mark.parametrize("bias", [False, True])
-def test_packed_linear_computes_f_linear(bias):
+def test_packed_linear_computes_f_linear(kind, bias):
     """One pack, made for MAX_ROWS rows, serves every row count up to it; beyond, F.linear itself."""
-    layer = packed_layer(bias=bias)
+    layer = packed_layer(kind, bias=bias)
     with torch.inference_mode():
         for rows in (1, 2, 3, 7, 16, 17):
             x = torch.randn(1, rows, 48)
@@ -63,11 +74,11 @@ def test_packed_linear_computes_f_linear(bias):
             torch.testing.assert_close(y, F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
-@needs_mkl
-def test_packed_linear_follows_its_weight():
+@each_pack_kind
+def test_packed_linear_follows_its_weight(kind):
     """A pack is used only for the tensor it packed: a weight replaced, or changed in place, since packing is
     multiplied as it is now (F.linear), never by the stale pack."""
-    layer = packed_layer()
+    layer = packed_layer(kind)
     x = torch.randn(1, 4, 48)
     with torch.no_grad():
         layer.weight.mul_(2)
@@ -76,16 +87,59 @@ def test_packed_linear_follows_its_weight():
         torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), rtol=1e-5, atol=1e-5)
 
 
-@needs_mkl
-def test_pack_is_shared_by_deepcopy():
+@each_pack_kind
+def test_pack_is_shared_by_deepcopy(kind):
     """The int8 twin deep-copies the module tree: a pack is shared, never copied (it is as large as its weight)."""
     import copy
 
-    layer = packed_layer()
-    assert (
-        copy.deepcopy(layer, memo={id(layer.weight): layer.weight, id(layer.bias): layer.bias}).mkl_pack
-        is layer.mkl_pack
-    )
+    layer = packed_layer(kind)
+    assert copy.deepcopy(layer, memo={id(layer.weight): layer.weight, id(layer.bias): layer.bias}).pack is layer.pack
+
+
+class _LinearPack(WeightPack):
+    """A stand-in pack kind for the choice between kinds: F.linear, after ``delay`` seconds a call."""
+
+    kind, delay = "test", 0.0
+    _missing: list = [None]
+
+    @staticmethod
+    def pack(weight):
+        return weight
+
+    def product(self, x, weight, bias, rows):
+        if self.delay:
+            import time
+
+            time.sleep(self.delay)
+        return F.linear(x, weight, bias)
+
+
+class _SlowPack(_LinearPack):
+    kind, delay = "slow", 0.002
+    _missing: list = [None]
+
+
+class _QuickPack(_LinearPack):
+    kind = "quick"
+    _missing: list = [None]
+
+
+def test_the_faster_pack_kind_is_kept(monkeypatch):
+    """Of the pack kinds this build has, the one whose products took less time is kept, one pack per weight in
+    order (each kind is a copy of the weights: never both)."""
+    from speccompile.runtime.backends.torch import cpu_linear
+
+    weights = [torch.randn(64, 32), torch.randn(32, 64)]
+    for order in ((_SlowPack, _QuickPack), (_QuickPack, _SlowPack)):
+        monkeypatch.setattr(cpu_linear, "PACK_KINDS", order)
+        assert available_pack_kinds() == list(order)
+        packs = fastest_packs(weights, rows=(1, 4), repeats=2)
+        assert [type(p) for p in packs] == [_QuickPack, _QuickPack]
+        assert [p.ptr for p in packs] == [w.data_ptr() for w in weights]
+    monkeypatch.setattr(cpu_linear, "PACK_KINDS", (_SlowPack,))
+    assert [type(p) for p in fastest_packs(weights)] == [_SlowPack, _SlowPack]  # the only kind: no timing needed
+    monkeypatch.setattr(cpu_linear, "PACK_KINDS", ())
+    assert fastest_packs(weights) is None
 
 
 def test_choice_covers_counts_between_probes():
@@ -95,12 +149,12 @@ def test_choice_covers_counts_between_probes():
     assert choose_forms(weights, rows=(1, 4), margin=0.0) == (frozenset(), frozenset())
 
 
-@needs_mkl
-def test_packed_choice():
+@each_pack_kind
+def test_packed_choice(kind):
     """The packed form where it is within ``preference`` of the form chosen otherwise, which then gives way; and
     nowhere unless it beats the other forms by ``gain`` at some count (its packs double the weights' memory)."""
     weights = [torch.randn(64, 32), torch.randn(32, 64)]
-    packs = [MklPack(w) for w in weights]
+    packs = [kind(w) for w in weights]
     every = frozenset(range(1, MAX_ROWS + 1))
     assert choose_forms(
         weights, packs, rows=(1, 4), margin=float("inf"), preference=float("inf"), gain=float("inf")
@@ -121,7 +175,7 @@ def test_environment_override(monkeypatch):
     assert use_streaming_linears(model) == frozenset()
 
 
-FORCED = ["streaming"] + (["packed"] if mkl_packing_missing() is None else [])
+FORCED = ["streaming"] + (["packed"] if packing_missing() is None else [])
 
 
 @pytest.mark.parametrize("form", FORCED)
@@ -145,8 +199,8 @@ def test_speculative_greedy_equals_plain_with_a_form_forced(family, form, tiny_d
             decoder.layers[0].mlp.down,
             decoder.lm_head,
         ]
-        assert all(m.mkl_pack is not None and m.mkl_pack.fits(m.weight) for m in stepped)
-        assert decoder.layers[0].attn.q.mkl_pack is None
+        assert all(m.pack is not None and m.pack.fits(m.weight) for m in stepped)
+        assert decoder.layers[0].attn.q.pack is None
     gen = torch.Generator().manual_seed(5)
     near_ties = accepted = 0
     for length in (4, 19):
@@ -235,7 +289,7 @@ def test_a_weight_larger_than_the_probe_is_timed_on_its_first_rows(monkeypatch):
     assert cpu_linear.probe_weights([head]) == [head]
 
 
-@needs_mkl
+@needs_a_pack
 def test_forms_are_chosen_per_weight_shape(tiny_decoder, monkeypatch):
     """Each shape gets the forms timed on its own weights, and packs are made only for the shapes where the
     packed form won: a shape where it loses keeps one copy of its weights."""
@@ -265,11 +319,11 @@ def test_forms_are_chosen_per_weight_shape(tiny_decoder, monkeypatch):
     for module in stepped:
         tall = module.weight.shape[0] > module.weight.shape[1]
         assert (module.streaming_rows, module.packed_rows) == ((frozenset(), every) if tall else (every, frozenset()))
-        assert (module.mkl_pack is not None) == tall
+        assert (module.pack is not None) == tall
     for module in {id(m.weight): m for m in decoder.modules() if isinstance(m, StreamingLinear)}.values():
-        packed_bytes += module.weight.numel() * 4 if module.mkl_pack is not None else 0
+        packed_bytes += module.weight.numel() * 4 if module.pack is not None else 0
     products = [block.attn._qkv[0] for block in decoder.layers] + [block.mlp._gate_up[0] for block in decoder.layers]
-    packed_bytes += sum(p.weight.numel() * 4 for p in products if p.mkl_pack is not None)
+    packed_bytes += sum(p.weight.numel() * 4 for p in products if p.pack is not None)
     assert 0 < decoder._packed_bytes == packed_bytes
     assert decoder._streaming_rows == every and decoder._packed_rows == every  # some shape gets each
 

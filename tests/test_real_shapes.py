@@ -10,7 +10,7 @@ place where one multi-token call stands in for single steps:
   the near-tie threshold (quantized: exactly, since int8 activations turn any difference into a jump of
   a quantization step), and greedy speculative == plain over several prompts and plans;
 - the torch CPU backend with every product form ``runtime/backends/torch/cpu_linear.py`` may choose per row count
-  (``F.linear``, ``W @ x^T`` or MKL's packed product everywhere, and mixes): the same logit agreement
+  (``F.linear``, ``W @ x^T`` or a packed product (MKL's or oneDNN's) everywhere, and mixes): the same logit agreement
   (fp32), and speculative == plain with a mixed choice;
 - precision self-drafts (int8 / int4 products drafting, fp32 verifying) on both backends, and token trees.
 
@@ -152,27 +152,27 @@ def test_onnx_verify_is_the_step_it_replaces(name, onnx_artifacts):
 
 
 EVERY = frozenset(range(1, MAX_ROWS + 1))
-# form -> (row counts given W @ x^T, row counts given MKL's packed product); the rest run F.linear
+# form -> (row counts given W @ x^T, row counts given the packed product); the rest run F.linear
 FORMS = {
     "F.linear": (frozenset(), frozenset()),
     "W @ x^T": (EVERY, frozenset()),
     "step F.linear, verify W @ x^T": (EVERY - {1}, frozenset()),
     "step W @ x^T, verify F.linear": (frozenset({1}), frozenset()),
-    "MKL packed": (frozenset(), EVERY),
-    "step F.linear, verify MKL packed": (frozenset(), EVERY - {1, 2, 3}),
-    "step MKL packed, verify F.linear": (frozenset(), frozenset({1})),
+    "packed": (frozenset(), EVERY),
+    "step F.linear, verify packed": (frozenset(), EVERY - {1, 2, 3}),
+    "step packed, verify F.linear": (frozenset(), frozenset({1})),
 }  # the last one also decodes (see below)
 
 
 def test_torch_cpu_product_forms(real_shaped, monkeypatch):
     """Every choice runtime/backends/torch/cpu_linear.py can make of the product form per row count keeps a k-token call
-    within the rounding bound of k steps, and with the most mixed choice (a step runs MKL's packed product, a
+    within the rounding bound of k steps, and with the most mixed choice (a step runs the packed product, a
     verify F.linear) greedy speculative == plain (fp32: only near-ties may differ)."""
     from speccompile.runtime.backends.torch import cpu_linear
 
     monkeypatch.setenv("SPECCOMPILE_CPU_LINEAR", "auto")
     for form, (streaming, packed) in FORMS.items():
-        if packed and cpu_linear.mkl_packing_missing():
+        if packed and cpu_linear.packing_missing():
             continue
         monkeypatch.setattr(
             cpu_linear, "choose_forms", lambda weights, packs=None, chosen=(streaming - packed, packed): chosen

@@ -64,7 +64,7 @@ def main() -> None:
         backends[form] = backend
         decoder = backend.decoder
         print(
-            f"{form:>9}: streaming rows {sorted(decoder._streaming_rows)}, MKL-packed rows {sorted(decoder._packed_rows)}, "
+            f"{form:>9}: streaming rows {sorted(decoder._streaming_rows)}, packed rows {sorted(decoder._packed_rows)}, "
             f"packs {decoder._packed_bytes / 2**20:.0f} MB, resident memory +{added[form]:.0f} MB while loading"
         )
     context = list(range(5, 5 + args.context))

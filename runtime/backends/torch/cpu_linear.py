@@ -13,11 +13,18 @@ for one to sixteen rows depends on the CPU and the BLAS build:
   into MKL's own GEMM layout (``cblas_sgemm_pack`` through ``torch.ops.mkl._mkl_reorder_linear_weight``,
   what inductor's freezing pass uses) and multiplies by it (``cblas_sgemm_compute``): 19, 22, 27 and 30 ms
   for 1, 4, 8 and 12 rows. A pack made for ``MAX_ROWS`` rows serves every count up to it (checked once
-  per process, ``mkl_packing_missing``). At SmolLM2's shapes its rows were also batch-invariant (row i of
+  per process, ``MklPack.missing``). At SmolLM2's shapes its rows were also batch-invariant (row i of
   a k-row product bitwise row i of the one-row product, 1 to 128 rows), so a verify computed its
   positions' products exactly as plain decoding's steps did; on tiny test shapes they are not, so nothing
   relies on it. The pack is a second copy of each weight, in memory only (nothing is stored): the price of
   the form, which ``SPECCOMPILE_CPU_LINEAR=standard`` avoids.
+- on an AMD EPYC Zen 4 (AVX-512) with torch 2.13, MKL is slow at every count (SmolLM2's 211 products: F.linear
+  46-78 ms, MKL's pack 39-83 ms for 1 to 16 rows), while oneDNN, torch's other CPU GEMM library, multiplies by a
+  weight it reordered once into its own blocked layout (``torch.ops.mkldnn._reorder_linear_weight`` and
+  ``_linear_pointwise``, what inductor's freezing uses where MKL is absent) in 26, 29, 24, 28 and 34 ms for 1,
+  2, 4, 8 and 16 rows, against the streaming form's 21, 22, 29, 48 and 66 ms: a verify of 8 tokens then costs
+  1.3 steps, not 2.3. The packed form is therefore one of two packs, MKL's or oneDNN's, whichever is faster
+  for the shape (``fastest_packs``); oneDNN's rows too were batch-invariant at SmolLM2's shapes.
 
 ``use_streaming_linears`` times the forms on the model's own weights for each row count, once per weight
 shape (cold, in model order, as a step reads them; the first few times the last-level cache's size of each
@@ -49,9 +56,11 @@ from ...machine import last_level_cache_bytes
 MAX_ROWS = 16  # longest verify the choice covers (a lookup draft is at most 12 tokens); longer calls use F.linear
 PROBE_ROWS = (1, 2, 3, 4, 8, 16)  # probed row counts (the others follow the probed count below them)
 MODES = ("auto", "standard", "streaming", "packed")
-# the packed form is kept for a row count when it is at most this much slower than the form otherwise chosen:
-# one form for every count keeps a step and a verify on the same kernel (at SmolLM2's shapes, bitwise)
-PACKED_PREFERENCE = 1.03
+# the packed form is kept for a row count when it is at most this much slower than the fastest other form. It
+# was 1.03 (one form for every count keeps a step and a verify on one kernel: at SmolLM2's shapes, bitwise), but on
+# the Zen 4 the load-time timing's noise then gave oneDNN's pack some one-row products it is 25% slower at, and
+# plain decoding lost 8% (in turns); the near-tie rule covers a step and a verify on two kernels
+PACKED_PREFERENCE = 1.0
 # ... but packs are made at all only where, at some probed count, the packed form takes at most this much of the
 # best other form's time: a pack is a second copy of every weight (2.4 GB on Qwen3-0.6B), worth it where MKL
 # re-packs per call (Intel Xeon: 27 against 44 ms at 8 rows), not for SmolLM2's 7% at one row on an AMD EPYC Zen 2
@@ -64,46 +73,128 @@ STREAMING_MARGIN = 0.9  # W @ x^T is kept for a row count when it is more than 1
 
 
 class StreamingLinear(nn.Linear):
-    """``nn.Linear`` that computes its product in the form chosen for the call's row count: MKL's packed
-    product for the counts in ``packed_rows`` (when the module holds a current pack of its weight),
-    ``W @ x^T`` (at least two columns) for those in ``streaming_rows``, ``F.linear`` otherwise. Created only
-    by switching an ``nn.Linear``'s class."""
+    """``nn.Linear`` that computes its product in the form chosen for the call's row count: the packed
+    product (MKL's or oneDNN's) for the counts in ``packed_rows`` (when the module holds a current pack of its
+    weight), ``W @ x^T`` (at least two columns) for those in ``streaming_rows``, ``F.linear`` otherwise.
+    Created only by switching an ``nn.Linear``'s class."""
 
     streaming_rows: frozenset[int] = frozenset()
     packed_rows: frozenset[int] = frozenset()
-    mkl_pack: "MklPack | None" = None
+    pack: "WeightPack | None" = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.numel() // x.shape[-1] if x.shape[-1] else 0
         if x.dtype != self.weight.dtype:
             return F.linear(x, self.weight, self.bias)
-        if rows in self.packed_rows and self.mkl_pack is not None and self.mkl_pack.fits(self.weight):
-            return self.mkl_pack.product(x, self.weight, self.bias, rows)
+        if rows in self.packed_rows and self.pack is not None and self.pack.fits(self.weight):
+            return self.pack.product(x, self.weight, self.bias, rows)
         if rows in self.streaming_rows:
             return streaming_product(x, self.weight, self.bias)
         return F.linear(x, self.weight, self.bias)
 
 
-class MklPack:
-    """One weight in MKL's packed GEMM layout, made for ``MAX_ROWS`` rows. It remembers which tensor it
-    packed (storage and version): a module whose weight was replaced or changed in place since falls back
-    to the other forms. Shared, not copied, by ``copy.deepcopy`` (the int8 twin copies the module tree)."""
+class WeightPack:
+    """One weight in a GEMM library's own layout, made once for ``MAX_ROWS`` rows, and the product by it. It
+    remembers which tensor it packed (storage and version): a module whose weight was replaced or changed in
+    place since falls back to the other forms. Shared, not copied, by ``copy.deepcopy`` (the int8 twin copies
+    the module tree). Subclasses say how to pack and multiply; ``missing`` says once per process why this
+    torch build cannot (None when it can)."""
+
+    kind = "pack"
+    _missing: list[str | None]
 
     def __init__(self, weight: torch.Tensor):
-        self.tensor = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach().contiguous(), MAX_ROWS)
+        self.tensor = self.pack(weight.detach().contiguous())
         self.ptr, self.version = weight.data_ptr(), _version_of(weight)
         self.nbytes = weight.numel() * weight.element_size()  # about the pack's own size (measured in RSS)
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+        raise NotImplementedError
 
     def fits(self, weight: torch.Tensor) -> bool:
         return weight.data_ptr() == self.ptr and _version_of(weight) == self.version
 
+    def __deepcopy__(self, memo) -> "WeightPack":
+        return self
+
+    @classmethod
+    def missing(cls) -> str | None:
+        """Why this torch build cannot use this pack, or None: its ops are missing, or a pack made for
+        ``MAX_ROWS`` rows does not compute ``F.linear`` for fewer (checked once per process on random weights,
+        bias included)."""
+        if cls._missing:
+            return cls._missing[0]
+        reason = cls.unavailable()
+        if reason is None:
+            try:
+                gen = torch.Generator().manual_seed(0)
+                weight, bias = torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)
+                layer = nn.Linear(24, 40)
+                layer.weight.data, layer.bias.data = weight, bias
+                layer.__class__ = StreamingLinear
+                layer.packed_rows, layer.pack = frozenset(range(1, MAX_ROWS + 1)), cls(layer.weight)
+                x = torch.randn(1, MAX_ROWS, 24, generator=gen)
+                with torch.inference_mode():
+                    for rows in (1, 2, 3, 5, MAX_ROWS):
+                        if not torch.allclose(
+                            layer(x[:, :rows]), F.linear(x[:, :rows], weight, bias), rtol=1e-4, atol=1e-5
+                        ):
+                            reason = f"{cls.kind}'s packed product disagrees with F.linear for {rows} rows"
+                            break
+            except Exception as exc:  # an op missing from this build, or the library refusing the call
+                reason = f"{cls.kind} packing is unavailable ({str(exc).splitlines()[0][:100]})"
+        cls._missing.append(reason)
+        return reason
+
+    @staticmethod
+    def unavailable() -> str | None:
+        return None
+
+
+class MklPack(WeightPack):
+    """MKL's packed GEMM layout (``cblas_sgemm_pack`` through ``torch.ops.mkl._mkl_reorder_linear_weight``)."""
+
+    kind = "MKL"
+    _missing: list[str | None] = []
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkl._mkl_reorder_linear_weight(weight, MAX_ROWS)
+
     def product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
         # the call's own row count as the pack's batch size: MKL computes with the pack for any count up to the
-        # one it was made for (checked once per process: mkl_packing_missing)
+        # one it was made for (checked once per process: missing)
         return torch.ops.mkl._mkl_linear(x, self.tensor, weight, bias, rows)
 
-    def __deepcopy__(self, memo) -> "MklPack":
-        return self
+    @staticmethod
+    def unavailable() -> str | None:
+        return None if torch.backends.mkl.is_available() else "this torch build has no MKL"
+
+
+class OneDnnPack(WeightPack):
+    """oneDNN's blocked layout for an inner product (``torch.ops.mkldnn._reorder_linear_weight``, made for
+    ``MAX_ROWS`` rows) and its product (``_linear_pointwise``, no fused activation)."""
+
+    kind = "oneDNN"
+    _missing: list[str | None] = []
+
+    @staticmethod
+    def pack(weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, MAX_ROWS)
+
+    def product(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.tensor, bias, "none", [], "")
+
+    @staticmethod
+    def unavailable() -> str | None:
+        return None if torch.backends.mkldnn.is_available() else "this torch build has no oneDNN"
+
+
+PACK_KINDS: tuple[type[WeightPack], ...] = (MklPack, OneDnnPack)
 
 
 def _version_of(weight: torch.Tensor) -> int | None:
@@ -113,38 +204,19 @@ def _version_of(weight: torch.Tensor) -> int | None:
         return None
 
 
-_PACKING_MISSING: list[str | None] = []
-
-
 def mkl_packing_missing() -> str | None:
-    """Why this torch build cannot use the packed form, or None: no MKL, no packing ops, or a pack made for
-    ``MAX_ROWS`` rows that does not compute ``F.linear`` for fewer (checked once per process on random
-    weights, bias included)."""
-    if _PACKING_MISSING:
-        return _PACKING_MISSING[0]
-    reason = None
-    try:
-        if not torch.backends.mkl.is_available():
-            reason = "this torch build has no MKL"
-        else:
-            gen = torch.Generator().manual_seed(0)
-            weight, bias = torch.randn(40, 24, generator=gen), torch.randn(40, generator=gen)
-            layer = nn.Linear(24, 40)
-            layer.weight.data, layer.bias.data = weight, bias
-            layer.__class__ = StreamingLinear
-            layer.packed_rows, layer.mkl_pack = frozenset(range(1, MAX_ROWS + 1)), MklPack(layer.weight)
-            x = torch.randn(1, MAX_ROWS, 24, generator=gen)
-            with torch.inference_mode():
-                for rows in (1, 2, 3, 5, MAX_ROWS):
-                    if not torch.allclose(
-                        layer(x[:, :rows]), F.linear(x[:, :rows], weight, bias), rtol=1e-4, atol=1e-5
-                    ):
-                        reason = f"MKL's packed product disagrees with F.linear for {rows} rows"
-                        break
-    except Exception as exc:  # an op missing from this build, or MKL refusing the call
-        reason = f"MKL packing is unavailable ({str(exc).splitlines()[0][:100]})"
-    _PACKING_MISSING.append(reason)
-    return reason
+    """Why this torch build cannot use MKL's packed product, or None (``MklPack.missing``)."""
+    return MklPack.missing()
+
+
+def packing_missing() -> str | None:
+    """Why this torch build has no packed form at all (neither pack kind works), or None."""
+    reasons = [kind.missing() for kind in PACK_KINDS]
+    return None if any(r is None for r in reasons) else "; ".join(reasons)
+
+
+def available_pack_kinds() -> list[type[WeightPack]]:
+    return [kind for kind in PACK_KINDS if kind.missing() is None]
 
 
 def streaming_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -181,18 +253,18 @@ def _follow_lower(winners: set[int], rows: tuple[int, ...]) -> frozenset[int]:
 @torch.inference_mode()
 def choose_forms(
     weights: list[torch.Tensor],
-    packs: list[MklPack] | None = None,
+    packs: list[WeightPack] | None = None,
     rows: tuple[int, ...] = PROBE_ROWS,
-    repeats: int = 3,
+    repeats: int = 5,
     margin: float = STREAMING_MARGIN,
     preference: float = PACKED_PREFERENCE,
     gain: float = PACK_GAIN,
 ) -> tuple[frozenset[int], frozenset[int]]:
-    """(row counts given ``W @ x^T``, row counts given MKL's packed product), from 1..MAX_ROWS, timed over all
-    of ``weights`` (``packs``: their MKL packs, in the same order; None: no packed form). Per probed count the
+    """(row counts given ``W @ x^T``, row counts given the packed product), from 1..MAX_ROWS, timed over all
+    of ``weights`` (``packs``: their packs, of one kind, in the same order; None: no packed form). Per probed count the
     forms run in turns, ``repeats`` times each, best time kept. ``W @ x^T`` is chosen where it beats
     ``F.linear`` by more than ``1 - margin``; the packed form where it takes at most ``preference`` times
-    the form chosen so far, provided that at some probed count it takes at most ``gain`` times the best
+    the faster of the other two forms, provided that at some probed count it takes at most ``gain`` times the best
     other form (else no count gets it: its packs are a second copy of the weights). A count between two
     probed ones follows the lower one."""
     if not weights:
@@ -211,23 +283,58 @@ def choose_forms(
                 F.linear(x, w)
 
     forms = ("standard", "streaming") + (("packed",) if packs else ())
-    every_product(rows[0], "standard")  # warm-up (allocator, thread pool)
+    for form in forms:  # warm-up (allocator, thread pool, each library's first call at these shapes)
+        every_product(rows[0], form)
     streaming, packed, gains = set(), set(), []
     for n in rows:
         best = {form: float("inf") for form in forms}
         for _ in range(repeats):  # in turns, so that a slow moment of the machine does not fall on one form only
             for form in forms:
                 best[form] = min(best[form], _seconds(lambda: every_product(n, form)))
-        chosen = best["standard"]
         if best["streaming"] < margin * best["standard"]:
             streaming.add(n)
-            chosen = best["streaming"]
-        if best.get("packed", float("inf")) <= preference * chosen:
+        # measured against the faster of the other two: where W @ x^T is faster than F.linear by less than the
+        # margin it is still what the packed form must match (on the Zen 4 oneDNN's one-row product lost to
+        # it by 25% and was kept when only F.linear was its bar)
+        fastest_other = min(best["standard"], best["streaming"])
+        if best.get("packed", float("inf")) <= preference * fastest_other:
             packed.add(n)
-        gains.append(best.get("packed", float("inf")) / min(best["standard"], best["streaming"]))
+        gains.append(best.get("packed", float("inf")) / fastest_other)
     if not gains or min(gains) > gain:
         packed = set()
     return _follow_lower(streaming - packed, rows), _follow_lower(packed, rows)
+
+
+@torch.inference_mode()
+def fastest_packs(
+    weights: list[torch.Tensor], rows: tuple[int, ...] = PROBE_ROWS, repeats: int = 3
+) -> list[WeightPack] | None:
+    """Packs of ``weights`` of the kind (``PACK_KINDS``: MKL's, oneDNN's) whose products take the least time
+    over the probed row counts together (the kinds in turns, best of ``repeats``), or None where this torch
+    build packs with neither. Why one kind per shape: each pack is a copy of the weights, and the kinds rank
+    by CPU (MKL wins on the Intel Xeon measured, oneDNN by 1.2-2x on the AMD EPYC Zen 4)."""
+    kinds = available_pack_kinds()
+    if not kinds or not weights:
+        return None
+    candidates = {kind: [kind(w) for w in weights] for kind in kinds}
+    if len(kinds) == 1:
+        return candidates[kinds[0]]
+    inputs = {(n, w.shape[1]): torch.randn(n, w.shape[1], dtype=w.dtype) for n in rows for w in weights}
+
+    def every_product(packs: list[WeightPack]) -> float:
+        start = time.perf_counter()
+        for n in rows:
+            for w, pack in zip(weights, packs):
+                pack.product(inputs[n, w.shape[1]], w, None, n)
+        return time.perf_counter() - start
+
+    for packs in candidates.values():
+        every_product(packs)  # warm-up: each library's first call sets up its kernels
+    best = dict.fromkeys(kinds, float("inf"))
+    for _ in range(repeats):
+        for kind, packs in candidates.items():
+            best[kind] = min(best[kind], every_product(packs))
+    return candidates[min(kinds, key=best.__getitem__)]
 
 
 def probe_weights(weights: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -259,7 +366,7 @@ def _by_shape(weights: list[torch.Tensor]) -> dict[tuple[int, ...], list[torch.T
     return groups
 
 
-Forms = tuple[frozenset[int], frozenset[int]]  # (row counts given W @ x^T, row counts given MKL's packed product)
+Forms = tuple[frozenset[int], frozenset[int]]  # (row counts given W @ x^T, row counts given the packed product)
 
 
 def use_streaming_linears(
@@ -273,7 +380,7 @@ def use_streaming_linears(
 
     ``packed``: products made by ``decoder.pack_projections`` (not submodules of ``model``), each with
     the modules it replaces; the timing reads the products a step runs, so the packed ones instead of
-    their parts, and every one of them is switched (only what a step runs gets an MKL pack; a part, run only
+    their parts, and every one of them is switched (only what a step runs gets a pack; a part, run only
     where its product no longer applies, takes its product's choice without the pack)."""
     chosen = getattr(model, "_streaming_rows", None)
     if chosen is not None:
@@ -295,34 +402,36 @@ def use_streaming_linears(
     every, nothing = frozenset(range(1, MAX_ROWS + 1)), frozenset()
     fixed = {"standard": (nothing, nothing), "streaming": (every, nothing), "packed": (nothing, every)}
     if mode == "packed" and (timed or parts):
-        missing = mkl_packing_missing()
+        missing = packing_missing()
         if missing:
             raise ValueError(f"SPECCOMPILE_CPU_LINEAR=packed: {missing}; use auto or standard")
     forms: dict[tuple[int, ...], Forms] = {}
-    timed_packs: dict[int, MklPack] = {}  # packs the timing made of whole weights, kept where their shape wins
+    kinds: dict[tuple[int, ...], type[WeightPack]] = {}  # the pack kind of each shape given the packed form
+    timed_packs: dict[int, WeightPack] = {}  # packs the timing made of whole weights, kept where their shape wins
     for shape, group in groups.items():
-        if mode != "auto":
+        if mode not in ("auto", "packed"):
             forms[shape] = fixed[mode]
             continue
         probed = probe_weights(group)
-        candidates = [MklPack(w) for w in probed] if mkl_packing_missing() is None else []
-        forms[shape] = choose_forms(probed, candidates or None)
+        candidates = fastest_packs(probed) or []
+        forms[shape] = fixed[mode] if mode == "packed" else choose_forms(probed, candidates or None)
         if forms[shape][1]:
+            kinds[shape] = type(candidates[0])
             whole = {id(w) for w in group}
             timed_packs.update({id(w): pack for w, pack in zip(probed, candidates) if id(w) in whole})
         del candidates  # the packs of shapes where they lost are dropped here, never all made
     packs = {
-        id(w): timed_packs.get(id(w)) or MklPack(w) for w in weights if forms[tuple(w.shape)][1]
+        id(w): timed_packs.get(id(w)) or kinds[tuple(w.shape)](w) for w in weights if forms[tuple(w.shape)][1]
     }  # the packs chosen: every weight of a shape that gets the packed form
     del timed_packs
     for module in timed:
         module.__class__ = StreamingLinear
         module.streaming_rows, module.packed_rows = forms[tuple(module.weight.shape)]
-        module.mkl_pack = packs.get(id(module.weight))
+        module.pack = packs.get(id(module.weight))
     for part, product in parts:
         part.__class__ = StreamingLinear
         part.streaming_rows, part.packed_rows = forms.get(tuple(product.weight.shape), fixed["standard"])
-        part.mkl_pack = None
+        part.pack = None
     model._forms = forms
     model._streaming_rows = frozenset().union(*(f[0] for f in forms.values()))
     model._packed_rows = frozenset().union(*(f[1] for f in forms.values()))
