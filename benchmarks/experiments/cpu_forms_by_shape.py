@@ -34,8 +34,8 @@ def main() -> None:
     from speccompile.runtime.backends.torch.backend import TorchBackend
     from speccompile.runtime.model import read_artifact
 
-    if cpu_linear.mkl_packing_missing():
-        raise SystemExit(f"no packed form here: {cpu_linear.mkl_packing_missing()}")
+    if cpu_linear.MklPack.missing():
+        raise SystemExit(f"no packed form here: {cpu_linear.MklPack.missing()}")
     manifest = read_artifact(args.artifact)
     backend = TorchBackend.from_files(args.artifact / manifest.backends["torch"]["weights"], manifest.config)
     decoder = backend.decoder

@@ -204,11 +204,6 @@ def _version_of(weight: torch.Tensor) -> int | None:
         return None
 
 
-def mkl_packing_missing() -> str | None:
-    """Why this torch build cannot use MKL's packed product, or None (``MklPack.missing``)."""
-    return MklPack.missing()
-
-
 def packing_missing() -> str | None:
     """Why this torch build has no packed form at all (neither pack kind works), or None."""
     reasons = [kind.missing() for kind in PACK_KINDS]
