@@ -1,230 +1,46 @@
 """Convert a transformers causal LM into the canonical decoder's config and weights.
 
-Each supported family is described by a ``Layout`` (where its tensors live and how they are fused), so
-adding a family is adding data, not code. Everything family-specific is resolved here, once, at build
-time: fused qkv / gate-up projections are split, GPT-2's Conv1D weights are transposed, Gemma's
-``(1 + w)`` norms are folded, and the rotary frequencies are taken from the model's own rotary module
-(so every rope scaling transformers computes statically is reproduced exactly).
+Each supported family is described by a descriptor in ``speccompile/families`` (found by ``model_type``):
+its ``Layout`` (where its tensors live and how they are fused) and its ``ArchConfig`` switches, so adding a
+family is adding one descriptor, not code here. The conversion below is generic over layouts and runs
+once, at build time: fused qkv / gate-up projections are split, GPT-2's Conv1D weights are transposed,
+Gemma's ``(1 + w)`` norms are folded, and the rotary frequencies are taken from the model's own rotary
+module (so every rope scaling transformers computes statically is reproduced exactly).
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
+from speccompile.families import FAMILIES, family_for
+from speccompile.families.base import Layout, UnsupportedModelError, rotary_module
 from speccompile.runtime.artifact.manifest import ArchConfig
-from speccompile.runtime.errors import SpeccompileError
 
-_LLAMA_LAYER = {
-    "attn_norm": "input_layernorm",
-    "attn.q": "self_attn.q_proj",
-    "attn.k": "self_attn.k_proj",
-    "attn.v": "self_attn.v_proj",
-    "attn.o": "self_attn.o_proj",
-    "attn.q_norm": "self_attn.q_norm",
-    "attn.k_norm": "self_attn.k_norm",
-    "mlp_norm": "post_attention_layernorm",
-    "mlp.gate": "mlp.gate_proj",
-    "mlp.up": "mlp.up_proj",
-    "mlp.down": "mlp.down_proj",
-}
-
-
-@dataclass(frozen=True)
-class Layout:
-    """Where a family keeps its tensors. ``layer`` maps canonical sublayer names to HF names."""
-
-    base: str
-    embed: str
-    layers: str
-    final_norm: str
-    layer: dict[str, str]
-    lm_head: str = "lm_head"
-    pos_embed: str | None = None
-    fused_qkv: str | None = None  # "concat" [q; k; v] | "per_head" [heads, 3, hd] | "grouped" [kv, q/kv + 2, hd] rows
-    fused_gate_up: bool = False  # Phi-3: gate_up_proj = [gate; up]
-    conv1d: bool = False  # GPT-2: weights stored [in, out]
-    norm_plus_one: bool = False  # Gemma: RMSNorm scales by (1 + w)
-    interleaved_rotary: bool = False  # Cohere: rotary pairs (2j, 2j+1); q/k rows are permuted to halves
-    experts: str | None = None  # Mixtral: the MoE block under each layer (router "gate", experts w1/w3/w2)
-    notes: dict[str, str] = field(default_factory=dict)
-
-
-LAYOUTS: dict[str, Layout] = {
-    "llama": Layout("model", "embed_tokens", "layers", "norm", _LLAMA_LAYER),
-    "mistral": Layout("model", "embed_tokens", "layers", "norm", _LLAMA_LAYER),
-    "qwen2": Layout("model", "embed_tokens", "layers", "norm", _LLAMA_LAYER),
-    "qwen3": Layout("model", "embed_tokens", "layers", "norm", _LLAMA_LAYER),
-    "gemma": Layout("model", "embed_tokens", "layers", "norm", _LLAMA_LAYER, norm_plus_one=True),
-    "phi3": Layout(
-        "model",
-        "embed_tokens",
-        "layers",
-        "norm",
-        {**_LLAMA_LAYER, "attn.qkv": "self_attn.qkv_proj", "mlp.gate_up": "mlp.gate_up_proj"},
-        fused_qkv="concat",
-        fused_gate_up=True,
-    ),
-    "gpt2": Layout(
-        "transformer",
-        "wte",
-        "h",
-        "ln_f",
-        {
-            "attn_norm": "ln_1",
-            "attn.qkv": "attn.c_attn",
-            "attn.o": "attn.c_proj",
-            "mlp_norm": "ln_2",
-            "mlp.up": "mlp.c_fc",
-            "mlp.down": "mlp.c_proj",
-        },
-        pos_embed="wpe",
-        fused_qkv="concat",
-        conv1d=True,
-    ),
-    "gpt_neox": Layout(
-        "gpt_neox",
-        "embed_in",
-        "layers",
-        "final_layer_norm",
-        {
-            "attn_norm": "input_layernorm",
-            "attn.qkv": "attention.query_key_value",
-            "attn.o": "attention.dense",
-            "mlp_norm": "post_attention_layernorm",
-            "mlp.up": "mlp.dense_h_to_4h",
-            "mlp.down": "mlp.dense_4h_to_h",
-        },
-        lm_head="embed_out",
-        fused_qkv="per_head",
-    ),
-    "opt": Layout(
-        "model.decoder",
-        "embed_tokens",
-        "layers",
-        "final_layer_norm",
-        {
-            "attn_norm": "self_attn_layer_norm",
-            "attn.q": "self_attn.q_proj",
-            "attn.k": "self_attn.k_proj",
-            "attn.v": "self_attn.v_proj",
-            "attn.o": "self_attn.out_proj",
-            "mlp_norm": "final_layer_norm",
-            "mlp.up": "fc1",
-            "mlp.down": "fc2",
-        },
-        pos_embed="embed_positions",
-    ),
-}
-_OLMO2_LAYER = {
-    **{k: v for k, v in _LLAMA_LAYER.items() if k not in ("attn_norm", "mlp_norm")},
-    "attn_post_norm": "post_attention_layernorm",
-    "mlp_post_norm": "post_feedforward_layernorm",
-}
-_SHARED_NORM = {"attn_norm": "input_layernorm", "mlp_norm": "input_layernorm"}  # one norm feeds both branches
-LAYOUTS.update(
-    {
-        "smollm3": Layout("model", "embed_tokens", "layers", "norm", _LLAMA_LAYER),
-        "olmo2": Layout("model", "embed_tokens", "layers", "norm", _OLMO2_LAYER),
-        "phi": Layout(
-            "model",
-            "embed_tokens",
-            "layers",
-            "final_layernorm",
-            {
-                **_SHARED_NORM,
-                "attn.q": "self_attn.q_proj",
-                "attn.k": "self_attn.k_proj",
-                "attn.v": "self_attn.v_proj",
-                "attn.o": "self_attn.dense",
-                "mlp.up": "mlp.fc1",
-                "mlp.down": "mlp.fc2",
-            },
-        ),
-        "cohere": Layout(
-            "model",
-            "embed_tokens",
-            "layers",
-            "norm",
-            {**{k: v for k, v in _LLAMA_LAYER.items() if not k.endswith("norm")}, **_SHARED_NORM},
-            interleaved_rotary=True,
-        ),
-    }
-)
-LAYOUTS["gemma3_text"] = Layout(  # a sandwich: pre- and post-norms around both sublayers
-    "model",
-    "embed_tokens",
-    "layers",
-    "norm",
-    {
-        **_LLAMA_LAYER,
-        "attn_post_norm": "post_attention_layernorm",
-        "mlp_norm": "pre_feedforward_layernorm",
-        "mlp_post_norm": "post_feedforward_layernorm",
-    },
-    norm_plus_one=True,
-)
-LAYOUTS["mixtral"] = Layout(
-    "model",
-    "embed_tokens",
-    "layers",
-    "norm",
-    {k: v for k, v in _LLAMA_LAYER.items() if not k.startswith("mlp.")},
-    experts="block_sparse_moe",
-)
-_FALCON_LAYER = {
-    "attn.qkv": "self_attention.query_key_value",
-    "attn.o": "self_attention.dense",
-    "mlp.up": "mlp.dense_h_to_4h",
-    "mlp.down": "mlp.dense_4h_to_h",
-}
+__all__ = [
+    "DecoderPath",
+    "Layout",
+    "UnsupportedModelError",
+    "arch_config",
+    "canonical_weights",
+    "check_supported",
+    "choose_path",
+    "layout_for",
+    "recurrent_layer",
+]
 
 
 def layout_for(config) -> Layout:
-    """The family's layout; Falcon's depends on its config (three block designs, three qkv layouts)."""
-    if config.model_type != "falcon":
-        return LAYOUTS[config.model_type]
-    if config.new_decoder_architecture:
-        norms = (
-            {"attn_norm": "ln_attn", "mlp_norm": "ln_mlp"}
-            if (config.num_ln_in_parallel_attn or 2) == 2
-            else _SHARED_NORM
-        )
-        qkv = "grouped"
-    elif config.parallel_attn:
-        norms, qkv = _SHARED_NORM, "concat" if config.multi_query else "per_head"
-    else:
-        norms = {"attn_norm": "input_layernorm", "mlp_norm": "post_attention_layernorm"}
-        qkv = "concat" if config.multi_query else "per_head"
-    return Layout("transformer", "word_embeddings", "h", "ln_f", {**_FALCON_LAYER, **norms}, fused_qkv=qkv)
-
-
-SUPPORTED_MODEL_TYPES = (*LAYOUTS, "falcon")  # falcon's layout comes from layout_for
-
-_ACTIVATIONS = {
-    "silu": "silu",
-    "swish": "silu",
-    "gelu": "gelu",
-    "gelu_new": "gelu_tanh",
-    "gelu_pytorch_tanh": "gelu_tanh",
-    "gelu_fast": "gelu_tanh",
-    "relu": "relu",
-}
-_STATIC_ROPE_TYPES = {"default", "linear", "llama3", "yarn"}
-
-
-class UnsupportedModelError(SpeccompileError):
-    pass
+    """Where the family of ``config`` keeps its tensors (``UnsupportedModelError`` for a type without one)."""
+    return family_for(config.model_type).layout(config)
 
 
 def check_supported(model_type: str) -> None:
-    if model_type not in SUPPORTED_MODEL_TYPES:
-        raise UnsupportedModelError(
-            f"architecture '{model_type}' is not supported; supported model types: {', '.join(SUPPORTED_MODEL_TYPES)}"
-        )
+    """Refuse, in one line, a model type without a family descriptor (``speccompile/families``)."""
+    FAMILIES.check(model_type)
 
 
 # Layers that carry recurrent state (state-space, linear-attention, convolution mixers): the state after a
@@ -291,7 +107,7 @@ def choose_path(model) -> DecoderPath:
             f"'{mt}' has recurrent or state-space layers ({layer}) whose state cannot be cut back after a rejected "
             "draft, so it cannot be drafted losslessly; use an attention-only model"
         )
-    if mt in SUPPORTED_MODEL_TYPES:
+    if mt in FAMILIES:
         try:
             arch_config(model)
             return DecoderPath(
@@ -314,255 +130,10 @@ def choose_path(model) -> DecoderPath:
     )
 
 
-def _refuse(condition: bool, message: str) -> None:
-    if condition:
-        raise UnsupportedModelError(message)
-
-
-def _activation(name: str) -> str:
-    if name not in _ACTIVATIONS:
-        raise UnsupportedModelError(
-            f"activation '{name}' is not supported; supported: {', '.join(sorted(_ACTIVATIONS))}"
-        )
-    return _ACTIVATIONS[name]
-
-
-def _rotary_module(model, suffix: str = "rotary_emb") -> torch.nn.Module | None:
-    for name, module in model.named_modules():
-        if name.endswith(suffix) and hasattr(module, "inv_freq"):
-            return module
-    return None
-
-
 def arch_config(model) -> ArchConfig:
-    """The canonical decoder's options for a loaded transformers model (config + rotary module)."""
-    hf = model.config
-    mt = hf.model_type
-    check_supported(mt)
-    tie = bool(getattr(hf, "tie_word_embeddings", False))
-    if mt == "gpt2":
-        _refuse(hf.scale_attn_by_inverse_layer_idx, "gpt2 with scale_attn_by_inverse_layer_idx is not supported")
-        hidden = hf.n_embd
-        return ArchConfig(
-            model_type=mt,
-            vocab_size=hf.vocab_size,
-            hidden_size=hidden,
-            num_layers=hf.n_layer,
-            num_heads=hf.n_head,
-            num_kv_heads=hf.n_head,
-            head_dim=hidden // hf.n_head,
-            intermediate_size=hf.n_inner or 4 * hidden,
-            norm="layer",
-            norm_eps=hf.layer_norm_epsilon,
-            mlp="plain",
-            activation=_activation(hf.activation_function),
-            positions="learned",
-            attn_qkv_bias=True,
-            attn_out_bias=True,
-            mlp_bias=True,
-            tie_word_embeddings=tie,
-            max_position_embeddings=hf.n_positions,
-            attn_scale=None if hf.scale_attn_weights else 1.0,
-        )
-    if mt == "opt":
-        _refuse(
-            not hf.do_layer_norm_before,
-            "OPT with post-layer-norm (do_layer_norm_before=False, e.g. opt-350m) is not supported",
-        )
-        _refuse(
-            hf.word_embed_proj_dim != hf.hidden_size, "OPT with word_embed_proj_dim != hidden_size is not supported"
-        )
-        _refuse(not hf.layer_norm_elementwise_affine, "OPT without layer-norm affine weights is not supported")
-        _refuse(getattr(hf, "_remove_final_layer_norm", False), "OPT without a final layer norm is not supported")
-        return ArchConfig(
-            model_type=mt,
-            vocab_size=hf.vocab_size,
-            hidden_size=hf.hidden_size,
-            num_layers=hf.num_hidden_layers,
-            num_heads=hf.num_attention_heads,
-            num_kv_heads=hf.num_attention_heads,
-            head_dim=hf.hidden_size // hf.num_attention_heads,
-            intermediate_size=hf.ffn_dim,
-            norm="layer",
-            norm_eps=1e-5,
-            mlp="plain",
-            activation=_activation(hf.activation_function),
-            positions="learned",
-            position_offset=2,
-            attn_qkv_bias=hf.enable_bias,
-            attn_out_bias=hf.enable_bias,
-            mlp_bias=hf.enable_bias,
-            tie_word_embeddings=tie,
-            max_position_embeddings=hf.max_position_embeddings,
-        )
-
-    rotary = _rotary_module(model)
-    _refuse(rotary is None, f"{mt} model has no rotary embedding module; cannot convert")
-    rope_type = getattr(rotary, "rope_type", "default")
-    _refuse(
-        rope_type not in _STATIC_ROPE_TYPES,
-        f"rope scaling '{rope_type}' changes with sequence length and is not supported; supported: {', '.join(sorted(_STATIC_ROPE_TYPES))}",
-    )
-    rotary_dim = 2 * rotary.inv_freq.shape[0]
-    common = dict(
-        model_type=mt,
-        vocab_size=hf.vocab_size,
-        hidden_size=hf.hidden_size,
-        num_layers=hf.num_hidden_layers,
-        num_heads=hf.num_attention_heads,
-        rotary_dim=rotary_dim,
-        rope_attention_scaling=float(getattr(rotary, "attention_scaling", 1.0)),
-        tie_word_embeddings=tie,
-        max_position_embeddings=hf.max_position_embeddings,
-    )
-    if mt == "gpt_neox":
-        return ArchConfig(
-            **common,
-            num_kv_heads=hf.num_attention_heads,
-            head_dim=hf.hidden_size // hf.num_attention_heads,
-            intermediate_size=hf.intermediate_size,
-            norm="layer",
-            norm_eps=hf.layer_norm_eps,
-            mlp="plain",
-            activation=_activation(hf.hidden_act),
-            parallel_residual=hf.use_parallel_residual,
-            attn_qkv_bias=hf.attention_bias,
-            attn_out_bias=hf.attention_bias,
-            mlp_bias=True,
-        )
-
-    if mt == "falcon":
-        _refuse(hf.alibi, "falcon with alibi positions is not supported by the canonical decoder")
-        _refuse(
-            hf.new_decoder_architecture and not hf.parallel_attn,
-            "falcon with the new decoder architecture and parallel_attn=False is not supported",
-        )
-        heads = hf.num_attention_heads
-        kv = hf.num_kv_heads if hf.new_decoder_architecture else (1 if hf.multi_query else heads)
-        return ArchConfig(
-            **common,
-            num_kv_heads=kv,
-            head_dim=hf.hidden_size // heads,
-            intermediate_size=hf.ffn_hidden_size,
-            norm="layer",
-            norm_eps=hf.layer_norm_epsilon,
-            mlp="plain",
-            activation=_activation(hf.activation),
-            parallel_residual=bool(hf.new_decoder_architecture or hf.parallel_attn),
-            attn_qkv_bias=hf.bias,
-            attn_out_bias=hf.bias,
-            mlp_bias=hf.bias,
-        )
-    if mt == "phi":
-        _refuse(hf.qk_layernorm, "phi with qk_layernorm is not supported by the canonical decoder")
-        return ArchConfig(
-            **common,
-            num_kv_heads=hf.num_key_value_heads or hf.num_attention_heads,
-            head_dim=hf.hidden_size // hf.num_attention_heads,
-            intermediate_size=hf.intermediate_size,
-            norm="layer",
-            norm_eps=hf.layer_norm_eps,
-            mlp="plain",
-            activation=_activation(hf.hidden_act),
-            parallel_residual=True,
-            attn_qkv_bias=True,
-            attn_out_bias=True,
-            mlp_bias=True,
-            lm_head_bias=True,
-        )
-    if mt == "cohere":
-        # Per-head q/k LayerNorm weights ([heads, head_dim]) have no canonical form yet.
-        _refuse(hf.use_qk_norm, "cohere with use_qk_norm is not supported by the canonical decoder")
-        return ArchConfig(
-            **common,
-            num_kv_heads=hf.num_key_value_heads or hf.num_attention_heads,
-            head_dim=hf.hidden_size // hf.num_attention_heads,
-            intermediate_size=hf.intermediate_size,
-            norm="layer",
-            norm_eps=hf.layer_norm_eps,
-            mlp="gated",
-            activation=_activation(hf.hidden_act),
-            parallel_residual=True,
-            attn_qkv_bias=hf.attention_bias,
-            attn_out_bias=hf.attention_bias,
-            logit_scale=float(hf.logit_scale),
-        )
-
-    if mt == "gemma3_text":
-        _refuse(
-            hf.attn_logit_softcapping is not None,
-            "gemma3 with attn_logit_softcapping is not supported by the canonical decoder",
-        )
-        _refuse(
-            bool(getattr(hf, "use_bidirectional_attention", False)),
-            "gemma3 with bidirectional attention is not a causal LM",
-        )
-        return ArchConfig(
-            **common,
-            num_kv_heads=hf.num_key_value_heads,
-            head_dim=hf.head_dim,
-            intermediate_size=hf.intermediate_size,
-            norm="rms",
-            norm_eps=hf.rms_norm_eps,
-            mlp="gated",
-            activation=_activation(hf.hidden_activation),
-            qk_norm=True,
-            pre_norm=True,
-            post_norm=True,
-            embed_scale=float(hf.hidden_size**0.5),
-            attn_qkv_bias=hf.attention_bias,
-            attn_out_bias=hf.attention_bias,
-            sliding_window=hf.sliding_window,
-            window_layers=[i for i, kind in enumerate(hf.layer_types) if kind == "sliding_attention"],
-            local_rope=True,
-            attn_scale=float(hf.query_pre_attn_scalar) ** -0.5,
-            final_softcap=hf.final_logit_softcapping,
-        )
-
-    if mt == "mixtral":
-        return ArchConfig(
-            **common,
-            num_kv_heads=hf.num_key_value_heads,
-            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-            intermediate_size=hf.intermediate_size,
-            norm="rms",
-            norm_eps=hf.rms_norm_eps,
-            mlp="gated",
-            activation=_activation(hf.hidden_act),
-            sliding_window=hf.sliding_window,
-            num_experts=hf.num_local_experts,
-            experts_per_token=hf.num_experts_per_tok,
-        )
-
-    # Llama-like families: llama, mistral, qwen2, qwen3, gemma, phi3, smollm3, olmo2.
-    if mt in ("qwen2", "qwen3", "smollm3"):
-        _refuse(bool(getattr(hf, "use_sliding_window", False)), f"{mt} with use_sliding_window=True is not supported")
-        window = None
-    else:
-        window = getattr(hf, "sliding_window", None)
-    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    attention_bias = bool(getattr(hf, "attention_bias", False))
-    act = getattr(hf, "hidden_activation", None) or hf.hidden_act if mt == "gemma" else hf.hidden_act
-    return ArchConfig(
-        **common,
-        num_kv_heads=getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads,
-        head_dim=head_dim,
-        intermediate_size=hf.intermediate_size,
-        norm="rms",
-        norm_eps=hf.rms_norm_eps,
-        mlp="gated",
-        activation=_activation(act),
-        qk_norm=mt in ("qwen3", "olmo2"),
-        qk_norm_over="proj" if mt == "olmo2" else "head",
-        pre_norm=mt != "olmo2",
-        post_norm=mt == "olmo2",
-        nope_layers=[i for i, use in enumerate(getattr(hf, "no_rope_layers", None) or []) if not use],
-        embed_scale=float(hf.hidden_size**0.5) if mt == "gemma" else None,
-        attn_qkv_bias=attention_bias or mt == "qwen2",
-        attn_out_bias=attention_bias,
-        mlp_bias=bool(getattr(hf, "mlp_bias", False)),
-        sliding_window=window,
-    )
+    """The canonical decoder's options for a loaded transformers model (config + rotary module), as its
+    family's descriptor reads them."""
+    return family_for(model.config.model_type).arch_config(model)
 
 
 def _split_qkv(weight: Tensor, config: ArchConfig, how: str) -> tuple[Tensor, Tensor, Tensor]:
@@ -640,9 +211,9 @@ def canonical_weights(model, config: ArchConfig) -> dict[str, Tensor]:
     if layout.interleaved_rotary:
         _halve_rotary_pairs(out, config)
     if config.positions == "rotary":
-        out["rope_inv_freq"] = _rotary_module(model).inv_freq.detach().float()
+        out["rope_inv_freq"] = rotary_module(model).inv_freq.detach().float()
     if config.local_rope:
-        out["rope_local_inv_freq"] = _rotary_module(model, "rotary_emb_local").inv_freq.detach().float()
+        out["rope_local_inv_freq"] = rotary_module(model, "rotary_emb_local").inv_freq.detach().float()
     return {k: v.contiguous() for k, v in out.items()}
 
 
