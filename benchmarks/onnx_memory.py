@@ -23,14 +23,16 @@ def rss():
 import numpy, onnxruntime
 from speccompile.runtime.artifact.manifest import read_manifest
 from speccompile.runtime.backends.onnx import OnnxBackend
+from speccompile.runtime.drafting import check_plans
 root, roles, prepack, threads = sys.argv[1], sys.argv[2], sys.argv[3] == 'on', int(sys.argv[4])
 manifest = read_manifest(root, verify_files=False)
 base = rss()
-b = OnnxBackend.from_artifact(root, manifest, roles=None if roles == 'all' else roles.split(','), prepack=prepack,
+plans = check_plans(manifest)
+b = OnnxBackend.from_artifact(root, manifest, plans, roles=None if roles == 'all' else roles.split(','), prepack=prepack,
                               threads=threads)
 b.reserve(64)
 b.forward(list(range(5, 40)), 0)
-for plan in (manifest.plans.values() if roles == 'all' else ()):
+for plan in (plans.values() if roles == 'all' else ()):
     if plan.draft_head_file:  # an exit adapter / reduced vocabulary: its graphs are opened with the plan
         b.load_draft_head(plan.draft_head_file, root)
     b.draft(plan, 9, 35)

@@ -25,7 +25,7 @@ from speccompile.runtime.artifact.manifest import DraftPlan
 from speccompile.runtime.backends.torch.backend import TorchBackend
 from speccompile.runtime.backends.torch.decoder import Decoder, KVCache
 from speccompile.runtime.decoding.speculative import DecodeRequest, decode_all
-from speccompile.runtime.drafting.kinds import kind_of
+from speccompile.runtime.drafting import read_plan
 
 
 @dataclass
@@ -292,7 +292,7 @@ def draft_logits(decoder: Decoder, plan: DraftPlan, ref: Reference, head=None) -
     """The draft plan's logits at the continuation's positions (prompt_len..N-2), in one forward. ``head``
     (a ``TorchDraftHead``: exit adapter and/or reduced vocabulary) replaces the shared head; its logits
     are ``-inf`` outside the draft vocabulary."""
-    h = kind_of(plan, decoder.config.num_layers).estimate_hidden(DraftEstimator(decoder, ref))
+    h = read_plan(plan, decoder.config.num_layers).kind.estimate_hidden(DraftEstimator(decoder, ref))
     return (decoder.head(h) if head is None else head.full_logits(h))[0]
 
 

@@ -23,7 +23,7 @@ import optuna
 from tqdm.auto import tqdm
 
 from speccompile.runtime.artifact.manifest import DraftPlan
-from speccompile.runtime.drafting import options
+from speccompile.runtime.drafting import read_plan
 from speccompile.runtime.errors import SpeccompileError
 
 from .autotune import cosine_ranking, skip_plan, skip_units
@@ -222,8 +222,8 @@ class BayesAutotune(Pass):
         LayerSkip(
             plan.skip_attn,
             plan.skip_mlp,
-            options(plan, "model").max_draft,
-            options(plan, "model").threshold,
+            read_plan(plan).model.max_draft,
+            read_plan(plan).model.threshold,
             self.plan_name,
             measured,
         ).run(ir)

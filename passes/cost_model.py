@@ -16,7 +16,7 @@ import torch
 
 from speccompile.runtime.artifact.manifest import DraftPlan
 from speccompile.runtime.backends.torch.decoder import Decoder, Positions
-from speccompile.runtime.drafting.kinds import kind_of
+from speccompile.runtime.drafting import read_plan
 from speccompile.runtime.machine import cpu_model_name
 from speccompile.runtime.segments import Segment, full_model
 
@@ -51,19 +51,19 @@ class CostModel:
         )
 
     def draft_step(self, plan: DraftPlan) -> float:
-        kind = kind_of(plan, self.num_layers)
+        kind = read_plan(plan, self.num_layers).kind
         return sum(self.segment(segment, t) for segment, t in kind.draft_calls())
 
     def draft_head_extra(self, plan: DraftPlan) -> float:
         """What a plan's draft head adds to one draft step over the shared head (``draft_kinds.draft_head``)."""
-        return kind_of(plan, self.num_layers).head_extra(self)
+        return read_plan(plan, self.num_layers).kind.head_extra(self)
 
     def verify(self, plan: DraftPlan | None, t: int, reuse: int | None = None) -> float:
         """Cost of verifying ``t`` tokens (the round's input token plus t-1 drafts), ``reuse`` of them
         (default t-1) already through the plan's prefix."""
         if plan is None:
             return self.segment(full_model(self.num_layers), t)
-        calls = kind_of(plan, self.num_layers).verify_calls(t, t - 1 if reuse is None else reuse)
+        calls = read_plan(plan, self.num_layers).kind.verify_calls(t, t - 1 if reuse is None else reuse)
         return sum(self.segment(segment, n) for segment, n in calls if n > 0)
 
     def as_dict(self) -> dict:
@@ -202,7 +202,7 @@ class StepCosts:
         return self.sublayers.segment(segment, 1) / self.sublayers.plain_step()
 
     def draft_step(self, plan: DraftPlan) -> float:
-        kind = kind_of(plan, self.sublayers.num_layers)
+        kind = read_plan(plan, self.sublayers.num_layers).kind
         timed = [self.draft_steps.get(segment_key(segment)) for segment, _ in kind.draft_calls()]
         if timed and all(t is not None for t in timed):
             return sum(timed) + self.draft_overhead
@@ -215,7 +215,7 @@ class StepCosts:
         call of the plan's verify costs its share of a full-model call of as many tokens."""
         if plan is None:
             return self.full(t)
-        kind = kind_of(plan, self.sublayers.num_layers)
+        kind = read_plan(plan, self.sublayers.num_layers).kind
         calls = kind.verify_calls(t, t - 1 if reuse is None else reuse)
         after = self.verify_after_draft.get(segment_key(kind.draft_segment)) if kind.has_model_part else None
         return sum(self.full(n) * self._share(segment) for segment, n in calls if n > 0) * (after or 1.0)
@@ -248,6 +248,7 @@ def measure_draft_rounds(
     Returns (seconds of one draft step, the verify's cost relative to ``costs.full`` back-to-back), medians
     over ``rounds`` rounds after a warm-up round."""
     config = backend.config
+    plan = read_plan(plan, config.num_layers)
     context = max(1, min(context, config.max_position_embeddings - draft_tokens - 2))
     backend.reserve(context + draft_tokens + 2)
     rng = np.random.default_rng(1)
@@ -263,8 +264,7 @@ def measure_draft_rounds(
         if r:
             verifies.append(seconds)
     draft, verify = float(np.median(drafts)), float(np.median(verifies))
-    kind = kind_of(plan, config.num_layers)
-    key = segment_key(kind.draft_segment)
+    key = segment_key(plan.kind.draft_segment)
     costs.draft_steps[key] = draft
     costs.verify_after_draft[key] = max(verify / costs.full(draft_tokens + 1), 1.0)
     return draft, costs.verify_after_draft[key]

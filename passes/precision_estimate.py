@@ -26,8 +26,8 @@ from speccompile.runtime.backends.torch.int8_twin import (
     int8_twin,
     twin_with,
 )
-from speccompile.runtime.drafting.kinds.precision import parse_precision
 from speccompile.runtime.memory import large_blocks_returned
+from speccompile.runtime.segments import parse_precision
 
 _GRID_TWINS: "weakref.WeakKeyDictionary[nn.Module, dict]" = weakref.WeakKeyDictionary()  # decoder -> precision -> twin
 

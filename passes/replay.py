@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from speccompile.runtime.artifact.manifest import DraftPlan
-from speccompile.runtime.drafting import has_model_part, options
+from speccompile.runtime.drafting import has_model_part, read_plan
 from speccompile.runtime.drafting.base import RoundContext
 from speccompile.runtime.drafting.factory import make_drafter
 from speccompile.runtime.sampling import SamplingParams
@@ -110,9 +110,10 @@ def replay(
 
 def estimate_rounds(rounds: list[ReplayedRound], plan: DraftPlan, costs) -> RoundEstimate:
     """Expected speedup of replayed rounds: tokens per second of the rounds over plain decoding's."""
+    plan = read_plan(plan)
     if not rounds:
-        return RoundEstimate(1.0, 0.0, 0.0, 0.0, options(plan, "model").max_draft, options(plan, "model").threshold)
-    draft_step = costs.draft_step(plan) if has_model_part(plan) else 0.0
+        return RoundEstimate(1.0, 0.0, 0.0, 0.0, plan.model.max_draft, plan.model.threshold)
+    draft_step = costs.draft_step(plan) if plan.has_model_part else 0.0
     total_cost = 0.0
     for r in rounds:
         total_cost += r.model_tokens * draft_step + r.lookups * costs.lookup
@@ -126,8 +127,8 @@ def estimate_rounds(rounds: list[ReplayedRound], plan: DraftPlan, costs) -> Roun
         drafted_per_round=drafted / len(rounds),
         acceptance_rate=sum(r.accepted for r in rounds) / max(drafted, 1),
         expected_speedup=tokens / total_cost * costs.plain_step(),
-        max_draft=options(plan, "model").max_draft,
-        threshold=options(plan, "model").threshold,
+        max_draft=plan.model.max_draft,
+        threshold=plan.model.threshold,
     )
 
 

@@ -208,10 +208,10 @@ class TuningContext:
     def draft_decoder(self, plan: DraftPlan):
         """The torch decoder whose blocks and head compute ``plan``'s draft: the model's, or for a precision
         draft its stand-in on the runner's backend (``passes/precision_estimate.py``)."""
-        from speccompile.runtime.drafting.kinds import kind_of
+        from speccompile.runtime.drafting import read_plan
 
         decoder = self.ir.decoder()
-        kind = kind_of(plan, self.ir.config.num_layers)
+        kind = read_plan(plan, self.ir.config.num_layers).kind
         precision = kind.draft_segment.precision if kind.has_model_part else None
         if precision is None:
             return decoder
@@ -231,8 +231,8 @@ class TuningContext:
         read from this tuning run's files; None for the shared head."""
         if plan.draft_head_file is None:
             return None
+        from speccompile.runtime.artifact.draft_head import load_draft_head
         from speccompile.runtime.backends.torch.backend import TorchDraftHead
-        from speccompile.runtime.drafting.kinds.adapter import load_draft_head
 
         c = self.ir.config
         return TorchDraftHead.from_draft_head(

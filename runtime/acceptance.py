@@ -22,7 +22,6 @@ import numpy as np
 from array_api_compat import array_namespace
 from array_api_compat import device as device_of
 
-from .drafting.base import Draft
 from .sampling import SamplingParams, probabilities, sample_at
 from .tree import greedy_path, sample_path
 
@@ -66,10 +65,11 @@ def accept_chain(logits, drafted, params: SamplingParams, u=None, q=None, kept=N
 
 
 def accept(
-    draft: Draft, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator
+    draft, logits: np.ndarray, params: SamplingParams, rng: np.random.Generator
 ) -> tuple[list[int], list[int] | None]:
     """The host round's driver: (the tokens the round commits, ending with the verifier's own; the accepted tree
-    nodes, or None for a chain) from the verifier's ``logits`` ``[1 + len(draft.tokens), vocab]``."""
+    nodes, or None for a chain) from the verifier's ``logits`` ``[1 + len(draft.tokens), vocab]`` and the round's
+    ``draft`` (a ``drafting.base.Draft``: the rule sits below drafting, so it reads the draft's fields only)."""
     if draft.is_tree:
         if params.greedy:
             path, final = greedy_path(draft.tokens, draft.parents, logits)

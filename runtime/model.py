@@ -13,12 +13,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator
 
-from .artifact.manifest import DraftPlan, Manifest, read_manifest
+from .artifact.manifest import Manifest, read_manifest
 from .artifact.tokenizer import TextTokenizer
 from .backends.onnx_selfcheck import speculation_refusal
 from .backends.weights_check import check_after_open, check_before_open
 from .decoding.speculative import DecodeRequest, Stats, backend_drafter, decode, reserve_cache
-from .drafting import check_plans
+from .drafting import ReadPlan, check_plans
 from .errors import ArtifactError, BackendUnavailableError, InputError, opening_artifact
 from .sampling import SamplingParams
 
@@ -83,7 +83,7 @@ def check_request(prompt, max_new_tokens, temperature, top_k, top_p, seed, max_d
         raise InputError(f"max_draft must be an integer >= 1, got {max_draft!r}")
 
 
-def _open_backend(root: Path, manifest: Manifest, backend: str | None, device: str):
+def _open_backend(root: Path, manifest: Manifest, backend: str | None, device: str, plans: dict[str, ReadPlan]):
     available = list(manifest.backends)
     name = backend or available[0]
     if name not in manifest.backends:
@@ -124,11 +124,11 @@ def _open_backend(root: Path, manifest: Manifest, backend: str | None, device: s
             raise BackendUnavailableError(
                 "the onnx backend needs onnxruntime; install it (pip install onnxruntime, or onnxruntime-gpu)"
             ) from None
-        return OnnxBackend.from_artifact(root, manifest, device=device)
+        return OnnxBackend.from_artifact(root, manifest, device=device, plans=plans)
     if name == "tensorrt":  # needs tensorrt + cuda-python, checked when the engines are opened
         from .backends.tensorrt.backend import TensorRTBackend
 
-        return TensorRTBackend.from_artifact(root, manifest, device=device)
+        return TensorRTBackend.from_artifact(root, manifest, device=device, plans=plans)
     raise BackendUnavailableError(
         f"backend '{name}' is not supported by this runtime (supported: torch, onnx, tensorrt)"
     )
@@ -137,9 +137,19 @@ def _open_backend(root: Path, manifest: Manifest, backend: str | None, device: s
 class SpeculativeModel:
     """A loaded artifact: tokenizer, backend and draft plans."""
 
-    def __init__(self, root: Path, manifest: Manifest, backend, tokenizer: TextTokenizer, refused: str | None = None):
-        """``refused``: why this backend must not speculate here (``onnx_selfcheck.speculation_refusal``)."""
+    def __init__(
+        self,
+        root: Path,
+        manifest: Manifest,
+        backend,
+        tokenizer: TextTokenizer,
+        refused: str | None = None,
+        plans: dict[str, ReadPlan] | None = None,
+    ):
+        """``refused``: why this backend must not speculate here (``onnx_selfcheck.speculation_refusal``);
+        ``plans``: the manifest's plans read once (``drafting.check_plans``; read here when not given)."""
         self.root, self.manifest, self.backend, self.tokenizer = root, manifest, backend, tokenizer
+        self.plans = plans if plans is not None else check_plans(manifest)
         self.context = manifest.config.max_position_embeddings
         self.eos_ids = manifest.eos_ids
         self.refused = refused
@@ -147,18 +157,22 @@ class SpeculativeModel:
     def replica(self) -> "SpeculativeModel":
         """The same artifact with its own KV cache, sharing weights, sessions and tokenizer: one per
         concurrent sequence (a server's slots). Each replica must be used by one thread at a time."""
-        return SpeculativeModel(self.root, self.manifest, self.backend.replica(), self.tokenizer, self.refused)
+        return SpeculativeModel(
+            self.root, self.manifest, self.backend.replica(), self.tokenizer, self.refused, self.plans
+        )
 
-    def plan(self, name: str | None = None) -> DraftPlan:
-        return self.manifest.plan(name)
+    def plan(self, name: str | None = None) -> ReadPlan:
+        """The plan ``name`` (default: the manifest's default plan), read; a one-line error naming the known
+        plans for an unknown name."""
+        return self.plans[self.manifest.plan(name).name]
 
-    def draft_plan(self, name: str | None = None) -> DraftPlan | None:
+    def draft_plan(self, name: str | None = None) -> ReadPlan | None:
         """The plan to draft with: ``name``, else the manifest's default; None (plain decoding) when the
         artifact has no default plan because none beat plain decoding where it was tuned, or when speculation
         is refused on this machine (``refused``)."""
         if self.refused is not None or (name is None and self.manifest.default_plan is None):
             return None
-        return self.manifest.plan(name)
+        return self.plan(name)
 
     @property
     def plain_reason(self) -> str | None:
@@ -252,14 +266,18 @@ def read_artifact(path: str | Path, verify: bool = True, backends: list[str] | N
     draft kind and sources (``drafting.check_plans``), and the geometry against the headers of the weights of
     ``backends`` (default: every backend the artifact lists; the torch decoder's tensor names only where torch is
     installed). ``inspect`` reports through this, so an artifact it summarises is one ``load`` opens."""
-    root = Path(path)
+    return _read_checked(Path(path), verify, backends)[0]
+
+
+def _read_checked(root: Path, verify: bool, backends: list[str] | None) -> tuple[Manifest, dict[str, ReadPlan]]:
+    """``read_artifact``'s checks; the manifest and its plans read once."""
     with opening_artifact(root):
         manifest = read_manifest(root, verify_files=verify)
-        check_plans(manifest)
+        plans = check_plans(manifest)
         for name in manifest.backends if backends is None else backends:
             if name in manifest.backends:  # (an unknown name: _open_backend's one-line error)
                 check_before_open(root, manifest, name)
-    return manifest
+    return manifest, plans
 
 
 def load(path: str | Path, backend: str | None = None, device: str = "cpu", verify: bool = True) -> SpeculativeModel:
@@ -267,13 +285,13 @@ def load(path: str | Path, backend: str | None = None, device: str = "cpu", veri
     headers, then load tokenizer and backend. Whatever goes wrong is a SpeccompileError (one line)."""
     root = Path(path)
     with opening_artifact(root):
-        manifest = read_artifact(root, verify, backends=[])
+        manifest, plans = _read_checked(root, verify, backends=[])
         name = backend or next(iter(manifest.backends))
         if name in manifest.backends:  # (an unknown name: _open_backend's one-line error); only the one opened
             check_before_open(root, manifest, name)
         tokenizer = TextTokenizer(root / TOKENIZER_FILE)
-        opened = _open_backend(root, manifest, backend, device)
+        opened = _open_backend(root, manifest, backend, device, plans)
         check_after_open(manifest, opened)
-        opened.prepare_plans(manifest.plans)  # not inside the first request (the torch int8 twin)
+        opened.prepare_plans(plans)  # not inside the first request (the torch int8 twin)
         refused = speculation_refusal(opened)  # a quantized target whose verify rounds unlike its steps here
-    return SpeculativeModel(root, manifest, opened, tokenizer, refused)
+    return SpeculativeModel(root, manifest, opened, tokenizer, refused, plans)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-from ..errors import ArtifactError
+from .errors import ArtifactError
 
 
 class Registry(dict):

@@ -12,10 +12,10 @@ any segment it has the code or the exported graphs for:
   segment that starts at ``stop`` (early-exit prefix reuse);
 - ``head``: ``None`` (no logits), ``"final"`` (the model's final norm and lm_head, shared by every
   exit) or the artifact-relative path of a draft head file (an exit adapter and/or a reduced draft
-  vocabulary, ``runtime/drafting/kinds/adapter.py``; logits come back over the whole vocabulary);
+  vocabulary, ``runtime/artifact/draft_head.py``; logits come back over the whole vocabulary);
 - ``precision``: ``None`` (the model's own weights) or a weight-only quantization scheme of them
   (``"int4"``, ``"int8"``, optionally ``"int4/b128"`` or ``"int4/b32s"`` with a block size and ``s`` for
-  symmetric): a precision self-draft (``draft_kinds/precision.py``), which writes its KV into the same cache.
+  symmetric): a precision self-draft (``runtime/drafting/kinds/precision.py``), which writes its KV into the same cache.
 
 Numpy only: the ONNX Runtime and TensorRT backends use it without torch.
 """
@@ -57,6 +57,13 @@ class Segment:
         return f"blocks {self.start}..{self.stop - 1}{skips}{precision}{head}"
 
 
+def parse_precision(precision: str) -> tuple[str, int, bool]:
+    """(scheme, block size, symmetric) of a segment's ``precision`` string (``int4``, ``int8/b128``, ``int4/b32s``)."""
+    scheme, _, rest = precision.partition("/b")
+    symmetric = rest.endswith("s")
+    return scheme, int(rest.rstrip("s") or 32), symmetric
+
+
 def full_model(num_layers: int) -> Segment:
     """The whole model: every block and the final head (plain decoding, verification)."""
     return Segment(0, num_layers)
@@ -82,4 +89,4 @@ class Row:
         return len(self.tokens) if self.tokens is not None else self.count
 
 
-__all__ = ["FINAL_HEAD", "Row", "Segment", "full_model"]
+__all__ = ["FINAL_HEAD", "Row", "Segment", "full_model", "parse_precision"]

@@ -290,8 +290,7 @@ def write_backend_files(root: Path, ir, backends: list[str], onnx_memory: dict |
     if "tensorrt" in backends:  # engines built from the standard ONNX graphs, refitted from weights.bin at load
         from speccompile.exporters.tensorrt import export_tensorrt
 
-        graphs_for = {n: p for n, p in ir.plans.items() if getattr(p, "has_model_draft", True)}
-        records["tensorrt"] = export_tensorrt(root, ir, records.get("onnx"), graphs_for)
+        records["tensorrt"] = export_tensorrt(root, ir, records.get("onnx"), ir.plans)
     return records
 
 

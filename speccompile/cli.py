@@ -446,8 +446,7 @@ def inspect(artifact, as_json):
     """Summarise an artifact: source, geometry, draft plans and their measured figures."""
     from speccompile.runtime import read_artifact
     from speccompile.runtime.artifact.manifest import unlisted_files
-    from speccompile.runtime.drafting import describe
-    from speccompile.runtime.drafting import options as source_options
+    from speccompile.runtime.drafting import read_plans
 
     manifest = read_artifact(artifact)
     unlisted = unlisted_files(artifact, manifest)
@@ -505,12 +504,12 @@ def inspect(artifact, as_json):
     echo_pass_table(manifest.tuning)
     echo_verify_costs(manifest.tuning)
     echo_call_costs(manifest.tuning)
-    for name, plan in manifest.plans.items():
+    for name, plan in read_plans(manifest.plans, manifest.config.num_layers).items():
         m = plan.measured
         default = " (default)" if name == manifest.default_plan else ""
-        model, ngram = source_options(plan, "model"), source_options(plan, "ngram")
+        model, ngram = plan.model, plan.options("ngram")
         click.echo(
-            f"  plan {name}{default}: {describe(plan)}; max draft {model.max_draft}, threshold "
+            f"  plan {name}{default}: {plan.describe()}; max draft {model.max_draft}, threshold "
             f"{model.threshold:.2f}{', adaptive' if model.adaptive else ''}"
         )
         if plan.skip_attn or plan.skip_mlp:
@@ -552,7 +551,7 @@ def inspect(artifact, as_json):
             )
             click.echo(f"      draft vocabulary: the {plan.draft_vocab} most frequent tokens{ratio}")
         if "lookahead" in plan.lookup:
-            lookahead = source_options(plan, "lookahead")
+            lookahead = plan.options("lookahead")
             click.echo(
                 f"      lookahead: a window of {lookahead.window} Jacobi guesses, pooled {lookahead.ngram}-grams"
             )
@@ -561,7 +560,7 @@ def inspect(artifact, as_json):
                 "      token recycling: each verify row's top tokens become the successors drafted after its input token"
             )
         if [source for source in plan.lookup if source not in ("lookahead", "recycling")]:
-            datastore = plan.option("retrieval", "datastore")
+            datastore = plan.options("retrieval").datastore if "retrieval" in plan.lookup else None
             click.echo(
                 f"      lookup {'+'.join(plan.lookup)}: n-gram sizes {ngram.max}..{ngram.min}, up to "
                 f"{plan.lookup_max_draft} tokens"

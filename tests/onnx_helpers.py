@@ -15,6 +15,7 @@ from speccompile.artifact import hash_files
 from speccompile.exporters.onnx_export import export_onnx
 from speccompile.runtime.artifact.manifest import DraftPlan, Manifest, read_manifest, write_manifest
 from speccompile.runtime.backends.onnx import OnnxBackend
+from speccompile.runtime.drafting import check_plans, read_plan
 
 TOL = 1e-4
 
@@ -63,8 +64,14 @@ def split_memory_bounds(root: Path, plain: int, speculative: int) -> None:
     assert speculative <= plain + shared + sessions, f"the early exit holds {speculative / weights:.2f}x the weights"
 
 
+def open_onnx(root: Path, manifest=None, **kwargs) -> OnnxBackend:
+    """The artifact's ONNX backend over its plans read (``manifest``: a changed copy of the artifact's)."""
+    manifest = read_manifest(root) if manifest is None else manifest
+    return OnnxBackend.from_artifact(root, manifest, check_plans(manifest), **kwargs)
+
+
 def ort_backend(root: Path, **kwargs) -> OnnxBackend:
-    return OnnxBackend.from_artifact(root, read_manifest(root), threads=1, **kwargs)
+    return open_onnx(root, threads=1, **kwargs)
 
 
 def artifact_cache(tiny_decoder, base: Path, plans, tokenizer_of=None, **options):
@@ -103,15 +110,15 @@ def check_logits(ort, ref, decoder, plan_map: dict[str, DraftPlan], family: str,
         full = decoder(torch.tensor([tokens[:34]]))[0].numpy()
     same(ort.forward(tokens[33:34], 33), full[33:34], "step vs one-shot full forward")
     for name, plan in plan_map.items():
-        pos = 34
+        pos, read = 34, read_plan(plan, decoder.config.num_layers)
         for j in range(3):
             same(
-                ort.draft(plan, tokens[pos + j], pos + j),
-                ref.draft(plan, tokens[pos + j], pos + j),
+                ort.draft(read, tokens[pos + j], pos + j),
+                ref.draft(read, tokens[pos + j], pos + j),
                 f"{name} draft {j}",
             )
         round_tokens = tokens[pos : pos + 4]
-        same(ort.verify(plan, round_tokens, pos, 3), ref.verify(plan, round_tokens, pos, 3), f"{name} verify")
+        same(ort.verify(read, round_tokens, pos, 3), ref.verify(read, round_tokens, pos, 3), f"{name} verify")
         same(
             ort.forward(tokens[pos + 1 : pos + 2], pos + 1),
             ref.forward(tokens[pos + 1 : pos + 2], pos + 1),

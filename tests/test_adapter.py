@@ -15,10 +15,11 @@ from click.testing import CliRunner
 from lossless import assert_same_greedy, chi_square_pvalue, exact_marginals, next_token_logits, run
 from tiny_models import FAMILIES
 
+from speccompile.runtime.artifact.draft_head import DraftHead
 from speccompile.runtime.artifact.manifest import DraftPlan
 from speccompile.runtime.backends.torch.backend import TorchBackend
 from speccompile.runtime.decoding.speculative import backend_drafter
-from speccompile.runtime.drafting.kinds.adapter import DraftHead
+from speccompile.runtime.drafting import read_plan, read_plans
 from speccompile.runtime.sampling import SamplingParams
 
 NEW_TOKENS = 32
@@ -165,7 +166,7 @@ def test_draft_heads_greedy_lossless_torch_and_onnx(family, tiny_decoder, tmp_pa
     )
     assert all(any(key.startswith("draft_head.") for key in record["plans"][name]["graphs"]) for name in plans)
     ort = OnnxBackend(tmp_path, record, config, threads=1)
-    ort.check_plans(plans)
+    ort.check_plans(read_plans(plans, ort.config.num_layers))
     model_accepted = 0
     for name, b in (("torch", backend), ("onnx", ort)):
         near_ties = 0
@@ -185,7 +186,7 @@ def test_draft_heads_greedy_lossless_torch_and_onnx(family, tiny_decoder, tmp_pa
             b.reserve(64)
             b.forward(prompts[1], 0)
             backend_drafter(b, plan, tmp_path)
-            drafts.append(b.draft(plan, prompts[1][-1], len(prompts[1])))
+            drafts.append(b.draft(read_plan(plan, b.config.num_layers), prompts[1][-1], len(prompts[1])))
         if plan.draft_vocab is not None:
             assert np.isneginf(drafts[0][outside]).all() and np.isneginf(drafts[1][outside]).all()
             assert np.isfinite(drafts[0][vocab]).all()

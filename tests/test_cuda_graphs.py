@@ -12,6 +12,7 @@ from lossless import assert_same_greedy, run
 from speccompile.runtime.artifact.manifest import DraftPlan
 from speccompile.runtime.backends.torch.backend import GRAPH_CACHE_STEP, TorchBackend
 from speccompile.runtime.backends.torch.graphs import eager_capture
+from speccompile.runtime.drafting import read_plan
 from speccompile.runtime.drafting.kinds import kind_of
 from speccompile.runtime.sampling import SamplingParams
 from speccompile.runtime.segments import full_model
@@ -67,6 +68,7 @@ def test_each_step_is_captured_once_and_replayed(tiny_decoder):
     ids, positions = backend.static.buffers[1]
     assert ids.tolist() == [[7]] and positions.tolist() == [10]
     plan = PLANS["exit"]
+    plan = read_plan(plan, backend.config.num_layers)
     backend.draft(plan, 7, 11)
     backend.draft(plan, 8, 12)
     backend.verify(plan, [7, 8, 9], 11, 2)

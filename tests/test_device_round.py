@@ -133,7 +133,7 @@ def test_device_round_with_draft_heads(family, tiny_decoder, tmp_path):
     vocabulary on the device (``TorchDraftHead.full_logits``), and output is unchanged."""
     from test_adapter import ADAPTER, REDUCED, head_plans, random_head
 
-    from speccompile.runtime.drafting.kinds.adapter import DraftHead
+    from speccompile.runtime.artifact.draft_head import DraftHead
 
     _, decoder = tiny_decoder(family)
     config = decoder.config

@@ -12,7 +12,7 @@ from tiny_models import FAMILIES
 
 from speccompile.runtime.artifact.manifest import DraftPlan
 from speccompile.runtime.backends.torch.backend import TorchBackend
-from speccompile.runtime.drafting import check_plan, has_model_part
+from speccompile.runtime.drafting import check_plan, has_model_part, read_plans
 from speccompile.runtime.drafting.base import RoundContext
 from speccompile.runtime.drafting.ngram import NgramDrafter, NgramIndex
 from speccompile.runtime.drafting.retrieval import Datastore
@@ -221,7 +221,7 @@ def test_drafters_greedy_lossless_torch_and_onnx(family, drafter_artifact):
     decoder, root, plan_map, record = drafter_artifact(family)
     torch_accepted = check_lossless(decoder, TorchBackend(decoder), root, plan_map)
     ort = OnnxBackend(root, record, decoder.config, threads=1)
-    ort.check_plans(plan_map)
+    ort.check_plans(read_plans(plan_map, ort.config.num_layers))
     check_lossless(decoder, ort, root, plan_map)
     # Every source really drafted and had tokens accepted: the accept path ran for each.
     assert torch_accepted["ngram"][1] > 0 and torch_accepted["ngram-long"][1] >= 0

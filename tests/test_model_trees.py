@@ -32,6 +32,7 @@ from tiny_models import FAMILIES  # noqa: E402
 from speccompile.runtime.artifact.manifest import DraftPlan  # noqa: E402
 from speccompile.runtime.backends.torch.backend import TorchBackend  # noqa: E402
 from speccompile.runtime.drafting import model as drafters  # noqa: E402
+from speccompile.runtime.drafting import read_plans  # noqa: E402
 from speccompile.runtime.errors import ArtifactError  # noqa: E402
 from speccompile.runtime.sampling import SamplingParams  # noqa: E402
 
@@ -94,7 +95,7 @@ def test_model_draft_trees_are_lossless_on_torch(tiny_decoder, family):
     _, decoder = tiny_decoder(family)
     backend = TorchBackend(decoder)
     plans = tree_plans("torch")
-    backend.check_plans(plans)
+    backend.check_plans(read_plans(plans, backend.config.num_layers))
     assert_speculative_is_plain(backend, decoder, prompts(decoder.config.vocab_size), plans, 24)
     assert_trees_were_verified(backend, decoder, plans["skip-tree"])
 
@@ -104,7 +105,7 @@ def test_model_draft_trees_are_lossless_on_onnx_runtime(tiny_decoder, tmp_path, 
     _, decoder = tiny_decoder(family)
     plans = tree_plans("onnx")
     backend = ort_backend(make_artifact(decoder, plans, tmp_path / family, variant="fused"))
-    backend.check_plans(plans)
+    backend.check_plans(read_plans(plans, backend.config.num_layers))
     assert_speculative_is_plain(backend, decoder, prompts(decoder.config.vocab_size), plans, 24)
     # ONNX Runtime verifies a tree while its last slot is inside a sliding window (``tree_fits``); past it, the
     # tree's first branch: a windowed tiny model's window is too short for these trees (test_tree.py covers it)

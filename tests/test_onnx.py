@@ -32,6 +32,7 @@ from onnx_helpers import (  # noqa: E402
     check_greedy_lossless,
     check_logits,
     make_artifact,
+    open_onnx,
     ort_backend,
     split_memory_bounds,
 )
@@ -359,7 +360,7 @@ def _load(root: Path, mutate=None) -> OnnxBackend:
     manifest = read_manifest(root, verify_files=False)
     if mutate:
         mutate(manifest.backends["onnx"])
-    return OnnxBackend.from_artifact(root, manifest, threads=1)
+    return open_onnx(root, manifest, threads=1)
 
 
 def _one_line(exc) -> str:
@@ -429,9 +430,9 @@ def test_plan_changed_after_export(broken):
     manifest = read_manifest(broken, verify_files=False)
     manifest.plans["skip-k3"].skip_attn = [0, 2]
     with pytest.raises(ArtifactError) as exc:
-        OnnxBackend.from_artifact(broken, manifest, threads=1)
+        open_onnx(broken, manifest, threads=1)
     assert "skip-k3" in _one_line(exc) and "re-export" in str(exc.value)
     manifest = read_manifest(broken, verify_files=False)
     manifest.plans["new"] = DraftPlan(name="new", exit_layer=1)
     with pytest.raises(ArtifactError, match="'new' .*the export has no graph for"):
-        OnnxBackend.from_artifact(broken, manifest, threads=1)
+        open_onnx(broken, manifest, threads=1)

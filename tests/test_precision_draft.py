@@ -29,6 +29,7 @@ from tiny_models import FAMILIES  # noqa: E402
 
 from speccompile.runtime.artifact.manifest import DraftPlan, read_manifest  # noqa: E402
 from speccompile.runtime.backends.torch.backend import TorchBackend  # noqa: E402
+from speccompile.runtime.drafting import read_plans  # noqa: E402
 from speccompile.runtime.errors import ArtifactError  # noqa: E402
 
 
@@ -83,7 +84,7 @@ def test_precision_drafts_are_lossless_on_onnx_runtime(tiny_decoder, tmp_path, f
     plans = precision_plans(decoder.config.num_layers)
     root = make_artifact(decoder, plans, tmp_path / family, variant="fused")
     backend = ort_backend(root)
-    backend.check_plans(plans)
+    backend.check_plans(read_plans(plans, backend.config.num_layers))
     assert_speculative_is_plain(backend, decoder, prompts(decoder.config.vocab_size), plans, 24)
     plain, _ = run(backend, prompts(decoder.config.vocab_size)[0], 24)
     _, stats = run(backend, prompts(decoder.config.vocab_size)[0], 24, plans["int8"])
@@ -158,7 +159,7 @@ def test_int8_precision_drafts_are_lossless_on_torch(tiny_decoder, family, smoot
     _, decoder = tiny_decoder(family)
     backend = TorchBackend(decoder)
     plans = torch_plans(decoder.config.num_layers)
-    backend.check_plans(plans)
+    backend.check_plans(read_plans(plans, backend.config.num_layers))
     if smoothed:
         set_input_scales(
             decoder, int8_input_scales(decoder, [torch.tensor([p]) for p in prompts(decoder.config.vocab_size)])
@@ -279,7 +280,7 @@ def test_precision_drafts_are_refused_in_one_line_where_nothing_runs_them(tiny_d
     _, decoder = tiny_decoder("llama")
     plan = DraftPlan(name="int4", kind="precision", params={"precision": "int4"}, sources={"model": {"max_draft": 3}})
     with pytest.raises(ArtifactError) as torch_refusal:
-        TorchBackend(decoder).check_plans({"int4": plan})
+        TorchBackend(decoder).check_plans(read_plans({"int4": plan}, decoder.config.num_layers))
     standard = make_artifact(decoder, {"int4": plan}, tmp_path / "std")  # standard graphs: no MatMulNBits draft
     with pytest.raises(ArtifactError) as onnx_refusal:
         ort_backend(standard)  # refused when the artifact is opened

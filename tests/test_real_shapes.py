@@ -26,13 +26,14 @@ import torch
 pytest.importorskip("onnxruntime")
 
 from lossless import NEAR_TIE, assert_speculative_is_plain, run  # noqa: E402
+from onnx_helpers import open_onnx  # noqa: E402
 from test_onnx_fused import make_artifact  # noqa: E402
 from tiny_models import make_model  # noqa: E402
 
 from speccompile.runtime.artifact.manifest import DraftPlan, read_manifest  # noqa: E402
-from speccompile.runtime.backends.onnx import OnnxBackend  # noqa: E402
 from speccompile.runtime.backends.torch.backend import TorchBackend  # noqa: E402
 from speccompile.runtime.backends.torch.cpu_linear import MAX_ROWS  # noqa: E402
+from speccompile.runtime.drafting import read_plans  # noqa: E402
 
 SMOLLM2 = dict(
     vocab_size=49152,
@@ -119,7 +120,7 @@ def onnx_artifacts(real_shaped, tmp_path_factory):
         if name not in cache:
             plan_map = {**plans(), **precision_plans("onnx")} if name == "precision" else plans()
             root = make_artifact(decoder, plan_map, base / name, folder / "tokenizer.json", **options[name])
-            cache[name] = root, OnnxBackend.from_artifact(root, read_manifest(root))
+            cache[name] = root, open_onnx(root)
         return cache[name]
 
     return get
@@ -235,7 +236,7 @@ def test_precision_drafts_at_real_shapes(name, onnx_artifacts, real_shaped):
     else:
         root, backend = onnx_artifacts("precision")
     plan_map = precision_plans(name)
-    backend.check_plans(plan_map)
+    backend.check_plans(read_plans(plan_map, backend.config.num_layers))
     assert_speculative_is_plain(
         backend, backend.replica(), prompts(backend.config.vocab_size), plan_map, NEW_TOKENS, root
     )
@@ -345,12 +346,12 @@ def test_onnx_rows_of_a_batch_at_real_shapes(name, onnx_artifacts):
     prompt_list = [torch.randint(3, backend.config.vocab_size, (n,), generator=gen).tolist() for n in (7, 12, 5, 9)]
 
     def forced():  # one call for the batch whatever the backend would choose: what batching would cost
-        opened = OnnxBackend.from_artifact(root, read_manifest(root))
+        opened = open_onnx(root)
         opened.rows_share_a_call = lambda segment=None: True
         return opened
 
     forced_diff = batch_vs_alone(forced, prompt_list)
-    diff = batch_vs_alone(lambda: OnnxBackend.from_artifact(root, read_manifest(root)), prompt_list)
+    diff = batch_vs_alone(lambda: open_onnx(root), prompt_list)
     print(f"{name}: a row in one call of 4 against itself alone: {forced_diff:.3g}; as the backend runs it: {diff:.3g}")
     if name == "fused":
         assert forced_diff <= ROUNDING and diff <= ROUNDING

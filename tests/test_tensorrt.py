@@ -169,6 +169,32 @@ def test_profiles_are_sized_from_the_context_and_the_plans(exported):
     assert set(head) == {"hidden"}
 
 
+def test_tensorrt_export_graphs_model_plans_and_sizes_steps_for_every_plan(tiny_decoder, tmp_path, monkeypatch):
+    """``write_backend_files`` with ``tensorrt`` and no ONNX backend exports the standard graphs itself: graphs
+    for the plans with a model part only (as the ONNX backend's export), while the engines' step profile covers
+    every plan's verify, a lookup-only plan's too. (The filter once read an attribute no plan had, so every
+    plan reached the export.)"""
+    import speccompile.exporters.tensorrt as trt_export
+    from speccompile.artifact import write_backend_files
+    from speccompile.convert import canonical_weights
+    from speccompile.passes.ir import DecoderIR
+
+    hf, decoder = tiny_decoder("llama")
+    lookup = DraftPlan(name="lookup", lookup=["ngram"], lookup_max_draft=20)
+    seen = {}
+
+    def engines_here(root, onnx_record, plans, config, device="cuda", log=None):  # no TensorRT on this machine
+        seen["graphs_for"] = set(onnx_record["plans"])
+        seen["step"] = step_tokens(plans, engine_context(config))
+        return {"engines": {}}
+
+    monkeypatch.setattr(trt_export, "build_engines", engines_here)
+    ir = DecoderIR(decoder.config, canonical_weights(hf, decoder.config), plans={"layer-skip": SKIP, "lookup": lookup})
+    write_backend_files(tmp_path, ir, ["tensorrt"])
+    assert seen["graphs_for"] == {"layer-skip"}
+    assert seen["step"] == 21  # the lookup plan's 20 drafts and its input token
+
+
 def test_refit_names_map_to_weights_bin(exported):
     decoder, root, both, _ = exported
     blob = np.fromfile(root / "both" / both["weights"], dtype=np.uint8)

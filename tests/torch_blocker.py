@@ -24,6 +24,7 @@ def main() -> None:
     import speccompile.runtime as rt
     from speccompile.runtime.backends.onnx import OnnxBackend
     from speccompile.runtime.decoding.speculative import DecodeRequest, decode_all
+    from speccompile.runtime.drafting import check_plans
 
     try:
         import torch  # noqa: F401
@@ -32,9 +33,10 @@ def main() -> None:
     except ImportError:
         blocked = True
     manifest = rt.read_manifest(root)
-    backend = OnnxBackend.from_artifact(root, manifest, threads=1)
+    plans = check_plans(manifest)
+    backend = OnnxBackend.from_artifact(root, manifest, plans, threads=1)
     out = {}
-    for mode, plan in (("plain", None), ("spec", manifest.plan(plan_name))):
+    for mode, plan in (("plain", None), ("spec", plans[plan_name])):
         tokens, stats = decode_all(backend, DecodeRequest(prompt, new_tokens), plan)
         out[mode] = tokens
         out[f"{mode}_accepted"] = stats.accepted

@@ -411,11 +411,13 @@ def lossless(root: Path, prompt_ids: list[list[int]], new_tokens: int, threads: 
     from speccompile.runtime.artifact.manifest import read_manifest
     from speccompile.runtime.backends.onnx import OnnxBackend
     from speccompile.runtime.decoding.speculative import DecodeRequest, decode_all
+    from speccompile.runtime.drafting import check_plans
     from speccompile.runtime.sampling import SamplingParams
 
     manifest = read_manifest(root, verify_files=False)
-    backend = OnnxBackend.from_artifact(root, manifest, threads=threads)
-    plan = manifest.plans[manifest.default_plan or next(iter(manifest.plans))]
+    plans = check_plans(manifest)
+    backend = OnnxBackend.from_artifact(root, manifest, plans, threads=threads)
+    plan = plans[manifest.default_plan or next(iter(manifest.plans))]
     probe = backend.replica()
     gaps, accepted, rounds = [], 0, 0
     for ids in prompt_ids:

@@ -36,7 +36,7 @@ def plan_for(precision: str, max_draft: int):
     """The plan of a ``--plans`` entry: a precision, then ``@N`` for a model-draft tree of ``N`` branches
     (``sources.model.branches``: the draft's choice and up to N - 1 runner-ups at each drafted position)."""
     from speccompile.runtime.artifact.manifest import DraftPlan
-    from speccompile.runtime.drafting.kinds.precision import parse_precision
+    from speccompile.runtime.segments import parse_precision
 
     precision, _, branches = precision.partition("@")
     scheme, block, symmetric = parse_precision(precision)
@@ -145,7 +145,10 @@ def main() -> None:
             if args.hybrid:
                 hybrid = hybrid_for(precision, args.max_draft, lookup_plan)
                 model.manifest.plans[hybrid.name] = hybrid
-        model.backend.check_plans(model.manifest.plans)
+        from speccompile.runtime.drafting import check_plans
+
+        model.plans = check_plans(model.manifest)  # the added plans read, as loading reads the manifest's
+        model.backend.check_plans(model.plans)
     texts, source = load_prompts(args.prompts, model.manifest)
     prompts = [model.encode_prompt(t) for t in texts]
     names = [None, *(plan_for(p, args.max_draft).name for p in precisions)]

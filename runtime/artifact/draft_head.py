@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from ...errors import ArtifactError
+from ..errors import ArtifactError
 
 FORMAT = "speccompile-draft-head"
 FORMAT_VERSION = "1"

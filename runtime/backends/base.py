@@ -20,8 +20,7 @@ from typing import Sequence
 
 import numpy as np
 
-from ..artifact.manifest import ArchConfig, DraftPlan
-from ..drafting import describe
+from ..artifact.manifest import ArchConfig
 from ..errors import ArtifactError
 from ..segments import Row, Segment, full_model
 
@@ -129,39 +128,38 @@ class Backend(ABC):
         """Full-model logits ``[T, vocab]`` for ``tokens`` at ``pos..`` (prefill, plain steps, verify)."""
         return self.run(full_model(self.config.num_layers), pos, tokens=tokens)
 
-    def draft(self, plan: DraftPlan, token: int, pos: int) -> np.ndarray:
-        """One draft step of ``plan`` (its kind decides the segments): logits ``[vocab]``."""
-        from ..drafting.kinds import kind_of
+    def draft(self, plan, token: int, pos: int) -> np.ndarray:
+        """One draft step of ``plan`` (a plan read for this backend's layer count, ``drafting.read_plan``: its
+        kind decides the segments): logits ``[vocab]``."""
+        return plan.kind.draft(self, token, pos)
 
-        return kind_of(plan, self.config.num_layers).draft(self, token, pos)
-
-    def verify(self, plan: DraftPlan | None, tokens: Sequence[int], pos: int, n_reuse: int = 0) -> np.ndarray:
-        """Full-model logits for a round's ``tokens``; ``n_reuse`` of them already ran ``plan``'s prefix."""
+    def verify(self, plan, tokens: Sequence[int], pos: int, n_reuse: int = 0) -> np.ndarray:
+        """Full-model logits for a round's ``tokens``; ``n_reuse`` of them already ran ``plan``'s prefix (a read
+        plan, or None: a plain verify)."""
         if plan is None:
             return self.forward(tokens, pos)
-        from ..drafting.kinds import kind_of
+        return plan.kind.verify(self, tokens, pos, n_reuse)
 
-        return kind_of(plan, self.config.num_layers).verify(self, tokens, pos, n_reuse)
-
-    def _plan_segments(self, plans: dict[str, DraftPlan]):
+    def _plan_segments(self, plans: dict):
         """(name, plan, segment, why this backend cannot run it or None) for every segment of ``plans``."""
-        from ..drafting.kinds import kind_of
-
         for name, plan in plans.items():
-            for segment in kind_of(plan, self.config.num_layers).segments():
+            for segment in plan.kind.segments():
                 yield name, plan, segment, self.unsupported(segment)
 
-    def prepare_plans(self, plans: dict[str, DraftPlan]) -> None:
+    def prepare_plans(self, plans: dict) -> None:
         """``prepare`` every segment of ``plans`` that this backend can run (the rest are refused when used)."""
         for _, _, segment, reason in self._plan_segments(plans):
             if reason is None:
                 self.prepare(segment)
 
-    def check_plans(self, plans: dict[str, DraftPlan]) -> None:
-        """Refuse, before any work, a plan whose segments this backend cannot run (one line each)."""
+    def check_plans(self, plans: dict) -> None:
+        """Refuse, before any work, a plan whose segments this backend cannot run (one line each). ``plans``: read
+        plans by name (``drafting.check_plans``)."""
         for name, plan, _, reason in self._plan_segments(plans):
             if reason is not None:
-                raise ArtifactError(f"plan {name!r} ({describe(plan)}) cannot run on the {self.name} backend: {reason}")
+                raise ArtifactError(
+                    f"plan {name!r} ({plan.describe()}) cannot run on the {self.name} backend: {reason}"
+                )
 
 
 __all__ = ["Backend", "Segment"]

@@ -35,8 +35,8 @@ from typing import Any, Sequence
 
 import numpy as np
 
+from ..artifact.draft_head import DraftHead, expand_logits, load_draft_head
 from ..artifact.manifest import ArchConfig, DraftPlan
-from ..drafting.kinds.adapter import DraftHead, expand_logits, load_draft_head
 from ..errors import ArtifactError, BackendUnavailableError
 from ..segments import FINAL_HEAD, Row, Segment, full_model
 from ..tree import attention_rows as tree_attention_rows
@@ -231,13 +231,12 @@ class OnnxBackend(Backend):
         return session
 
     @classmethod
-    def from_artifact(cls, root: Path, manifest, device: str = "cpu", **kwargs) -> "OnnxBackend":
+    def from_artifact(cls, root: Path, manifest, plans: dict, device: str = "cpu", **kwargs) -> "OnnxBackend":
+        """``plans``: the manifest's plans read (``drafting.check_plans``); each is checked against the graphs."""
         if "onnx" not in manifest.backends:
             raise BackendUnavailableError("this artifact has no 'onnx' backend; rebuild with --backend onnx")
-        backend = cls(
-            Path(root), manifest.backends["onnx"], manifest.config, device=device, plans=manifest.plans, **kwargs
-        )
-        backend.check_plans(manifest.plans)
+        backend = cls(Path(root), manifest.backends["onnx"], manifest.config, device=device, plans=plans, **kwargs)
+        backend.check_plans(plans)
         return backend
 
     def unsupported(self, segment: Segment) -> str | None:

@@ -36,10 +36,11 @@ from ..artifact.manifest import DraftPlan
 from ..backends.base import Backend
 from ..backends.slots import SlotView, batch_of
 from ..drafting.base import Draft, RoundContext
+from ..drafting.plan import ReadPlan, read_plan
 from ..errors import InputError
 from ..segments import Row, full_model
 from ..tree import kv_moves
-from .load import PRIOR_ACCEPTANCE, CallCosts, Choice, choose_lengths, draft_pays, longest_draft
+from .load import PRIOR_ACCEPTANCE, CallCosts, Choice, choose_lengths, draft_pays
 from .prompt_cache import PromptCache
 from .request import DecodeRequest, Stats, backend_drafter, cache_length
 
@@ -121,7 +122,7 @@ class BatchDecoder:
     def add(
         self,
         request: DecodeRequest,
-        plan: DraftPlan | None = None,
+        plan: DraftPlan | ReadPlan | None = None,
         max_draft: int | None = None,
         reserve: int = 0,
         drafter=None,
@@ -133,6 +134,7 @@ class BatchDecoder:
         if len(self.sequences) >= self.max_batch:
             raise InputError(f"the batch is full ({self.max_batch} sequences); wait for one to finish")
         slot = len(self.sequences)
+        plan = None if plan is None else read_plan(plan, self.backend.config.num_layers)  # read once, used below
         needed = max(cache_length(self.backend, request, plan, max_draft), reserve)
         slots = max(self.backend.slots, 1)
         if needed > self.backend.max_len or slot >= slots:
@@ -143,7 +145,7 @@ class BatchDecoder:
             drafter = backend_drafter(view, plan, self.root, max_draft)
         stats = stats if stats is not None else Stats()
         sequence = Sequence(request, drafter, stats, view, np.random.default_rng(request.seed))
-        sequence.longest_draft = longest_draft(plan) if plan is not None else 0
+        sequence.longest_draft = plan.longest_draft if plan is not None else 0
         sequence.stats.speculative = drafter is not None
         source, shared = self.prompts.match(request.prompt_ids)
         if shared:

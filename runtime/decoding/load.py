@@ -200,12 +200,9 @@ def draft_pays(costs: CallCosts, acceptance: float, length: int, draft_step: flo
 
 def longest_draft(plan) -> int:
     """The longest chain a round of ``plan`` verifies besides its input token (what ``CallCosts`` should time)."""
-    from ..drafting import has_model_part, options
+    from ..drafting.plan import read_plan
 
-    lengths = [plan.lookup_max_draft if plan.lookup else 0]
-    if has_model_part(plan):
-        lengths.append(options(plan, "model").max_draft)
-    return max(lengths + [1])
+    return read_plan(plan).longest_draft
 
 
 __all__ = [

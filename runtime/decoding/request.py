@@ -4,15 +4,15 @@ single-request entry points (``speculative.py``), which both import it and nothi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..artifact.manifest import DraftPlan
 from ..backends.base import Backend
-from ..drafting import has_model_part, options
 from ..drafting.base import Draft
 from ..drafting.factory import make_drafter
 from ..drafting.model import BackendStep
+from ..drafting.plan import ReadPlan, read_plan
 from ..sampling import SamplingParams
 
 
@@ -113,28 +113,29 @@ class DecodeRequest:
     seed: int | None = None
 
 
-def draft_room(plan: DraftPlan | None, max_draft: int | None = None) -> int:
+def draft_room(plan: DraftPlan | ReadPlan | None, max_draft: int | None = None) -> int:
     """Most tokens one round of ``plan`` may draft (what the KV cache must hold beyond the output)."""
-    if plan is None:
-        return 0
-    model = options(plan, "model")
-    room = (max_draft or model.max_draft) * model.branches if has_model_part(plan) else 0
-    return room + (plan.max_tree_nodes if plan.lookup else 0)
+    return 0 if plan is None else read_plan(plan).draft_room(max_draft)
 
 
-def cache_length(backend: Backend, request: DecodeRequest, plan: DraftPlan | None, max_draft: int | None = None) -> int:
+def cache_length(
+    backend: Backend, request: DecodeRequest, plan: DraftPlan | ReadPlan | None, max_draft: int | None = None
+) -> int:
     """Cache positions ``request`` needs: prompt, new tokens, one round's drafts, capped at the model's context
     (generation stops there)."""
     needed = len(request.prompt_ids) + request.max_new_tokens + draft_room(plan, max_draft) + 1
     return min(backend.config.max_position_embeddings, needed)
 
 
-def backend_drafter(backend: Backend, plan: DraftPlan | None, root: Path | None = None, max_draft: int | None = None):
+def backend_drafter(
+    backend: Backend, plan: DraftPlan | ReadPlan | None, root: Path | None = None, max_draft: int | None = None
+):
     """The drafter for ``plan`` running on ``backend`` (None, plain decoding, when ``plan`` is None)."""
     if plan is None:
         return None
+    plan = read_plan(plan, backend.config.num_layers)
     backend.check_plans({plan.name: plan})  # a plan this backend cannot run is refused before any work
-    no_trees = backend.tree_unsupported() if plan.lookup_branches > 1 or options(plan, "model").branches > 1 else None
+    no_trees = backend.tree_unsupported() if plan.lookup_branches > 1 or plan.model.branches > 1 else None
     if no_trees is not None:
         import warnings
 
@@ -143,7 +144,7 @@ def backend_drafter(backend: Backend, plan: DraftPlan | None, root: Path | None 
             f"({no_trees}); it drafts chains (its first branch)",
             stacklevel=2,
         )
-        plan = replace(plan.with_options(model={"branches": 1}), lookup_branches=1)
+        plan = plan.with_options(model={"branches": 1}).replace(lookup_branches=1)
     if plan.draft_head_file is not None:  # an exit adapter / reduced vocabulary, from ``root``
         backend.load_draft_head(plan.draft_head_file, root)
     return make_drafter(plan, BackendStep(backend, plan), root, max_draft)

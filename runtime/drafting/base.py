@@ -44,7 +44,7 @@ class Draft:
     q: list[np.ndarray | None] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)
     reuse: int = 0
-    verify_plan: DraftPlan | None = None
+    verify_plan: object | None = None  # the model part's plan, read (``plan.ReadPlan``): its kind verifies
     parents: list[int] | None = None
 
     @property
@@ -128,11 +128,14 @@ class Drafter:
       those rows are.
     - ``model_part`` / ``lookup_part``: what the drafter is made of, for a round that runs the model draft
       and the lookups itself (the torch backend's on-device round).
+    - ``steps_on_device``: a model part whose steps such a round can run itself (its ``kind``, ``policy``
+      and ``chain`` for the tokens it drafted there).
     """
 
     name: str = ""
     drafts_trees: bool = False
     observes: bool = False
+    steps_on_device: bool = False
 
     @property
     def model_part(self) -> "Drafter | None":
@@ -200,8 +203,9 @@ class LookupSource(Drafter):
         return (self,)
 
     @classmethod
-    def from_plan(cls, plan: DraftPlan, root: Path | None = None) -> "LookupSource":
-        """The source as ``plan`` configures it (``root``: the artifact folder, for sources that read files)."""
+    def from_plan(cls, plan, root: Path | None = None) -> "LookupSource":
+        """The source as ``plan`` (a ``plan.ReadPlan``: its ``options(name)``) configures it (``root``: the artifact
+        folder, for sources that read files)."""
         raise NotImplementedError
 
     @staticmethod

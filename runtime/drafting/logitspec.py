@@ -22,9 +22,9 @@ import numpy as np
 
 from ..artifact.manifest import DraftPlan
 from ..errors import ArtifactError
-from . import options
 from .base import Draft, LookupSource, RoundContext, SourceOptions
 from .ngram import NgramDrafter
+from .plan import ReadPlan
 
 
 @dataclass
@@ -49,8 +49,8 @@ class LogitSpecDrafter(LookupSource):
         self._for: tuple[int, int] | None = None  # (history length, input token) the guesses are for
 
     @classmethod
-    def from_plan(cls, plan: DraftPlan, root: Path | None = None) -> "LogitSpecDrafter":
-        return cls(options(plan, "logitspec").top_k, NgramDrafter.from_plan(plan))
+    def from_plan(cls, plan: ReadPlan, root: Path | None = None) -> "LogitSpecDrafter":
+        return cls(plan.options("logitspec").top_k, NgramDrafter.from_plan(plan))
 
     @staticmethod
     def describe(logitspec: LogitSpecOptions, plan: DraftPlan) -> str:

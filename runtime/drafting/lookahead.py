@@ -31,8 +31,8 @@ import numpy as np
 
 from ..artifact.manifest import DraftPlan
 from ..errors import ArtifactError
-from . import options
 from .base import Draft, LookupSource, RoundContext, SourceOptions, remember
+from .plan import ReadPlan
 
 POOL_PER_KEY = 8  # pooled n-grams kept per first token, most recent first
 
@@ -66,8 +66,8 @@ class LookaheadDrafter(LookupSource):
         self._proposed: tuple[int, list[int]] | None = None  # (input token, window) drafted this round
 
     @classmethod
-    def from_plan(cls, plan: DraftPlan, root: Path | None = None) -> "LookaheadDrafter":
-        lookahead = options(plan, "lookahead")
+    def from_plan(cls, plan: ReadPlan, root: Path | None = None) -> "LookaheadDrafter":
+        lookahead = plan.options("lookahead")
         return cls(lookahead.window, lookahead.ngram, plan.lookup_branches)
 
     @staticmethod

@@ -8,7 +8,7 @@ the tuner backs with a precomputed profile, so both replay the *same* policy obj
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -16,6 +16,9 @@ from ..artifact.manifest import DraftPlan
 from ..errors import ArtifactError
 from ..sampling import probabilities, sample
 from .base import Draft, Drafter, RoundContext, SourceOptions, drive
+
+if TYPE_CHECKING:
+    from .plan import ReadPlan
 
 
 @dataclass
@@ -62,10 +65,8 @@ class DraftPolicy:
     step: float = 0.02
 
     @classmethod
-    def from_plan(cls, plan: DraftPlan, max_draft: int | None = None) -> "DraftPolicy":
-        from . import options
-
-        return cls.from_options(options(plan, "model"), max_draft)
+    def from_plan(cls, plan: "ReadPlan", max_draft: int | None = None) -> "DraftPolicy":
+        return cls.from_options(plan.model, max_draft)
 
     @classmethod
     def from_options(cls, options: ModelOptions, max_draft: int | None = None) -> "DraftPolicy":
@@ -88,10 +89,9 @@ class DraftPolicy:
 class BackendStep:
     """A model draft step of ``plan``'s kind on the backend (what the runtime uses)."""
 
-    def __init__(self, backend, plan: DraftPlan):
-        from .kinds import kind_of
-
-        self.backend, self.kind = backend, kind_of(plan, backend.config.num_layers)
+    def __init__(self, backend, plan: "ReadPlan"):
+        """``plan`` read for the backend's layer count (its kind runs the step's segments)."""
+        self.backend, self.kind = backend, plan.kind
         # the last greedy step's exp(logits - top logit) and its sum: the draft's probabilities, for runner_ups
         self._weights: np.ndarray | None = None
         self._total = 1.0
@@ -145,13 +145,11 @@ class ModelDrafter(Drafter):
     name = "model"
     branch = "branch"  # the source name of a tree's runner-up leaves
     Options = ModelOptions
+    steps_on_device = True
 
-    def __init__(self, plan: DraftPlan, step: DraftStep, policy: DraftPolicy | None = None):
-        from . import options
-        from .kinds import kind_of
-
-        self.plan, self.step, self.kind = plan, step, kind_of(plan)
-        self.options = options(plan, "model")
+    def __init__(self, plan: "ReadPlan", step: DraftStep, policy: DraftPolicy | None = None):
+        self.plan, self.step, self.kind = plan, step, plan.kind
+        self.options = plan.model
         self.policy = policy or DraftPolicy.from_options(self.options)
         self.drafts_trees = self.options.branches > 1  # tree rounds run on the host (``speculative.decode``)
 
@@ -188,6 +186,12 @@ class ModelDrafter(Drafter):
             draft.q += [None] * len(leaves)
             draft.sources += [self.branch] * len(leaves)
         return draft
+
+    def chain(self, tokens: list[int]) -> Draft:
+        """The draft of a chain of ``tokens`` this drafter's steps drafted elsewhere (the device round's), as
+        ``drafting`` would have returned it: what statistics and ``feedback`` read."""
+        k = len(tokens)
+        return Draft(list(tokens), [None] * k, [self.name] * k, self.kind.reuse(k), self.plan)
 
     def feedback(self, draft: Draft, accepted: int) -> None:
         drafted = draft.sources.count(self.name)  # the chain's tokens (a tree's leaves did not set its length)

@@ -16,8 +16,8 @@ from typing import Sequence
 
 from ..artifact.manifest import DraftPlan
 from ..errors import ArtifactError
-from . import options
 from .base import Draft, LookupSource, RoundContext, SourceOptions
+from .plan import ReadPlan
 
 
 class NgramIndex:
@@ -106,8 +106,8 @@ class NgramDrafter(LookupSource):
         self.index = NgramIndex(min_n, max_n)
 
     @classmethod
-    def from_plan(cls, plan: DraftPlan, root: Path | None = None) -> "NgramDrafter":
-        ngram = options(plan, "ngram")
+    def from_plan(cls, plan: ReadPlan, root: Path | None = None) -> "NgramDrafter":
+        ngram = plan.options("ngram")
         return cls(ngram.min, ngram.max, plan.lookup_max_draft, ngram.short)
 
     @staticmethod

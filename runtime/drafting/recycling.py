@@ -18,12 +18,15 @@ keeps the full model's distribution when sampling.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
 from ..artifact.manifest import DraftPlan
 from .base import Draft, LookupSource, RoundContext, remember
+
+if TYPE_CHECKING:
+    from .plan import ReadPlan
 
 RECYCLED = 8  # successors kept per token, best first (the paper's adjacency matrix keeps 8)
 
@@ -39,7 +42,7 @@ class RecyclingDrafter(LookupSource):
         self.table: dict[int, list[int]] = {}
 
     @classmethod
-    def from_plan(cls, plan: DraftPlan, root: Path | None = None) -> "RecyclingDrafter":
+    def from_plan(cls, plan: "ReadPlan", root: Path | None = None) -> "RecyclingDrafter":
         return cls(plan.lookup_max_draft)
 
     @staticmethod

@@ -27,8 +27,8 @@ import numpy as np
 
 from ..artifact.manifest import DraftPlan
 from ..errors import ArtifactError
-from . import options
 from .base import Draft, LookupSource, RoundContext, SourceOptions
+from .plan import ReadPlan
 
 SEPARATOR = -1
 MAX_MATCHES = 256  # matches considered when choosing the majority continuation
@@ -186,8 +186,8 @@ class RetrievalDrafter(LookupSource):
         self.datastore, self.min_n, self.max_draft = datastore, min_n, max_draft
 
     @classmethod
-    def from_plan(cls, plan: DraftPlan, root: Path | None = None) -> "RetrievalDrafter":
-        datastore = options(plan, "retrieval").datastore
+    def from_plan(cls, plan: ReadPlan, root: Path | None = None) -> "RetrievalDrafter":
+        datastore = plan.options("retrieval").datastore
         if root is None:
             raise ArtifactError(f"plan {plan.name!r} drafts by retrieval but no artifact folder holds its datastore")
         path = (Path(root) / datastore).resolve()
@@ -195,7 +195,7 @@ class RetrievalDrafter(LookupSource):
             raise ArtifactError(
                 f"plan {plan.name!r}: datastore {datastore!r} is not a file inside the artifact; rebuild the artifact"
             )
-        return cls(_load_cached(str(path), path.stat().st_mtime_ns), options(plan, "ngram").min, plan.lookup_max_draft)
+        return cls(_load_cached(str(path), path.stat().st_mtime_ns), plan.options("ngram").min, plan.lookup_max_draft)
 
     @staticmethod
     def describe(retrieval: RetrievalOptions, plan: DraftPlan) -> str:

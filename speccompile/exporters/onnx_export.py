@@ -28,9 +28,8 @@ import onnx
 from onnx import TensorProto
 
 from speccompile.runtime.artifact.manifest import ArchConfig, DraftPlan
-from speccompile.runtime.drafting.kinds import kind_of
-from speccompile.runtime.drafting.kinds.precision import parse_precision
-from speccompile.runtime.segments import FINAL_HEAD, Segment, full_model
+from speccompile.runtime.drafting import read_plan
+from speccompile.runtime.segments import FINAL_HEAD, Segment, full_model, parse_precision
 
 from .onnx_blocks import HIDDEN, LAST_HIDDEN, LOGITS, build_blocks, draft_head_graph, load_draft_head
 from .onnx_fused import FusedGraph
@@ -266,7 +265,7 @@ def export_onnx_weights(
     plan_records: dict[str, dict[str, Any]] = {}
     for plan_name, plan in plans.items():
         plan.validate(L)
-        kind = kind_of(plan, L)
+        kind = read_plan(plan, L).kind
         graphs = [key for segment in kind.segments() for key in lowering.segment(segment, plan)]
         plan_records[plan_name] = {"kind": kind.name, "graphs": list(dict.fromkeys(graphs))}
 

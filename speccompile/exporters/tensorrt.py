@@ -37,7 +37,7 @@ from typing import Any, Callable
 
 from speccompile.runtime.artifact.manifest import ArchConfig, DraftPlan
 from speccompile.runtime.backends.graph_index import full_model_without_verify
-from speccompile.runtime.drafting import has_model_part, options
+from speccompile.runtime.drafting import read_plans
 from speccompile.runtime.errors import SpeccompileError
 
 ENGINE_DIR = "tensorrt"
@@ -64,11 +64,12 @@ def engine_context(config: ArchConfig, cap: int = DEFAULT_CONTEXT_CAP) -> int:
 
 
 def step_tokens(plans: dict[str, DraftPlan], context: int) -> int:
-    """The longest verify a round of these plans can ask for: 1 + model draft + lookup draft."""
+    """The longest verify a round of these plans can ask for: 1 + model draft + lookup draft. Every plan counts,
+    lookup-only ones too: they have no graphs of their own but their verifies run the engines."""
     room = 0
-    for plan in plans.values():
-        model = options(plan, "model").max_draft if has_model_part(plan) else 0
-        lookup = getattr(plan, "lookup_max_draft", 0) if getattr(plan, "lookup", None) else 0
+    for plan in read_plans(plans).values():
+        model = plan.model.max_draft if plan.has_model_part else 0
+        lookup = plan.lookup_max_draft if plan.lookup else 0
         room = max(room, model + lookup)
     return max(1, min(context, max(MIN_STEP_TOKENS, room + 1)))
 
@@ -196,21 +197,24 @@ def export_tensorrt(
     root: Path,
     ir,
     onnx_record: dict | None,
-    model_plans: dict[str, DraftPlan],
+    plans: dict[str, DraftPlan],
     log: Callable[[str], None] = lambda m: None,
 ) -> dict:
     """The ``tensorrt`` backend files of ``ir`` under ``root``: reuses the artifact's standard ONNX
     export when there is one, else exports standard graphs (into ``onnx/`` or, next to a fused ONNX
-    export, ``tensorrt/onnx/``) and builds the engines from them."""
+    export, ``tensorrt/onnx/``) and builds the engines from them. ``plans``: every plan of the artifact;
+    graphs are exported for those with a model part (as the ONNX backend's are), and the engines' step
+    profile covers every plan's verify."""
     if onnx_record is None or onnx_record.get("variant", "standard") != "standard":
+        from speccompile.artifact import model_plans
         from speccompile.exporters.onnx_export import export_onnx_weights
 
         folder = root / ("onnx" if onnx_record is None else f"{ENGINE_DIR}/onnx")
         dtype = "float16" if ir.dtype == "float16" else "float32"
         onnx_record = export_onnx_weights(
-            ir.config, ir.weights, model_plans, folder, dtype, relative_to=root, variant="standard"
+            ir.config, ir.weights, model_plans(plans), folder, dtype, relative_to=root, variant="standard"
         )
-    return build_engines(root, onnx_record, model_plans, ir.config, device=getattr(ir, "device", "cuda"), log=log)
+    return build_engines(root, onnx_record, plans, ir.config, device=getattr(ir, "device", "cuda"), log=log)
 
 
 def add_engines(root: Path, device: str = "cuda", log: Callable[[str], None] = lambda m: None) -> dict:
@@ -228,8 +232,7 @@ def add_engines(root: Path, device: str = "cuda", log: Callable[[str], None] = l
             "--backend onnx (or --backend tensorrt on this machine)"
         )
     require_tensorrt()
-    plans = {name: plan for name, plan in manifest.plans.items() if getattr(plan, "has_model_draft", True)}
-    record = build_engines(root, onnx_record, plans, manifest.config, device=device, log=log)
+    record = build_engines(root, onnx_record, manifest.plans, manifest.config, device=device, log=log)
     manifest.backends["tensorrt"] = record
     for relative in [entry["file"] for entry in record["engines"].values()] + [record["timing_cache_file"]]:
         manifest.files[relative] = file_record(root, relative)

@@ -227,12 +227,11 @@ class TensorRTBackend(Backend):
         self.buffers: dict[str, int] = {}
 
     @classmethod
-    def from_artifact(cls, root: Path, manifest, device: str = "cuda", **kwargs) -> "TensorRTBackend":
+    def from_artifact(cls, root: Path, manifest, plans: dict, device: str = "cuda", **kwargs) -> "TensorRTBackend":
+        """``plans``: the manifest's plans read (``drafting.check_plans``)."""
         if "tensorrt" not in manifest.backends:
             raise BackendUnavailableError("this artifact has no 'tensorrt' backend; rebuild with --backend tensorrt")
-        return cls(
-            Path(root), manifest.backends["tensorrt"], manifest.config, device=device, plans=manifest.plans, **kwargs
-        )
+        return cls(Path(root), manifest.backends["tensorrt"], manifest.config, device=device, plans=plans, **kwargs)
 
     def replica(self) -> "TensorRTBackend":
         """Another backend over the same engines (weights on the device once) with its own stream,

@@ -29,8 +29,8 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
+from ...artifact.draft_head import DraftHead, load_draft_head
 from ...artifact.manifest import ArchConfig
-from ...drafting.kinds.adapter import DraftHead, load_draft_head
 from ...errors import ArtifactError, BackendUnavailableError
 from ...segments import FINAL_HEAD, Row, Segment
 from ..base import Backend
@@ -329,7 +329,7 @@ class TorchBackend(Backend):
 
     # -- precision self-drafts (draft_kinds/precision.py): the decoder's int8 twin ------------------------
     def _precision_unsupported(self, precision: str) -> str | None:
-        from ...drafting.kinds.precision import parse_precision
+        from ...segments import parse_precision
 
         scheme = parse_precision(precision)[0]
         if scheme != "int8":  # _weight_int4pack_mm_for_cpu: 5x slower than the fp32 product here (int8_twin.py)
@@ -370,7 +370,7 @@ class TorchBackend(Backend):
             view = buf[:, slot]
             view.index_copy_(2, dst, view.index_select(2, src))
 
-    # -- draft heads: trained exit adapters and reduced vocabularies (runtime/drafting/kinds/adapter.py) ------------
+    # -- draft heads: trained exit adapters and reduced vocabularies (runtime/artifact/draft_head.py) ------------
     def load_draft_head(self, head_file: str, root: Path | None) -> None:
         c = self.config
         head = load_draft_head(Path(root or ".") / head_file, c.hidden_size, c.vocab_size)

@@ -46,9 +46,6 @@ import torch
 from torch import Tensor
 
 from ...acceptance import accept_chain
-from ...drafting.base import Draft, RoundContext
-from ...drafting.kinds import kind_of
-from ...drafting.model import ModelDrafter
 from ...sampling import probabilities, sample_at
 from ...segments import Segment, full_model
 
@@ -81,10 +78,10 @@ class DeviceRound:
     lookups and an optional model part) on a torch backend; the tokens it commits (see the module docstring).
     ``None`` from ``for_drafter`` when the drafter is of another shape (the host round runs it)."""
 
-    def __init__(self, backend, drafter, lookups: list, model: ModelDrafter | None, seed: int | None):
+    def __init__(self, backend, drafter, lookups: list, model, seed: int | None):
         self.backend, self.drafter, self.lookups, self.model = backend, drafter, lookups, model
         self.calls = TensorCalls(backend)
-        self.kind = kind_of(model.plan, backend.config.num_layers) if model is not None else None
+        self.kind = model.kind if model is not None else None  # the plan's kind, read for this backend
         self.device = torch.device(backend.device)
         self.generator = torch.Generator(device=self.device)
         if seed is None:
@@ -95,23 +92,25 @@ class DeviceRound:
     @classmethod
     def for_drafter(cls, backend, drafter, seed: int | None) -> "DeviceRound | None":
         model, lookups = drafter.model_part, list(drafter.lookup_part)
-        if model is not None and not isinstance(model, ModelDrafter) or (model is None and not lookups):
+        if model is not None and not model.steps_on_device or (model is None and not lookups):
             return None  # a model part this round does not know how to run, or nothing to draft with
         return cls(backend, drafter, lookups, model, seed)
 
     @torch.inference_mode()
-    def __call__(self, ctx: RoundContext, stats) -> list[int]:
+    def __call__(self, ctx, stats) -> list[int]:
+        """One round in the drafter's ``RoundContext`` ``ctx``; its draft and acceptance recorded in ``stats``."""
         params = ctx.params
         token = torch.full((1,), int(ctx.history[-1]), dtype=torch.long, device=self.device)
         draft = self._lookup(ctx)
-        n = len(draft.tokens) if draft.tokens or self.model is None else min(self.model.policy.max_draft, ctx.limit)
+        hit = draft is not None and bool(draft.tokens)
+        n = len(draft.tokens) if hit or self.model is None else min(self.model.policy.max_draft, ctx.limit)
         u = (
             None
             if params.greedy
             else torch.rand(2 * n + 1, generator=self.generator, dtype=torch.float64, device=self.device)
         )  # draft samples, acceptance tests, the last token
         q = None
-        if draft.tokens or self.model is None:  # a lookup hit (one-hot q), or a plain step
+        if hit or self.model is None:  # a lookup hit (one-hot q), or a plain step
             drafted = torch.tensor(draft.tokens, dtype=torch.long).to(
                 self.device, non_blocking=True
             )  # waits for nothing
@@ -123,25 +122,23 @@ class DeviceRound:
         accepted, bonus = accept_chain(logits, drafted, params, u=None if u is None else u[n:], q=q, kept=kept)
         out = torch.cat([drafted, bonus, accepted.view(1), kept.sum().view(1)]).tolist()  # the round's one sync
         tokens, bonus, accepted, kept = out[:n], out[n], out[n + 1], out[n + 2]
-        if not draft.tokens and self.model is not None:
-            draft = Draft(
-                tokens[:kept], [None] * kept, [self.model.name] * kept, self.kind.reuse(kept), self.model.plan
-            )
+        if not hit and self.model is not None:
+            draft = self.model.chain(tokens[:kept])
         stats.record(draft, accepted)
         self.drafter.feedback(draft, accepted)
         return tokens[:accepted] + [bonus]
 
-    def _lookup(self, ctx: RoundContext) -> Draft:
-        """The first lookup source's hit, on the host (``HybridDrafter``'s order); an empty draft without one."""
+    def _lookup(self, ctx):
+        """The first lookup source's hit, on the host (``HybridDrafter``'s order); else the last source's empty
+        draft, or None without lookup sources."""
+        draft = None
         for source in self.lookups:
             draft = source.propose(ctx)
             if draft.tokens:
                 return draft
-        return Draft()
+        return draft
 
-    def _model_draft(
-        self, token: Tensor, ctx: RoundContext, n: int, u: Tensor | None
-    ) -> tuple[Tensor, Tensor, Tensor | None]:
+    def _model_draft(self, token: Tensor, ctx, n: int, u: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None]:
         """``n`` draft steps, each fed the previous step's token tensor: the drafted tokens ``[n]``, which
         of them the policy keeps (those up to its first confidence below the threshold) and, when sampling,
         the draft distributions ``[n, vocab]``."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from ...artifact.manifest import DraftPlan
 from ...errors import ArtifactError
-from ..registry import Registry
+from ...registry import Registry
 from .base import DraftKind
 
 KINDS = Registry(

@@ -41,13 +41,6 @@ def precision_of(params: dict) -> str:
     return f"{scheme}/b{block}{'s' if symmetric else ''}"
 
 
-def parse_precision(precision: str) -> tuple[str, int, bool]:
-    """(scheme, block size, symmetric) of a segment's precision string."""
-    scheme, _, rest = precision.partition("/b")
-    symmetric = rest.endswith("s")
-    return scheme, int(rest.rstrip("s") or 32), symmetric
-
-
 class PrecisionDraft(DraftKind):
     name = "precision"
 
@@ -79,4 +72,4 @@ class PrecisionDraft(DraftKind):
         return f"{part} with {precision_of(self.plan.params)} weights (a precision self-draft)"
 
 
-__all__ = ["PrecisionDraft", "SCHEMES", "parse_precision", "precision_of"]
+__all__ = ["PrecisionDraft", "SCHEMES", "precision_of"]
