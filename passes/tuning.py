@@ -52,7 +52,9 @@ class Runner(Protocol):
 class TorchRunner:
     name = "torch"
 
-    def __init__(self, ir: DecoderIR):
+    def __init__(self, ir: DecoderIR, workdir: Path | None = None):
+        """``workdir``: the tuning run's scratch folder (runners that export files write there; this one writes
+        nothing)."""
         self.ir = ir
 
     def backend(self, plans: dict[str, DraftPlan] | None = None):

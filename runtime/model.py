@@ -15,11 +15,11 @@ from typing import Iterator
 
 from .artifact.manifest import Manifest, read_manifest
 from .artifact.tokenizer import TextTokenizer
-from .backends.onnx_selfcheck import speculation_refusal
+from .backends import BACKENDS, BackendDescriptor
 from .backends.weights_check import check_after_open, check_before_open
 from .decoding.speculative import DecodeRequest, Stats, backend_drafter, decode, reserve_cache
 from .drafting import ReadPlan, check_plans
-from .errors import ArtifactError, BackendUnavailableError, InputError, opening_artifact
+from .errors import BackendUnavailableError, InputError, opening_artifact
 from .sampling import SamplingParams
 
 TOKENIZER_FILE = "tokenizer/tokenizer.json"
@@ -83,55 +83,16 @@ def check_request(prompt, max_new_tokens, temperature, top_k, top_p, seed, max_d
         raise InputError(f"max_draft must be an integer >= 1, got {max_draft!r}")
 
 
-def _open_backend(root: Path, manifest: Manifest, backend: str | None, device: str, plans: dict[str, ReadPlan]):
+def _descriptor(manifest: Manifest, backend: str | None) -> BackendDescriptor:
+    """The descriptor of the backend to open: ``backend``, else the artifact's first; a one-line error when this
+    artifact has none of that backend or the runtime does not know it."""
     available = list(manifest.backends)
     name = backend or available[0]
     if name not in manifest.backends:
         raise BackendUnavailableError(
             f"this artifact has no '{name}' backend (it has: {', '.join(available)}); rebuild with --backend {name}"
         )
-    if name == "torch":
-        try:
-            from .backends.torch.backend import DTYPES, TorchBackend, check_device
-        except ImportError:
-            raise BackendUnavailableError(
-                "the torch backend needs PyTorch; install it (pip install torch) or use an ONNX artifact"
-            ) from None
-        check_device(device)
-        if manifest.config.decoder == "generic":  # the model's own modules, through transformers
-            from .backends.torch.hf_decoder import HF_FOLDER, HFDecoder
-
-            if manifest.backends["torch"].get("hf_folder") != HF_FOLDER:
-                raise ArtifactError(
-                    f"manifest backends['torch'] of a generic-path artifact must name its model folder "
-                    f"{HF_FOLDER!r}; the manifest is damaged: rebuild the artifact"
-                )
-            decoder = HFDecoder.from_folder(root / HF_FOLDER, DTYPES[manifest.dtype], device)
-            return TorchBackend(decoder, device=device)
-        record = manifest.backends["torch"]
-        scales = record.get("int8_scales_file")
-        return TorchBackend.from_files(
-            root / record["weights"],
-            manifest.config,
-            dtype=manifest.dtype,
-            device=device,
-            int8_scales=None if scales is None else root / scales,
-        )
-    if name == "onnx":
-        try:
-            from .backends.onnx import OnnxBackend
-        except ImportError:
-            raise BackendUnavailableError(
-                "the onnx backend needs onnxruntime; install it (pip install onnxruntime, or onnxruntime-gpu)"
-            ) from None
-        return OnnxBackend.from_artifact(root, manifest, device=device, plans=plans)
-    if name == "tensorrt":  # needs tensorrt + cuda-python, checked when the engines are opened
-        from .backends.tensorrt.backend import TensorRTBackend
-
-        return TensorRTBackend.from_artifact(root, manifest, device=device, plans=plans)
-    raise BackendUnavailableError(
-        f"backend '{name}' is not supported by this runtime (supported: torch, onnx, tensorrt)"
-    )
+    return BACKENDS.descriptor(name)
 
 
 class SpeculativeModel:
@@ -146,7 +107,7 @@ class SpeculativeModel:
         refused: str | None = None,
         plans: dict[str, ReadPlan] | None = None,
     ):
-        """``refused``: why this backend must not speculate here (``onnx_selfcheck.speculation_refusal``);
+        """``refused``: why this backend must not speculate here (``BackendDescriptor.speculation_refusal``);
         ``plans``: the manifest's plans read once (``drafting.check_plans``; read here when not given)."""
         self.root, self.manifest, self.backend, self.tokenizer = root, manifest, backend, tokenizer
         self.plans = plans if plans is not None else check_plans(manifest)
@@ -275,7 +236,7 @@ def _read_checked(root: Path, verify: bool, backends: list[str] | None) -> tuple
         manifest = read_manifest(root, verify_files=verify)
         plans = check_plans(manifest)
         for name in manifest.backends if backends is None else backends:
-            if name in manifest.backends:  # (an unknown name: _open_backend's one-line error)
+            if name in manifest.backends:  # (an unknown name: _descriptor's one-line error)
                 check_before_open(root, manifest, name)
     return manifest, plans
 
@@ -286,12 +247,11 @@ def load(path: str | Path, backend: str | None = None, device: str = "cpu", veri
     root = Path(path)
     with opening_artifact(root):
         manifest, plans = _read_checked(root, verify, backends=[])
-        name = backend or next(iter(manifest.backends))
-        if name in manifest.backends:  # (an unknown name: _open_backend's one-line error); only the one opened
-            check_before_open(root, manifest, name)
+        descriptor = _descriptor(manifest, backend)
+        descriptor.check_before_open(root, manifest)  # only the backend opened
         tokenizer = TextTokenizer(root / TOKENIZER_FILE)
-        opened = _open_backend(root, manifest, backend, device, plans)
+        opened = descriptor.open(root, manifest, plans, device)
         check_after_open(manifest, opened)
         opened.prepare_plans(plans)  # not inside the first request (the torch int8 twin)
-        refused = speculation_refusal(opened)  # a quantized target whose verify rounds unlike its steps here
+        refused = descriptor.speculation_refusal(opened)  # a quantized target whose verify rounds unlike its steps
     return SpeculativeModel(root, manifest, opened, tokenizer, refused, plans)

@@ -18,9 +18,8 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
-from safetensors.torch import save_file
-
 import speccompile
+from speccompile.backend_parts import in_write_order, writer
 from speccompile.memory import peak_resident_bytes
 from speccompile.runtime.artifact.manifest import (
     MANIFEST_NAME,
@@ -242,55 +241,16 @@ def atomic_folder(out: Path, replace: bool = False):
             raise
 
 
-BACKENDS = ("torch", "onnx", "tensorrt")
-
-
 def write_backend_files(root: Path, ir, backends: list[str], onnx_memory: dict | None = None) -> dict:
-    """Write each backend's files for ``ir`` under ``root``; returns the manifest's ``backends`` record.
-    The ONNX export reuses the quantized copies in ``ir.quantized`` (and adds those it makes); ``onnx_memory``:
-    more of ``export_onnx_weights``' memory options (a tuning runner's: the arrays its sessions read)."""
-    import torch
-
+    """Write each backend's files for ``ir`` under ``root`` with its descriptor's writer, in ``BACKENDS``' order;
+    returns the manifest's ``backends`` record. ``onnx_memory``: more of ``export_onnx_weights``' memory options
+    (a tuning runner's: the arrays its sessions read); writers of other backends ignore it."""
     records = {}
-    if "torch" in backends and ir.config.decoder == "generic":
-        # The model's own files (config.json + safetensors), loaded by transformers at run time; never remote code.
-        from speccompile.runtime.backends.torch.hf_decoder import HF_FOLDER
-
-        ir.decoder().model.save_pretrained(root / HF_FOLDER, safe_serialization=True, max_shard_size="1000GB")
-        records["torch"] = {"weights": WEIGHTS_FILE, "hf_folder": HF_FOLDER}
-    elif "torch" in backends:
-        (root / "weights").mkdir(exist_ok=True)
-        dtype = getattr(torch, ir.dtype)
-        weights = {k: (v if k == "rope_inv_freq" else v.to(dtype)).contiguous() for k, v in ir.weights.items()}
-        save_file(weights, str(root / WEIGHTS_FILE), metadata={"format": "pt", "producer": "speccompile"})
-        records["torch"] = {"weights": WEIGHTS_FILE}
-        from speccompile.runtime.backends.torch.int8_twin import SCALES_FILE
-
-        if SCALES_FILE in getattr(ir, "extra_files", {}):  # the int8 twin's smoothing (passes/precision_tune.py)
-            records["torch"]["int8_scales_file"] = SCALES_FILE
-    if "onnx" in backends:
-        from speccompile.exporters.onnx_export import export_onnx_weights
-
-        onnx_dtype = "float16" if ir.dtype == "float16" else "float32"
-        export = ir.tuning.get("onnx_export", {})  # graph variant, weight-only quantization (build --quantize)
-        records["onnx"] = export_onnx_weights(
-            ir.config,
-            ir.weights,
-            model_plans(ir.plans),
-            root / "onnx",
-            onnx_dtype,
-            **export,
-            draft_heads=getattr(ir, "extra_files", {}),
-            derived=getattr(ir, "quantized", None),
-            **(onnx_memory or {}),
-        )
+    for name in in_write_order(backends):
+        records[name] = writer(name)(root, ir, records, onnx_memory)
     for relative, source in getattr(ir, "extra_files", {}).items():  # plan resources, e.g. a retrieval datastore
         (root / relative).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(source, root / relative)
-    if "tensorrt" in backends:  # engines built from the standard ONNX graphs, refitted from weights.bin at load
-        from speccompile.exporters.tensorrt import export_tensorrt
-
-        records["tensorrt"] = export_tensorrt(root, ir, records.get("onnx"), ir.plans)
     return records
 
 
@@ -391,7 +351,6 @@ def rewrite_artifact(root: Path, ir, update) -> Path:
 
 
 __all__ = [
-    "BACKENDS",
     "MANIFEST_NAME",
     "WEIGHTS_FILE",
     "OutputError",

@@ -9,7 +9,7 @@ from typing import Callable
 
 import torch
 
-from speccompile.artifact import BACKENDS, check_output, output_lock, source_folder, write_artifact
+from speccompile.artifact import check_output, output_lock, source_folder, write_artifact
 from speccompile.calibration import load_calibration
 from speccompile.convert import arch_config, canonical_weights, choose_path
 from speccompile.loading import SourceModel, load_source
@@ -22,6 +22,7 @@ from speccompile.passes.ir import DecoderIR
 from speccompile.passes.pipeline import METHODS, BuildOptions, PipelineInputs, TuneOptions, TuningOptions
 from speccompile.passes.tuning import TuningContext
 from speccompile.runners import make_runner
+from speccompile.runtime.backends import BACKENDS
 from speccompile.runtime.errors import SpeccompileError
 
 __all__ = ["BuildOptions", "TuneOptions", "TuningOptions", "build", "tune", "tune_ir"]
@@ -315,7 +316,8 @@ def onnx_export_of(manifest) -> dict:
 
 def check_generic_options(options, model_type: str, why: str) -> None:
     """What the generic torch path cannot do, refused in one line before any tuning."""
-    others = [b for b in getattr(options, "backends", ("torch",)) if b != "torch"]  # tune keeps the artifact's
+    # tune keeps the artifact's backends
+    others = [b for b in getattr(options, "backends", ("torch",)) if BACKENDS.descriptor(b).canonical_only]
     if others:
         raise SpeccompileError(
             f"'{model_type}' runs on the generic torch path ({why.split(':')[0]}); "
@@ -352,10 +354,8 @@ def check_options(options) -> None:
         raise SpeccompileError(
             f"unknown --backend {','.join(unknown)!r}; choose from {', '.join(BACKENDS)} (comma-separated for several)"
         )
-    if "tensorrt" in getattr(options, "backends", ()):  # before the slow part: TensorRT and a GPU are needed
-        from speccompile.exporters.tensorrt import require_tensorrt
-
-        require_tensorrt()
+    for name in getattr(options, "backends", ()):  # before the slow part: e.g. TensorRT needs its packages and a GPU
+        BACKENDS.descriptor(name).check_available()
     if options.plot and not str(options.plot).lower().endswith(".png"):
         raise SpeccompileError(f"--plot needs a .png file name, got '{options.plot}'")
 

@@ -13,8 +13,8 @@ import dataclasses
 import shutil
 from pathlib import Path
 
+from speccompile.backend_parts import runner_class
 from speccompile.passes.ir import DecoderIR
-from speccompile.passes.tuning import TorchRunner
 from speccompile.runtime.memory import drop_file_pages, return_freed_memory
 
 
@@ -95,5 +95,5 @@ class OnnxRunner:
 
 
 def make_runner(name: str, ir: DecoderIR, workdir: Path):
-    """The runner for backend ``name`` ("torch" or "onnx")."""
-    return OnnxRunner(ir, workdir) if name == "onnx" else TorchRunner(ir)
+    """The tuning runner of backend ``name``: its descriptor's (``runtime/backends/descriptor.py``)."""
+    return runner_class(name)(ir, workdir)

@@ -48,7 +48,7 @@ def split_memory_bounds(root: Path, plain: int, speculative: int) -> None:
     embedding table twice), and an
     early-exit artifact's sessions (prefix, suffix, head) each weight packed once plus one unpacked copy of the
     tensors they share (the tied embedding: a Gather and a head); a weight packed twice would add the weights again."""
-    from speccompile.runtime.backends.onnx_initializers import shared_tensors
+    from speccompile.runtime.backends.onnx.initializers import shared_tensors
 
     record = json.loads((root / "manifest.json").read_text())["backends"]["onnx"]
     weights = (root / "onnx" / "weights.bin").stat().st_size

@@ -255,7 +255,7 @@ class RoundsApart:
 def test_the_self_check_finds_a_verify_that_rounds_unlike_its_steps(tiny_decoder, tiny_model_dir, tmp_path):
     from onnx_helpers import make_artifact, ort_backend
 
-    from speccompile.runtime.backends.onnx_selfcheck import rows_differ, speculation_refusal
+    from speccompile.runtime.backends.onnx.selfcheck import rows_differ, speculation_refusal
 
     _, decoder = tiny_decoder("llama")
     plan = DraftPlan(name="ngram", lookup=["ngram"], lookup_max_draft=4, sources={"ngram": {"min": 1, "max": 3}})
@@ -277,14 +277,14 @@ def test_the_self_check_finds_a_verify_that_rounds_unlike_its_steps(tiny_decoder
 
 
 def test_a_refused_artifact_decodes_plainly_and_says_why(tiny_model_dir, tmp_path, monkeypatch):
-    import speccompile.runtime.model as model_module
     from speccompile.runtime import load
+    from speccompile.runtime.backends.onnx.descriptor import OnnxDescriptor
 
     out = tmp_path / "q8"
     args = ["build", str(tiny_model_dir("llama")), "-o", str(out), "--method", "lookup", "--backend", "onnx"]
     args += ["--quantize", "int8", "--calibration-tokens", "8", "--max-draft", "2", "--quiet"]
     assert CliRunner().invoke(main, args).exit_code == 0
-    monkeypatch.setattr(model_module, "speculation_refusal", lambda backend: "kernels differ here")
+    monkeypatch.setattr(OnnxDescriptor, "speculation_refusal", lambda self, backend: "kernels differ here")
     model = load(out)
     assert (
         model.draft_plan() is None

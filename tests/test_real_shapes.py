@@ -285,9 +285,9 @@ def test_token_trees_at_real_shapes(name, onnx_artifacts, real_shaped):
     greedy speculative == plain at SmolLM2's shapes: ONNX Runtime's fused graphs (fp32, and int8 / int4 with
     their padding row) and torch's CPU products. A quantized target's tree rows must compute the steps along
     their branches bit for bit on this CPU's kernel path, or the backend verifies chains only (its load-time
-    self-check, ``runtime/backends/onnx_selfcheck.py``): on an AMD EPYC (Zen 4, AVX-512 VNNI) int4 tree rows
+    self-check, ``runtime/backends/onnx/selfcheck.py``): on an AMD EPYC (Zen 4, AVX-512 VNNI) int4 tree rows
     differ from their steps by 0.3-0.7 in the logits, and before the check its trees decoded other text."""
-    from speccompile.runtime.backends.onnx_selfcheck import tree_rows_differ
+    from speccompile.runtime.backends.onnx.selfcheck import tree_rows_differ
 
     if name == "torch":
         root, backend = None, TorchBackend(real_shaped[1]())

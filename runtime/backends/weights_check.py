@@ -13,7 +13,6 @@ backend reports (its decoder's config, its ONNX sessions' KV inputs) with the ma
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
@@ -48,7 +47,7 @@ ITEMSIZE = {
 """Bytes per element of the dtypes safetensors and the ONNX tensor table name."""
 _LAYER = re.compile(r"layers\.(\d+)\.")
 _EXPERT = re.compile(r"layers\.0\.mlp\.experts\.(\d+)\.")
-_REBUILD = "the manifest does not match its weights (edited or from another build): rebuild the artifact"
+REBUILD = "the manifest does not match its weights (edited or from another build): rebuild the artifact"
 
 
 def safetensors_shapes(path: Path, relative: str) -> dict[str, list[int]]:
@@ -119,19 +118,18 @@ def check_geometry(config: ArchConfig, shapes: dict[str, list[int]], source: str
         if got is not None and list(got) != shape:
             raise ArtifactError(
                 f"{source}: tensor {quote(name)} has shape {quote(list(got))} but config {fields} gives "
-                f"{shape}; {_REBUILD}"
+                f"{shape}; {REBUILD}"
             )
 
     layers = {int(m.group(1)) for name in shapes if (m := _LAYER.match(name))}
     if layers and layers != set(range(c.num_layers)):
         raise ArtifactError(
-            f"{source} holds {len(layers)} blocks (0..{max(layers)}) but config.num_layers is "
-            f"{c.num_layers}; {_REBUILD}"
+            f"{source} holds {len(layers)} blocks (0..{max(layers)}) but config.num_layers is {c.num_layers}; {REBUILD}"
         )
     experts = {int(m.group(1)) for name in shapes if (m := _EXPERT.match(name))}
     if len(experts) != c.num_experts:
         raise ArtifactError(
-            f"{source} holds {len(experts)} experts per block but config.num_experts is {c.num_experts}; {_REBUILD}"
+            f"{source} holds {len(experts)} experts per block but config.num_experts is {c.num_experts}; {REBUILD}"
         )
     h, v, hd, inner = c.hidden_size, c.vocab_size, c.head_dim, c.intermediate_size
     expect("embed.weight", [v, h], "(vocab_size, hidden_size)")
@@ -164,38 +162,21 @@ def check_geometry(config: ArchConfig, shapes: dict[str, list[int]], source: str
 
 
 def check_before_open(root: Path, manifest: Manifest, backend: str) -> None:
-    """The manifest's geometry against the headers of the weights ``backend`` is about to open."""
-    config = manifest.config
-    if backend == "torch" and config.decoder == "canonical":
-        relative = manifest.backends["torch"]["weights"]
-        shapes = safetensors_shapes(root / relative, relative)
-        check_geometry(config, shapes, f"weights file {quote(relative)}")
-        if importlib.util.find_spec("torch") is not None:  # (inspect on a box without torch: the headers alone)
-            from .torch.decoder import check_decoder_tensors
+    """The manifest's geometry against the headers of the weights ``backend`` is about to open (its descriptor's
+    check: ``backends/descriptor.py``)."""
+    from . import BACKENDS
 
-            check_decoder_tensors(config, shapes, f"weights file {quote(relative)}", _REBUILD)
-    elif backend == "torch" and importlib.util.find_spec("transformers") is not None:  # the generic path
-        # its model's own config.json, read without the weights, says what the opened decoder reports
-        # (check_after_open): inspect refuses the manifests load refuses
-        from .torch.hf_decoder import HF_FOLDER, folder_geometry
-
-        compare_geometry(config, folder_geometry(root / HF_FOLDER), f"{HF_FOLDER}/config.json")
-    elif backend == "onnx":
-        record = manifest.backends["onnx"]
-        check_geometry(config, onnx_table_shapes(record), "the ONNX tensor table")
-        for key, graph in record["graphs"].items():
-            for item in graph.get("inputs", []):
-                _check_kv_input(config, item.get("name"), item.get("shape"), f"ONNX graph {quote(key)} in the manifest")
+    BACKENDS.descriptor(backend).check_before_open(root, manifest)
 
 
-def _check_kv_input(config: ArchConfig, name: Any, shape: Any, where: str) -> None:
+def check_kv_input(config: ArchConfig, name: Any, shape: Any, where: str) -> None:
     """A ``past_key_values.{i}.key|value`` input ``[batch, kv_heads, length, head_dim]`` against the config."""
     if not isinstance(name, str) or not name.startswith("past_key_values."):
         return
     layer = name.split(".")[1]
     if not layer.isdigit() or int(layer) >= config.num_layers:
         raise ArtifactError(
-            f"{where} reads the KV cache of block {quote(layer)}, outside 0..{config.num_layers - 1}; {_REBUILD}"
+            f"{where} reads the KV cache of block {quote(layer)}, outside 0..{config.num_layers - 1}; {REBUILD}"
         )
     want = [None, config.num_kv_heads, None, config.head_dim]
     if (
@@ -205,7 +186,7 @@ def _check_kv_input(config: ArchConfig, name: Any, shape: Any, where: str) -> No
     ):
         raise ArtifactError(
             f"{where}: input {quote(name)} has shape {quote(shape)} but config gives "
-            f"[batch, num_kv_heads={config.num_kv_heads}, length, head_dim={config.head_dim}]; {_REBUILD}"
+            f"[batch, num_kv_heads={config.num_kv_heads}, length, head_dim={config.head_dim}]; {REBUILD}"
         )
 
 
@@ -222,7 +203,7 @@ def compare_geometry(config: ArchConfig, own: dict[str, Any], where: str) -> Non
     ]
     if wrong:
         raise ArtifactError(
-            f"manifest config does not match the model in the artifact ({where}): {', '.join(wrong[:3])}; {_REBUILD}"
+            f"manifest config does not match the model in the artifact ({where}): {', '.join(wrong[:3])}; {REBUILD}"
         )
 
 
@@ -235,13 +216,14 @@ def check_after_open(manifest: Manifest, backend: Any) -> None:
         compare_geometry(manifest.config, {name: getattr(own, name) for name in GEOMETRY}, "the loaded model")
     for key, session in (getattr(backend, "sessions", None) or {}).items():
         for item in session.get_inputs():
-            _check_kv_input(manifest.config, item.name, item.shape, f"ONNX graph {quote(key)}")
+            check_kv_input(manifest.config, item.name, item.shape, f"ONNX graph {quote(key)}")
 
 
 __all__ = [
     "check_after_open",
     "check_before_open",
     "check_geometry",
+    "check_kv_input",
     "compare_geometry",
     "onnx_table_shapes",
     "safetensors_shapes",

@@ -13,7 +13,7 @@ Names follow optimum: ``input_ids``, ``past_key_values.{i}.key/value``, ``logits
 KV layout ``[batch, kv_heads, len, head_dim]``; dynamic batch / seq / past. Every initializer is stored as
 external data in ``weights.bin`` next to the graphs (64-byte aligned, de-duplicated by dtype + shape +
 bytes). The manifest record lists every tensor's offset, so a runtime can read the file once and hand the
-same buffers to every session (``runtime/backends/onnx.py``).
+same buffers to every session (``runtime/backends/onnx/backend.py``).
 """
 
 from __future__ import annotations
@@ -399,4 +399,33 @@ def _numpy_weights(state, dtype: np.dtype) -> dict[str, np.ndarray]:
     return out
 
 
-__all__ = ["OPSET", "QUANT_BITS", "VARIANTS", "export_onnx", "export_onnx_weights", "export_options", "fused_supports"]
+def write_onnx_files(root: Path, ir, records: dict, onnx_memory: dict | None = None) -> dict:
+    """The ONNX descriptor's writer (``runtime/backends/onnx/descriptor.py``): the graphs of the plans with a model
+    part and their weights under ``root/onnx``, as the build chose to export them (``ir.tuning["onnx_export"]``: the
+    graph variant, weight-only quantization), reusing the quantized copies in ``ir.quantized`` (and adding those it
+    makes); ``onnx_memory``: more of ``export_onnx_weights``' memory options."""
+    from speccompile.artifact import model_plans
+
+    return export_onnx_weights(
+        ir.config,
+        ir.weights,
+        model_plans(ir.plans),
+        Path(root) / "onnx",
+        "float16" if ir.dtype == "float16" else "float32",
+        **ir.tuning.get("onnx_export", {}),
+        draft_heads=getattr(ir, "extra_files", {}),
+        derived=getattr(ir, "quantized", None),
+        **(onnx_memory or {}),
+    )
+
+
+__all__ = [
+    "OPSET",
+    "QUANT_BITS",
+    "VARIANTS",
+    "export_onnx",
+    "export_onnx_weights",
+    "export_options",
+    "fused_supports",
+    "write_onnx_files",
+]

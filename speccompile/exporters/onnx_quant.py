@@ -106,7 +106,7 @@ def one_row_path_differs(
     gives every product at least two rows (``FusedGraph.pad_products``); a verify's rows then compute
     exactly the steps they replace. Rows of calls of 2, 3, 5 and 8 rows are compared with one another
     too: a difference there is not one padding row can remove (the artifact's load-time self-check,
-    ``runtime/backends/onnx_selfcheck.py``, refuses to speculate where a verify still differs)."""
+    ``runtime/backends/onnx/selfcheck.py``, refuses to speculate where a verify still differs)."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper
 

@@ -243,6 +243,12 @@ def add_engines(root: Path, device: str = "cuda", log: Callable[[str], None] = l
     return record
 
 
+def write_tensorrt_files(root: Path, ir, records: dict, onnx_memory: dict | None = None) -> dict:
+    """The TensorRT descriptor's writer (``runtime/backends/tensorrt/descriptor.py``): engines built from the
+    standard ONNX graphs (the artifact's, when ``records`` has them), refitted from their weights at load."""
+    return export_tensorrt(root, ir, records.get("onnx"), ir.plans)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m speccompile.exporters.tensorrt",
@@ -274,6 +280,7 @@ __all__ = [
     "profile_shapes",
     "require_tensorrt",
     "step_tokens",
+    "write_tensorrt_files",
 ]
 
 

@@ -1,6 +1,6 @@
 """TensorRT backend: one engine per exported ONNX graph, KV cache in device memory (tensorrt + cuda-python).
 
-Mirrors ``runtime/backends/onnx.py`` (standard graphs) segment for segment, with device buffers instead of
+Mirrors ``runtime/backends/onnx/backend.py`` (standard graphs) segment for segment, with device buffers instead of
 numpy arrays:
 
 - the KV cache is one device buffer per layer and kind, ``[1, kv_heads, max_len, head_dim]``; a call

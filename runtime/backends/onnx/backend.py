@@ -35,16 +35,16 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ..artifact.draft_head import DraftHead, expand_logits, load_draft_head
-from ..artifact.manifest import ArchConfig, DraftPlan
-from ..errors import ArtifactError, BackendUnavailableError
-from ..segments import FINAL_HEAD, Row, Segment, full_model
-from ..tree import attention_rows as tree_attention_rows
-from ..tree import depths as tree_depths
-from .base import Backend
-from .graph_index import GraphIndex, full_model_without_verify
-from .onnx_initializers import from_arrays, from_blob, read_weights, shared_tensors
-from .onnx_selfcheck import tree_refusal
+from ...artifact.draft_head import DraftHead, expand_logits, load_draft_head
+from ...artifact.manifest import ArchConfig, DraftPlan
+from ...errors import ArtifactError, BackendUnavailableError
+from ...segments import FINAL_HEAD, Row, Segment, full_model
+from ...tree import attention_rows as tree_attention_rows
+from ...tree import depths as tree_depths
+from ..base import Backend
+from ..graph_index import GraphIndex, full_model_without_verify
+from .initializers import from_arrays, from_blob, read_weights, shared_tensors
+from .selfcheck import tree_refusal
 
 _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "uint8": np.uint8}
 

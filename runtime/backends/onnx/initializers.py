@@ -1,6 +1,6 @@
 """The ``OrtValue`` every ONNX Runtime session of a backend shares, one per unique tensor of the export's table.
 
-Sessions receive them through ``SessionOptions.add_initializer`` (``runtime/backends/onnx.py``), so however many
+Sessions receive them through ``SessionOptions.add_initializer`` (``runtime/backends/onnx/backend.py``), so however many
 sessions a backend opens the weights are in memory once. Only tensors that several sessions read are shared so
 (``shared_tensors``) when sessions prepack their weights: a tensor one session reads is read by that session
 from the graph's external data and freed once packed, where a given ``OrtValue`` would stay beside its packed
@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ArtifactError
+from ...errors import ArtifactError
 
 NUMPY_DTYPES = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "uint8": np.uint8}
 
