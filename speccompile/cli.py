@@ -786,13 +786,18 @@ def _serve_on_ray(address, host, port, **options):
         except SpeccompileError as exc:
             raise click.BadParameter(str(exc), param_hint="'--autoscale'") from None
     args = ray_serve.ServeArgs.parse({key: value for key, value in options.items() if value is not None})
-    ray_serve.serve_on_ray(
-        args,
-        address=None if address == "local" else address,
-        host=host,
-        port=port,
-        announce=lambda line: click.echo(line, err=True),
-    )
+    try:
+        ray_serve.serve_on_ray(
+            args,
+            address=None if address == "local" else address,
+            host=host,
+            port=port,
+            announce=lambda line: click.echo(line, err=True),
+        )
+    except KeyboardInterrupt:  # serve_on_ray said in one line what it removed or stopped
+        sys.exit(130)
+    except Terminated:
+        sys.exit(143)
 
 
 if __name__ == "__main__":

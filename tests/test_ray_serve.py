@@ -37,7 +37,7 @@ from ray import serve  # noqa: E402
 from ray.cluster_utils import Cluster  # noqa: E402
 
 from speccompile.runtime import load  # noqa: E402
-from speccompile.runtime.errors import InputError  # noqa: E402
+from speccompile.runtime.errors import InputError, SpeccompileError  # noqa: E402
 from speccompile.server import ray_serve as rs  # noqa: E402
 
 PROMPTS = ["def add(a, b):", "for i in range(10):", "class Point:", "import os\nimport sys\n"]
@@ -228,7 +228,8 @@ def test_cli_autoscale_rises_under_a_burst_and_falls_back_when_idle(cluster, cha
     ]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     lines: list[str] = []
-    threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True).start()
+    reader = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True)
+    reader.start()
     try:
         wait_for(lambda: any("serving" in s for s in lines) or process.poll() is not None, 120, "the CLI to serve")
         assert process.poll() is None, "".join(lines)
@@ -256,12 +257,53 @@ def test_cli_autoscale_rises_under_a_burst_and_falls_back_when_idle(cluster, cha
         assert served and all(ids == reference.token_ids for ids in served)
         wait_for(lambda: rs.replicas_running() == 1, 60, "the deployment to fall back to 1 replica when idle")
     finally:
-        process.send_signal(signal.SIGINT)
+        process.send_signal(signal.SIGINT)  # a user's Ctrl-C: the CLI removes its application, then exits
         try:
-            process.wait(timeout=60)
+            process.wait(timeout=300)  # only a safety net: the CLI bounds its own wait for the removal
         except subprocess.TimeoutExpired:
             process.kill()
-    wait_for(lambda: rs.DEFAULT_APP_NAME not in serve.status().applications, 60, "the CLI to delete its app")
+            raise AssertionError(f"the CLI still runs 300s after Ctrl-C: {''.join(lines)}") from None
+    reader.join(timeout=30)
+    output = "".join(lines)
+    assert process.returncode == 130 and "Traceback" not in output, output
+    removed = f"removed application '{rs.DEFAULT_APP_NAME}' from the Ray cluster at {made.address} ("
+    assert sum(line.startswith(removed) for line in lines) == 1, output
+    assert rs.DEFAULT_APP_NAME not in serve.status().applications  # gone when the CLI said so, not later
+
+
+def test_a_removal_that_does_not_finish_names_what_is_left_and_how_to_remove_it(monkeypatch):
+    """Ctrl-C again while ``serve --ray ADDRESS`` removes its application (or a removal past its bound, or one
+    that fails) ends in one line naming the application and the call that removes it; after an error, that
+    error stays the command's own line."""
+    hint = "ray.init(address='127.0.0.1:6379'); ray_serve.delete('speccompile')"
+    for fails, words in [
+        (KeyboardInterrupt(), ["its removal was requested, but the wait for it was interrupted"]),
+        (SpeccompileError("still DELETING after 120s"), ["it is still DELETING after 120s"]),
+        (ConnectionError("the head went away"), ["the removal failed: ConnectionError: the head went away"]),
+    ]:
+
+        def wait_removed(*args, fails=fails):
+            raise fails
+
+        monkeypatch.setattr(rs, "request_removal", lambda name: None)
+        monkeypatch.setattr(rs, "wait_removed", wait_removed)
+        said: list[str] = []
+        with pytest.raises(rs.LeftBehind) as left:
+            rs.remove_on_exit("speccompile", "127.0.0.1:6379", said.append, cause=KeyboardInterrupt())
+        line = str(left.value)
+        assert not said and len(line.splitlines()) == 1 and hint in line, line
+        assert line.startswith("left application 'speccompile' on the Ray cluster at 127.0.0.1:6379"), line
+        for word in words:
+            assert word in line, line
+        rs.remove_on_exit("speccompile", "127.0.0.1:6379", said.append, cause=InputError("the deployment failed"))
+        assert len(said) == 1 and hint in said[0], said
+
+    monkeypatch.setattr(rs, "wait_removed", lambda *args: 1.5)
+    said = []
+    rs.remove_on_exit("speccompile", "127.0.0.1:6379", said.append, cause=KeyboardInterrupt())
+    assert said == ["removed application 'speccompile' from the Ray cluster at 127.0.0.1:6379 (1.5s)"]
+    rs.remove_on_exit("speccompile", "127.0.0.1:6379", said.append, cause=InputError("the deployment failed"))
+    assert len(said) == 1  # the error is the one line
 
 
 # -- two replicas on two nodes ----------------------------------------------------------------------------

@@ -44,6 +44,7 @@ from speccompile.runtime.errors import InputError, SpeccompileError, quote
 DEFAULT_APP_NAME = "speccompile"
 DEPLOYMENT_NAME = "speccompile"
 LOOPBACK = "127.0.0.1"
+REMOVAL_TIMEOUT_S = 120.0  # removing an application normally takes seconds; a second Ctrl-C stops the wait
 
 
 def pin_loopback() -> None:
@@ -178,6 +179,9 @@ def deployment_options(args: ServeArgs) -> dict:
         "health_check_period_s": 10,
         "health_check_timeout_s": 30,
         "graceful_shutdown_timeout_s": 20,
+        # a stopping replica sleeps this long before it first counts its requests (Ray's default is 2 s): an
+        # idle one, the usual case on Ctrl-C or a scale-down, then goes in well under a second
+        "graceful_shutdown_wait_loop_s": 0.5,
     }
     if args.autoscale is None:
         options["num_replicas"] = args.replicas or 1
@@ -500,15 +504,88 @@ def reconfigure(
     _apply(configs, name, timeout_s)
 
 
-def delete(name: str = DEFAULT_APP_NAME) -> None:
-    """Remove one application (the other config-deployed ones kept)."""
+def delete(name: str = DEFAULT_APP_NAME, timeout_s: float = REMOVAL_TIMEOUT_S) -> float:
+    """Remove one application (the other config-deployed ones kept) and wait until the cluster no longer lists
+    it; returns the seconds that took, or raises a SpeccompileError when it is still there after ``timeout_s``
+    (already gone: returns at once)."""
+    start = time.monotonic()
+    request_removal(name)
+    return wait_removed(name, timeout_s, start)
+
+
+def request_removal(name: str = DEFAULT_APP_NAME) -> None:
+    """Ask the controller to remove one application, without waiting. A config-deployed one goes by applying
+    the others' configs, as ``serve deploy`` would, so that Ray's stored config drops it too; any other by a
+    non-blocking ``serve.delete`` (its blocking form polls for up to 60 s and then raises, which ``wait_removed``
+    does with its own bound instead)."""
+    from ray.serve.schema import ServeDeploySchema
+
     configs = _declarative_configs()
     if configs.pop(name, None) is not None:
-        from ray.serve.schema import ServeDeploySchema
-
         _client().deploy_apps(ServeDeploySchema(applications=list(configs.values())))
-    with contextlib.suppress(Exception):
-        serve.delete(name)
+    elif _status(name) is not None:
+        serve.delete(name, _blocking=False)
+
+
+def wait_removed(
+    name: str = DEFAULT_APP_NAME, timeout_s: float = REMOVAL_TIMEOUT_S, start: float | None = None
+) -> float:
+    """Wait until the cluster no longer lists the application (its replicas stop on their own: idle ones at
+    once, busy ones when their requests end or the controller kills them after ``graceful_shutdown_timeout_s``);
+    returns the seconds since ``start`` (a ``time.monotonic()``, default now), or raises a SpeccompileError
+    naming its state when it is still listed ``timeout_s`` after ``start``."""
+    start = time.monotonic() if start is None else start
+    while (status := _status(name)) is not None:
+        if time.monotonic() - start > timeout_s:
+            state = str(getattr(status.status, "value", status.status))
+            raise SpeccompileError(f"still {state} after {timeout_s:.0f}s")
+        time.sleep(0.2)
+    return time.monotonic() - start
+
+
+def removal_hint(name: str, address: str) -> str:
+    """The one call that removes an application left on the cluster at ``address`` (``delete`` is idempotent:
+    on an application already gone it returns at once)."""
+    return (
+        f'python -c "import ray; from speccompile.server import ray_serve; ray.init(address={address!r}); '
+        f'ray_serve.delete({name!r})"'
+    )
+
+
+class LeftBehind(SpeccompileError):
+    """``serve --ray`` stopped without removing its application: the one line says what is left and how to
+    remove it."""
+
+
+def remove_on_exit(
+    name: str, address: str, announce: Callable[[str], None], cause: BaseException | None = None
+) -> None:
+    """``serve --ray``'s way out on a cluster it does not own: remove the application it deployed and say so in
+    one line. When that fails, times out or is interrupted (a second Ctrl-C, a SIGTERM), the line names what is
+    left and the call that removes it, raised as LeftBehind so that the exit status says so. When ``cause`` (why
+    the command stops) is an error, that error stays the command's one line: the removal is silent, and only a
+    failed one is announced first."""
+    where, start, requested = f"the Ray cluster at {address}", time.monotonic(), False
+    try:
+        request_removal(name)
+        requested = True
+        seconds = wait_removed(name, REMOVAL_TIMEOUT_S, start)
+    except BaseException as exc:  # a second Ctrl-C or a SIGTERM too: one line, no traceback
+        if isinstance(exc, SpeccompileError):
+            why = f"its removal was requested, but it is {exc}"
+        elif isinstance(exc, Exception):
+            why = f"the removal failed: {type(exc).__name__}: {' '.join(str(exc).split())[:120]}"
+        elif requested:
+            why = "its removal was requested, but the wait for it was interrupted"
+        else:
+            why = "interrupted before its removal was requested"
+        line = f"left application {quote(name)} on {where} ({why}); remove it with: {removal_hint(name, address)}"
+        if isinstance(cause, Exception):
+            announce(line)
+            return
+        raise LeftBehind(line) from None
+    if not isinstance(cause, Exception):
+        announce(f"removed application {quote(name)} from {where} ({seconds:.1f}s)")
 
 
 def wait_running(name: str = DEFAULT_APP_NAME, timeout_s: float = 600.0, before: float | None = None) -> None:
@@ -555,18 +632,19 @@ def serve_on_ray(
     args: ServeArgs, *, address: str | None, host: str, port: int, announce: Callable[[str], None]
 ) -> None:
     """The CLI's ``serve --ray``: connect (or start a local cluster), start the proxy on the head, check the
-    artifact on every node, deploy, announce, then wait until interrupted; on the way out the application
-    is deleted (a local cluster is stopped)."""
+    artifact on every node, deploy, announce, then wait until interrupted. On the way out (Ctrl-C, SIGTERM, an
+    error) a local cluster is stopped; on a cluster given by address the application is removed, and one line
+    says that it was, or what was left and how to remove it (``remove_on_exit``)."""
     if address is None:
         from speccompile.server.app import bind_socket
 
         bind_socket(host, port).close()  # a taken port: the server's one-line error, before Ray starts
-    on_sigterm = signal.getsignal(signal.SIGTERM)
-    connected = connect(address)
-    if on_sigterm is not None and threading.current_thread() is threading.main_thread():
-        signal.signal(signal.SIGTERM, on_sigterm)  # ray.init's handler aborts: the caller's runs the cleanup below
     deployed = False
     try:
+        on_sigterm = signal.getsignal(signal.SIGTERM)
+        connected = connect(address)
+        if on_sigterm is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, on_sigterm)  # ray.init's handler aborts: the caller's runs the cleanup
         url = start_serve(host, port)
         nodes = check_artifact_on_nodes(args.artifact)
         deployed = True
@@ -574,14 +652,20 @@ def serve_on_ray(
         announce(f"serving {args.artifact} on {url}/v1 with {args.describe()} on {connected} ({nodes} node(s))")
         while True:
             time.sleep(3600)
-    finally:
+    except BaseException as exc:
+        stopped = not isinstance(exc, Exception)  # Ctrl-C or SIGTERM: the line below is the command's last word
         if address is None:
-            with contextlib.suppress(Exception):
-                serve.shutdown()
+            if ray.is_initialized():
+                with contextlib.suppress(BaseException):  # a second Ctrl-C too: ray.shutdown ends the replicas
+                    serve.shutdown()
             ray.shutdown()
+            if stopped:
+                announce("stopped the local Ray cluster")
         elif deployed:
-            with contextlib.suppress(Exception):
-                delete()
+            remove_on_exit(DEFAULT_APP_NAME, address, announce, cause=exc)
+        elif stopped:
+            announce(f"stopped before deploying anything on the Ray cluster at {address}")
+        raise
 
 
 def cluster_metrics(
