@@ -55,7 +55,7 @@ ATTENTION = ("GroupQueryAttention", "MultiHeadAttention", "Attention", "Softmax"
 
 def derive(src: Path, dst: Path, options: dict) -> Path:
     """``src`` with its ONNX graphs re-exported with ``options`` (torch weights dropped), unless ``dst`` exists."""
-    from speccompile.artifact import read_canonical_weights
+    from speccompile.artifact_writer import read_canonical_weights
     from speccompile.exporters.onnx_export import export_onnx_weights
     from speccompile.runtime.artifact.manifest import TOKENIZER_FILE, file_record, read_manifest, write_manifest
 

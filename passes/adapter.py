@@ -1,7 +1,7 @@
 """Trained exit adapters and reduced-vocabulary draft heads (Kangaroo / EESD style; the target stays frozen).
 
 An early exit through the shared final norm and lm_head drafts poorly on a model never trained for it.
-This pass trains only a small *draft head* on the hidden state after block E (``runtime/artifact/draft_head.py``:
+This pass trains only a small *draft head* on the hidden state after block E (``runtime/artifact/draft_head_file.py``:
 a gated MLP of the model's width, added to the residual stream, then the model's own final norm and
 lm_head), and picks the draft vocabulary:
 
@@ -40,16 +40,16 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from speccompile.runtime.artifact.draft_head import DraftHead
+from speccompile.runtime.artifact.draft_head_file import DraftHead
 from speccompile.runtime.artifact.manifest import DraftPlan
 from speccompile.runtime.backends.torch.backend import TorchDraftHead
 from speccompile.runtime.drafting import has_model_part
 from speccompile.runtime.errors import SpeccompileError
 
-from .base import BOUND_MARGIN, Pass, PassResult, incumbent
 from .budget import ADAPTER_GAIN, PERFECT, RATE_SLACK, agreement_seconds, exit_agreements, model_draft_bound, needed
 from .cost_model import _best_seconds
 from .ir import DecoderIR
+from .pass_manager import BOUND_MARGIN, Pass, PassResult, incumbent
 from .plans import tuned_target
 from .tuning import TuningContext
 

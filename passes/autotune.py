@@ -14,11 +14,11 @@ from tqdm.auto import tqdm
 
 from speccompile.runtime.artifact.manifest import DraftPlan
 
-from .acceptance import best_policy
-from .base import BOUND_MARGIN, Pass, PassResult, incumbent
+from .acceptance_estimate import best_policy
 from .budget import PERFECT, RATE_SLACK, agreement_seconds, exit_agreements, model_draft_bound, needed
 from .ir import DecoderIR
-from .plans import EarlyExitHeads, LayerSkip
+from .pass_manager import BOUND_MARGIN, Pass, PassResult, incumbent
+from .plans import EarlyExitHeads, LayerSkipPlan
 from .tuning import TuningContext
 
 
@@ -151,7 +151,7 @@ class CosineAutotune(Pass):
             cosine_ranking=[[kind, i, round(c, 5)] for kind, i, c in ranking],
             skip_counts_scored=len(scores),
         )
-        LayerSkip(plan.skip_attn, plan.skip_mlp, best.max_draft, best.threshold, self.plan_name, measured).run(ir)
+        LayerSkipPlan(plan.skip_attn, plan.skip_mlp, best.max_draft, best.threshold, self.plan_name, measured).run(ir)
         return PassResult.after(ir, before, stopped_by=stopped)
 
 

@@ -27,9 +27,9 @@ from speccompile.runtime.drafting import read_plan
 from speccompile.runtime.errors import SpeccompileError
 
 from .autotune import cosine_ranking, skip_plan, skip_units
-from .base import Pass, PassError, PassResult
 from .ir import DecoderIR
-from .plans import LayerSkip
+from .pass_manager import Pass, PassError, PassResult
+from .plans import LayerSkipPlan
 from .tuning import TuningContext
 
 GP_MAX_TRIALS = 300
@@ -219,7 +219,7 @@ class BayesAutotune(Pass):
             candidates_confirmed=len(scored),
             **confirmed,
         )
-        LayerSkip(
+        LayerSkipPlan(
             plan.skip_attn,
             plan.skip_mlp,
             read_plan(plan).model.max_draft,
@@ -231,7 +231,7 @@ class BayesAutotune(Pass):
 
 
 def _estimate_from(trial: optuna.trial.FrozenTrial):
-    from .acceptance import RoundEstimate
+    from .acceptance_estimate import RoundEstimate
 
     a = trial.user_attrs
     return RoundEstimate(

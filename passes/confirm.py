@@ -16,9 +16,9 @@ from tqdm.auto import tqdm
 from speccompile.runtime.artifact.manifest import DraftPlan
 from speccompile.runtime.decoding.speculative import DecodeRequest, Stats, decode_all
 
-from .base import Pass, PassResult
 from .budget import BudgetBar
 from .ir import DecoderIR
+from .pass_manager import Pass, PassResult
 
 MIN_TURNS = 3  # a sequential confirmation times at least this many turns before it may stop
 MAX_TURNS_PER_PROMPT = 4  # and at most this many turns per confirmation prompt

@@ -276,7 +276,7 @@ def measure_step_costs(
     """Time ``backend.forward`` of 1..max_tokens tokens after ``context`` cached positions (minimum over
     interleaved repeats, made non-decreasing, with ``seconds`` as in ``measure_costs``), plus the draft-token
     overhead and one lookup, through the Backend protocol only."""
-    from speccompile.runtime.drafting.base import RoundContext
+    from speccompile.runtime.drafting.drafter import RoundContext
     from speccompile.runtime.drafting.ngram import NgramDrafter
     from speccompile.runtime.sampling import SamplingParams, softmax
 

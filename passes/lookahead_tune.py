@@ -21,8 +21,8 @@ from speccompile.runtime.artifact.manifest import DraftPlan
 from speccompile.runtime.decoding.speculative import DecodeRequest, decode_all
 from speccompile.runtime.drafting import has_model_part
 
-from .base import Pass, PassResult
 from .ir import DecoderIR
+from .pass_manager import Pass, PassResult
 from .plans import tuned_target
 from .replay import ReplayedRound, estimate_rounds, round_mix
 from .tuning import TuningContext

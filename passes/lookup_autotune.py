@@ -25,10 +25,10 @@ from speccompile.runtime.artifact.manifest import DraftPlan
 from speccompile.runtime.drafting import describe, has_model_part, options
 from speccompile.runtime.drafting.retrieval import Datastore
 
-from .acceptance import THRESHOLDS
-from .base import Pass, PassResult
+from .acceptance_estimate import THRESHOLDS
 from .budget import hybrid_bound
 from .ir import DecoderIR
+from .pass_manager import Pass, PassResult
 from .plans import tuned_target
 from .replay import estimate_rounds, replay, round_mix
 from .tuning import LOOKUP_MAX_DRAFT, TuningContext
@@ -214,7 +214,7 @@ class HybridAutotune(Pass):
 
     def requires(self, ir: DecoderIR) -> None:
         if "lookup" not in ir.plans:
-            from .base import PassError
+            from .pass_manager import PassError
 
             raise PassError("hybrid_autotune puts the lookup plan in front of a model plan: run lookup_autotune first")
 

@@ -7,10 +7,10 @@ layer-skip draft is the same blocks with some sublayers passed through.
 from __future__ import annotations
 
 from speccompile.runtime.artifact.manifest import DraftPlan
-from speccompile.runtime.drafting.model import ModelOptions
+from speccompile.runtime.drafting.model_draft import ModelOptions
 
-from .base import Pass, PassResult
 from .ir import DecoderIR
+from .pass_manager import Pass, PassResult
 
 
 def tuned_target(measured: dict) -> float:
@@ -56,7 +56,7 @@ class EarlyExitHeads(Pass):
         return PassResult.after(ir, before)
 
 
-class LayerSkip(Pass):
+class LayerSkipPlan(Pass):
     """Define a draft subgraph that skips the given attention and MLP sublayers."""
 
     name = "layer_skip"

@@ -46,12 +46,12 @@ from speccompile.runtime.drafting.kinds.precision import precision_of
 from speccompile.runtime.errors import ArtifactError
 from speccompile.runtime.memory import return_freed_memory
 
-from .acceptance import best_policy
-from .base import Pass, PassResult
+from .acceptance_estimate import best_policy
 from .budget import RATE_SLACK, geometric_bound, hybrid_bound
 from .cost_model import _best_seconds, measure_draft_rounds
 from .ir import DecoderIR
 from .lookup_autotune import NGRAM_SIZES, score_lookup
+from .pass_manager import Pass, PassResult
 from .plans import tuned_target
 from .precision_estimate import estimation_twin, int8_input_scales, release_twins
 from .replay import ReplayedRound, estimate_rounds, round_mix

@@ -19,11 +19,11 @@ import numpy as np
 
 from speccompile.runtime.artifact.manifest import DraftPlan
 from speccompile.runtime.drafting import has_model_part, read_plan
-from speccompile.runtime.drafting.base import RoundContext
+from speccompile.runtime.drafting.drafter import RoundContext
 from speccompile.runtime.drafting.factory import make_drafter
 from speccompile.runtime.sampling import SamplingParams
 
-from .acceptance import Profile, Reference, RoundEstimate
+from .acceptance_estimate import Profile, Reference, RoundEstimate
 
 GREEDY = SamplingParams()
 

@@ -18,7 +18,7 @@ import numpy as np
 
 from speccompile.runtime.artifact.manifest import DraftPlan
 
-from .acceptance import (
+from .acceptance_estimate import (
     MIN_CONTINUATIONS,
     Reference,
     RoundEstimate,
@@ -233,7 +233,7 @@ class TuningContext:
         read from this tuning run's files; None for the shared head."""
         if plan.draft_head_file is None:
             return None
-        from speccompile.runtime.artifact.draft_head import load_draft_head
+        from speccompile.runtime.artifact.draft_head_file import load_draft_head
         from speccompile.runtime.backends.torch.backend import TorchDraftHead
 
         c = self.ir.config

@@ -12,7 +12,7 @@ any segment it has the code or the exported graphs for:
   segment that starts at ``stop`` (early-exit prefix reuse);
 - ``head``: ``None`` (no logits), ``"final"`` (the model's final norm and lm_head, shared by every
   exit) or the artifact-relative path of a draft head file (an exit adapter and/or a reduced draft
-  vocabulary, ``runtime/artifact/draft_head.py``; logits come back over the whole vocabulary);
+  vocabulary, ``runtime/artifact/draft_head_file.py``; logits come back over the whole vocabulary);
 - ``precision``: ``None`` (the model's own weights) or a weight-only quantization scheme of them
   (``"int4"``, ``"int8"``, optionally ``"int4/b128"`` or ``"int4/b32s"`` with a block size and ``s`` for
   symmetric): a precision self-draft (``runtime/drafting/kinds/precision.py``), which writes its KV into the same cache.

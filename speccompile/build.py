@@ -9,16 +9,16 @@ from typing import Callable
 
 import torch
 
-from speccompile.artifact import check_output, output_lock, source_folder, write_artifact
+from speccompile.artifact_writer import check_output, output_lock, source_folder, write_artifact
 from speccompile.calibration import load_calibration
 from speccompile.convert import arch_config, canonical_weights, choose_path
 from speccompile.loading import SourceModel, load_source
 from speccompile.passes.adapter import DRAFT_HEADS_DIR
-from speccompile.passes.base import PassManager
 from speccompile.passes.budget import CONFIRM_SHARE, Budget, cap_seconds, default_seconds
 from speccompile.passes.call_costs import time_call_costs
 from speccompile.passes.confirm import MIN_TURNS, ChooseDefaultPlan, ConfirmPlans
 from speccompile.passes.ir import DecoderIR
+from speccompile.passes.pass_manager import PassManager
 from speccompile.passes.pipeline import METHODS, BuildOptions, PipelineInputs, TuneOptions, TuningOptions
 from speccompile.passes.tuning import TuningContext
 from speccompile.runners import make_runner
@@ -362,7 +362,7 @@ def check_options(options) -> None:
 
 def tune(options: TuneOptions, log: Callable[[str], None] = print) -> Path:
     """Retune an existing artifact (another device or calibration set) without the source model."""
-    from speccompile.artifact import check_rewritable, read_canonical_weights, rewrite_artifact
+    from speccompile.artifact_writer import check_rewritable, read_canonical_weights, rewrite_artifact
     from speccompile.runtime.artifact.tokenizer import TextTokenizer
     from speccompile.runtime.model import TOKENIZER_FILE, read_artifact
 

@@ -245,7 +245,7 @@ def build(model, **values):
     """Build a self-speculative artifact from MODEL (a local folder, a cached hub id, or nothing for the
     bundled reference model)."""
     from speccompile.build import build as run_build
-    from speccompile.memory import describe_peak, peak_resident_bytes
+    from speccompile.build_memory import describe_peak, peak_resident_bytes
     from speccompile.runtime import read_artifact
 
     path = run_build(from_cli("build", values, model=model), log=lambda message: click.echo(message, err=True))
@@ -479,7 +479,7 @@ def inspect(artifact, as_json):
     click.echo(f"  files       {len(manifest.files)} ({total / 1e6:.1f} MB), sha256 verified")
     memory = manifest.tuning.get("memory") or {}
     if memory.get("peak_resident_bytes"):
-        from speccompile.memory import describe_peak
+        from speccompile.build_memory import describe_peak
 
         peak = describe_peak(memory["peak_resident_bytes"], memory.get("fp32_weights_bytes"))
         click.echo(f"  memory      the build's peak resident memory {peak}")

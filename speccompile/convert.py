@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 
 from speccompile.families import FAMILIES, family_for
-from speccompile.families.base import Layout, UnsupportedModelError, rotary_module
+from speccompile.families.family import Layout, UnsupportedModelError, rotary_module
 from speccompile.runtime.artifact.manifest import ArchConfig
 
 __all__ = [

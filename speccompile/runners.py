@@ -36,7 +36,7 @@ class OnnxRunner:
         self._exports = 0
 
     def backend(self, plans: dict | None = None):
-        from speccompile.artifact import model_plans, write_backend_files
+        from speccompile.artifact_writer import model_plans, write_backend_files
 
         plans = model_plans(plans or {})
         key = tuple(

@@ -6,7 +6,7 @@ build and the runtime learn nothing about it. (``Family`` supplies the rotary fi
 ``_activation``; ``speccompile/convert.py`` reads the layout.)
 """
 
-from speccompile.families.base import LLAMA_LAYER, Family, Layout
+from speccompile.families.family import LLAMA_LAYER, Family, Layout
 from speccompile.runtime.artifact.manifest import ArchConfig
 
 

@@ -5,7 +5,7 @@ full model). This file plus one ``KINDS`` entry is all of it: no backend, cost m
 exporter learns about it. (``DraftKind`` runs, prices and estimates a kind's ``draft_segment``.)
 """
 
-from speccompile.runtime.drafting.kinds.base import DraftKind
+from speccompile.runtime.drafting.kinds.draft_kind import DraftKind
 from speccompile.runtime.segments import Segment
 
 

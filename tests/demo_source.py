@@ -12,7 +12,7 @@ from typing import Sequence
 
 from speccompile.runtime.artifact.manifest import DraftPlan
 from speccompile.runtime.drafting import options
-from speccompile.runtime.drafting.base import Draft, LookupSource, RoundContext, SourceOptions
+from speccompile.runtime.drafting.drafter import Draft, LookupSource, RoundContext, SourceOptions
 from speccompile.runtime.errors import ArtifactError
 
 

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from tiny_models import make_tokenizer
 
-from speccompile.artifact import hash_files
+from speccompile.artifact_writer import hash_files
 from speccompile.exporters.onnx_export import export_onnx
 from speccompile.runtime.artifact.manifest import DraftPlan, Manifest, read_manifest, write_manifest
 from speccompile.runtime.backends.onnx import OnnxBackend

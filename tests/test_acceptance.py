@@ -11,7 +11,7 @@ import pytest
 import torch
 from lossless import run
 
-from speccompile.passes.acceptance import profile_plan, reference_pass, simulate_rounds
+from speccompile.passes.acceptance_estimate import profile_plan, reference_pass, simulate_rounds
 from speccompile.runtime.artifact.manifest import DraftPlan
 from speccompile.runtime.backends.torch.backend import TorchBackend
 from speccompile.runtime.drafting import options
@@ -90,7 +90,7 @@ def test_batched_calibration_continuations_equal_one_prompt_at_a_time(tiny_decod
     """Calibration decodes its prompts as one left-padded batch where rows cannot see their padding
     (rotary / NoPE positions, sliding windows); each row must be the plain loop's own greedy output, and
     an eos ends only its own row. Learned positions (opt) take the one-prompt loop."""
-    from speccompile.passes.acceptance import batches_left_padded, greedy_continuations
+    from speccompile.passes.acceptance_estimate import batches_left_padded, greedy_continuations
 
     _, decoder = tiny_decoder(family)
     assert batches_left_padded(decoder) == (family != "opt")

@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from lossless import assert_same_greedy, chi_square_pvalue, exact_marginals, next_token_logits, run
 from tiny_models import FAMILIES
 
-from speccompile.runtime.artifact.draft_head import DraftHead
+from speccompile.runtime.artifact.draft_head_file import DraftHead
 from speccompile.runtime.artifact.manifest import DraftPlan
 from speccompile.runtime.backends.torch.backend import TorchBackend
 from speccompile.runtime.decoding.speculative import backend_drafter
@@ -143,7 +143,7 @@ def random_prompts(vocab: int, seed: int = 5, count: int = 3) -> list[list[int]]
 
 @pytest.mark.parametrize("family", FAMILIES)
 def test_draft_heads_greedy_lossless_torch_and_onnx(family, tiny_decoder, tmp_path):
-    from speccompile.artifact import model_plans
+    from speccompile.artifact_writer import model_plans
     from speccompile.exporters.onnx_export import export_onnx
     from speccompile.runtime.backends.onnx import OnnxBackend
 

@@ -11,10 +11,10 @@ import pytest
 from click.testing import CliRunner
 
 from speccompile.cli import main
-from speccompile.passes.base import BOUND_MARGIN, Pass, PassManager, PassResult
 from speccompile.passes.budget import Budget, geometric_bound
 from speccompile.passes.confirm import Confirmer
 from speccompile.passes.ir import DecoderIR
+from speccompile.passes.pass_manager import BOUND_MARGIN, Pass, PassManager, PassResult
 from speccompile.passes.pipeline import METHODS, BuildOptions, cli_fields
 from speccompile.runtime.artifact.manifest import DraftPlan
 from speccompile.runtime.decoding.speculative import Stats

@@ -19,7 +19,7 @@ import torch
 from click.testing import CliRunner
 
 from speccompile.cli import main
-from speccompile.passes.acceptance import MIN_CONTINUATION, MIN_CONTINUATIONS, greedy_continuations
+from speccompile.passes.acceptance_estimate import MIN_CONTINUATION, MIN_CONTINUATIONS, greedy_continuations
 from speccompile.passes.budget import (
     ADAPTER_GAIN,
     CAP_BASE_SECONDS,

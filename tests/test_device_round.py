@@ -19,7 +19,7 @@ from speccompile.runtime.backends.torch.backend import TorchBackend
 from speccompile.runtime.backends.torch.device_round import DeviceRound
 from speccompile.runtime.backends.torch.graphs import eager_capture
 from speccompile.runtime.decoding.batch import BatchDecoder
-from speccompile.runtime.drafting.base import Drafter
+from speccompile.runtime.drafting.drafter import Drafter
 from speccompile.runtime.sampling import SamplingParams, probabilities
 
 NEW_TOKENS = 40
@@ -133,7 +133,7 @@ def test_device_round_with_draft_heads(family, tiny_decoder, tmp_path):
     vocabulary on the device (``TorchDraftHead.full_logits``), and output is unchanged."""
     from test_adapter import ADAPTER, REDUCED, head_plans, random_head
 
-    from speccompile.runtime.artifact.draft_head import DraftHead
+    from speccompile.runtime.artifact.draft_head_file import DraftHead
 
     _, decoder = tiny_decoder(family)
     config = decoder.config

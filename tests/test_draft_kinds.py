@@ -9,7 +9,7 @@ import inspect
 import pytest
 from lossless import assert_same_greedy, run
 
-from speccompile.passes.acceptance import profile_plan, reference_pass
+from speccompile.passes.acceptance_estimate import profile_plan, reference_pass
 from speccompile.passes.cost_model import measure_costs
 from speccompile.runtime.artifact.manifest import DraftPlan
 from speccompile.runtime.backends.base import Backend

@@ -13,7 +13,7 @@ from tiny_models import FAMILIES
 from speccompile.runtime.artifact.manifest import DraftPlan
 from speccompile.runtime.backends.torch.backend import TorchBackend
 from speccompile.runtime.drafting import check_plan, has_model_part, read_plans
-from speccompile.runtime.drafting.base import RoundContext
+from speccompile.runtime.drafting.drafter import RoundContext
 from speccompile.runtime.drafting.ngram import NgramDrafter, NgramIndex
 from speccompile.runtime.drafting.retrieval import Datastore
 from speccompile.runtime.sampling import SamplingParams
@@ -170,7 +170,7 @@ def random_prompts(vocab: int, seed: int = 3) -> list[list[int]]:
 @pytest.fixture(scope="module")
 def drafter_artifact(tiny_decoder, tmp_path_factory):
     """family -> (decoder, folder with a datastore and ONNX graphs for the model plans, plans, ONNX record)."""
-    from speccompile.artifact import model_plans
+    from speccompile.artifact_writer import model_plans
     from speccompile.exporters.onnx_export import export_onnx
 
     cache = {}
@@ -280,7 +280,7 @@ def test_sampling_with_lookup_drafts_matches_target_distribution(small_vocab_lla
 def test_replay_matches_the_real_loop(family, tiny_decoder, tmp_path):
     """For lookup and hybrid (early-exit) plans, replaying the drafter over the target's continuation gives
     the real loop's rounds exactly: same drafted and accepted counts, same sources per round."""
-    from speccompile.passes.acceptance import profile_plan, reference_pass
+    from speccompile.passes.acceptance_estimate import profile_plan, reference_pass
     from speccompile.passes.replay import replay
 
     _, decoder = tiny_decoder(family)

@@ -169,3 +169,23 @@ def test_the_round_probes_no_capability():
             ):
                 probes.append(f"{path.relative_to(REPO)}:{node.lineno}")
     assert not probes, f"getattr/hasattr probes in the round: {probes}"
+
+
+def layer_of(path: Path) -> str:
+    """The layer a module sits in: its first folder under ``runtime/`` (``runtime/backends``), else its top folder
+    (``passes``, ``speccompile``, ``speccompile/families``...: the toolkit's packages)."""
+    parts = path.relative_to(REPO).parts
+    return "/".join(parts[:2]) if parts[0] == "runtime" and len(parts) > 2 else "/".join(parts[:-1])
+
+
+def test_no_module_name_is_used_in_two_layers():
+    """A name says which layer a module is in: the same file name in two layers (the writer's ``artifact.py`` beside
+    the reader's ``runtime/artifact/``, two ``base.py``) is refused; siblings of one layer (each backend package's
+    ``backend.py`` and ``descriptor.py``) may share a name, being the same role."""
+    by_name: dict[str, set[str]] = {}
+    for folder in ("runtime", "passes", "speccompile"):
+        for path in sorted((REPO / folder).rglob("*.py")):
+            if path.name != "__init__.py":
+                by_name.setdefault(path.name, set()).add(layer_of(path))
+    twice = {name: sorted(layers) for name, layers in by_name.items() if len(layers) > 1}
+    assert not twice, f"module names used in several layers: {twice}"

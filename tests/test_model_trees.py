@@ -138,7 +138,7 @@ def test_sampling_drafts_chains(tiny_decoder):
 def test_the_replay_follows_a_model_tree():
     """The tuner's replay: the profile's runner-up at a position where its top choice is wrong is a leaf, which
     the continuation accepts; it is priced as a verify row, not a draft step."""
-    from speccompile.passes.acceptance import Profile, Reference
+    from speccompile.passes.acceptance_estimate import Profile, Reference
     from speccompile.passes.replay import replay
 
     prompt, target = [1, 2, 3], list(range(7, 19))
@@ -172,7 +172,7 @@ def test_plans_that_cannot_branch_are_refused():
 
 
 def test_a_lookup_extends_a_model_tree_below_its_chain():
-    from speccompile.runtime.drafting.base import Draft
+    from speccompile.runtime.drafting.drafter import Draft
     from speccompile.runtime.tree import depths
 
     tree = Draft(

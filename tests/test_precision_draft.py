@@ -374,7 +374,7 @@ def test_an_onnx_artifact_with_a_precision_draft_reexports(tiny_decoder, tmp_pat
     """The canonical weights read back from an ONNX-only artifact (what ``tune`` and the benchmarks re-export
     from) leave out the draft's quantized copies: re-exporting them used to feed the old uint8 tensors to the
     new draft graph as floats."""
-    from speccompile.artifact import read_canonical_weights
+    from speccompile.artifact_writer import read_canonical_weights
     from speccompile.exporters.onnx_export import export_onnx_weights, export_options
     from speccompile.runtime.backends.onnx import OnnxBackend
 

@@ -20,7 +20,7 @@ import click
 import pytest
 from click.testing import CliRunner
 
-from speccompile.artifact import atomic_folder
+from speccompile.artifact_writer import atomic_folder
 from speccompile.cli import friendly_errors, main
 from speccompile.runtime import load
 from speccompile.runtime.errors import ArtifactError, InputError, SpeccompileError

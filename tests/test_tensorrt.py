@@ -175,7 +175,7 @@ def test_tensorrt_export_graphs_model_plans_and_sizes_steps_for_every_plan(tiny_
     every plan's verify, a lookup-only plan's too. (The filter once read an attribute no plan had, so every
     plan reached the export.)"""
     import speccompile.exporters.tensorrt as trt_export
-    from speccompile.artifact import write_backend_files
+    from speccompile.artifact_writer import write_backend_files
     from speccompile.convert import canonical_weights
     from speccompile.passes.ir import DecoderIR
 

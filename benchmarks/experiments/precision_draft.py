@@ -67,7 +67,7 @@ def lookup_plan_of(manifest):
 
 def with_precision_plans(source: Path, out: Path, precisions: list[str], max_draft: int, hybrid: bool = False) -> Path:
     """A copy of ``source`` whose ONNX export also holds the precision plans' draft graphs."""
-    from speccompile.artifact import hash_files, read_canonical_weights
+    from speccompile.artifact_writer import hash_files, read_canonical_weights
     from speccompile.exporters.onnx_export import export_onnx_weights, export_options
     from speccompile.runtime.artifact.manifest import read_manifest, write_manifest
 

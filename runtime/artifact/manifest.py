@@ -212,7 +212,7 @@ class DraftPlan:
     exit_layer: int | None = None
     head: str = "final"
     draft_vocab: int | None = None
-    # The draft head (runtime/artifact/draft_head.py): a trained exit adapter ("adapter:E") and/or the ids of a
+    # The draft head (runtime/artifact/draft_head_file.py): a trained exit adapter ("adapter:E") and/or the ids of a
     # reduced draft vocabulary (draft_vocab tokens), in one safetensors file in the artifact.
     draft_head_file: str | None = None
     kind: str | None = None

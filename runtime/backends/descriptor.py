@@ -3,7 +3,7 @@ files and what tunes on it.
 
 A backend is one package under ``runtime/backends/`` holding its ``Backend`` and a ``BackendDescriptor``
 subclass, plus one line in ``BACKENDS`` (``__init__.py``). Loading (``runtime/model.py``), ``inspect``'s checks
-(``weights_check.check_before_open``), the artifact writer (``speccompile/artifact.py``), the build's option
+(``weights_check.check_before_open``), the artifact writer (``speccompile/artifact_writer.py``), the build's option
 checks and the tuner's runner (``speccompile/runners.py``) all ask the descriptor, never the backend's name.
 
 The build side (the writer, the tuning runner) lives in the ``speccompile`` layer, which the runtime must not

@@ -5,7 +5,7 @@ a cache *slot*, and one round's rows go to ``Backend.run_rows`` together. Two ad
 fit that shape:
 
 - ``SlotView``: the single-sequence ``Backend`` interface (``run``, ``forward``, ``draft``, ``verify``, trees)
-  on one slot of a batched backend. A sequence's drafter (model drafts, ``drafting/model.py``) and its draft
+  on one slot of a batched backend. A sequence's drafter (model drafts, ``drafting/model_draft.py``) and its draft
   kind call it exactly as they would call a backend of their own, so nothing in drafting knows about batches.
 - ``ReplicaSlots``: a batch on a backend whose cache has no slot dimension (TensorRT, the generic torch
   path): one ``replica()`` per slot, rows run one by one (exact; the weights are read once per row, so a

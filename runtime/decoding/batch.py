@@ -35,7 +35,7 @@ from ..acceptance import accept, pick
 from ..artifact.manifest import DraftPlan
 from ..backends.base import Backend
 from ..backends.slots import SlotView, batch_of
-from ..drafting.base import Draft, RoundContext
+from ..drafting.drafter import Draft, RoundContext
 from ..drafting.plan import ReadPlan, read_plan
 from ..errors import InputError
 from ..segments import Row, full_model

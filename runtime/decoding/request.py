@@ -9,9 +9,9 @@ from pathlib import Path
 
 from ..artifact.manifest import DraftPlan
 from ..backends.base import Backend
-from ..drafting.base import Draft
+from ..drafting.drafter import Draft
 from ..drafting.factory import make_drafter
-from ..drafting.model import BackendStep
+from ..drafting.model_draft import BackendStep
 from ..drafting.plan import ReadPlan, read_plan
 from ..sampling import SamplingParams
 

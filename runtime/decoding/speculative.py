@@ -5,7 +5,7 @@ draft kind (``runtime/drafting/kinds/``) turns a draft step and a verify into se
 verify reuses the draft's prefix). Rollback after a rejection is only a smaller ``pos`` for the next call.
 
 The round itself is written once, over a batch of sequences (``batch.py``); a request alone is a batch of
-one. Each round asks a drafter (``runtime/drafting/base.py``) for candidates and verifies them in one call;
+one. Each round asks a drafter (``runtime/drafting/drafter.py``) for candidates and verifies them in one call;
 the acceptance rule (``runtime/acceptance.py``) decides what is committed. A backend may keep a lone sequence's
 round on its device instead (``device_round``: the torch backend on CUDA with a model draft,
 ``runtime/backends/torch/device_round.py``: one host read per round, none per drafted token).

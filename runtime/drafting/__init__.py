@@ -20,7 +20,7 @@ from .plan import ReadPlan, read_plan, read_plans
 from .sources import SOURCES
 
 if TYPE_CHECKING:
-    from .base import SourceOptions
+    from .drafter import SourceOptions
 
 
 def options(plan: "DraftPlan | ReadPlan", source: str) -> "SourceOptions":

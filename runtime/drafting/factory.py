@@ -1,6 +1,6 @@
 """From a plan (data, in the manifest) to its drafter: the model part, the lookup sources, or both.
 
-Kept apart from the drafter interface (``base.py``) so that every source module, the compositions
+Kept apart from the drafter interface (``drafter.py``) so that every source module, the compositions
 included, imports the interface and nothing imports back.
 """
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 from ..artifact.manifest import DraftPlan
 from . import SOURCES
-from .base import Drafter, LookupSource
+from .drafter import Drafter, LookupSource
 from .hybrid import HybridDrafter
-from .model import DraftPolicy, DraftStep, ModelDrafter
+from .model_draft import DraftPolicy, DraftStep, ModelDrafter
 from .plan import ReadPlan, read_plan
 from .tree_lookup import TreeLookupDrafter
 

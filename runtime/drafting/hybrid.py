@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from .base import Composite, Draft, LookupSource, RoundContext, drive
-from .model import ModelDrafter
+from .drafter import Composite, Draft, LookupSource, RoundContext, drive
+from .model_draft import ModelDrafter
 
 
 class HybridDrafter(Composite):

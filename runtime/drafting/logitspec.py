@@ -22,7 +22,7 @@ import numpy as np
 
 from ..artifact.manifest import DraftPlan
 from ..errors import ArtifactError
-from .base import Draft, LookupSource, RoundContext, SourceOptions
+from .drafter import Draft, LookupSource, RoundContext, SourceOptions
 from .ngram import NgramDrafter
 from .plan import ReadPlan
 

@@ -31,7 +31,7 @@ import numpy as np
 
 from ..artifact.manifest import DraftPlan
 from ..errors import ArtifactError
-from .base import Draft, LookupSource, RoundContext, SourceOptions, remember
+from .drafter import Draft, LookupSource, RoundContext, SourceOptions, remember
 from .plan import ReadPlan
 
 POOL_PER_KEY = 8  # pooled n-grams kept per first token, most recent first

@@ -16,7 +16,7 @@ from typing import Sequence
 
 from ..artifact.manifest import DraftPlan
 from ..errors import ArtifactError
-from .base import Draft, LookupSource, RoundContext, SourceOptions
+from .drafter import Draft, LookupSource, RoundContext, SourceOptions
 from .plan import ReadPlan
 
 

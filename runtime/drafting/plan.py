@@ -23,8 +23,8 @@ from ..artifact.manifest import DraftPlan
 from ..artifact.schema import build_dataclass
 
 if TYPE_CHECKING:
-    from .base import SourceOptions
-    from .kinds.base import DraftKind
+    from .drafter import SourceOptions
+    from .kinds.draft_kind import DraftKind
 
 
 class ReadPlan:

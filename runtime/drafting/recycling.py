@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Sequence
 import numpy as np
 
 from ..artifact.manifest import DraftPlan
-from .base import Draft, LookupSource, RoundContext, remember
+from .drafter import Draft, LookupSource, RoundContext, remember
 
 if TYPE_CHECKING:
     from .plan import ReadPlan

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..artifact.manifest import DraftPlan
 from ..errors import ArtifactError
-from .base import Draft, LookupSource, RoundContext, SourceOptions
+from .drafter import Draft, LookupSource, RoundContext, SourceOptions
 from .plan import ReadPlan
 
 SEPARATOR = -1

@@ -13,7 +13,7 @@ SOURCES = Registry(
     "draft source",
     __package__,
     {
-        "model": ".model:ModelDrafter",
+        "model": ".model_draft:ModelDrafter",
         "ngram": ".ngram:NgramDrafter",
         "retrieval": ".retrieval:RetrievalDrafter",
         "lookahead": ".lookahead:LookaheadDrafter",

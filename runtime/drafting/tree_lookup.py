@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from ..tree import TokenTrie
-from .base import Composite, Draft, LookupSource, RoundContext
+from .drafter import Composite, Draft, LookupSource, RoundContext
 
 
 class TreeLookupDrafter(Composite):

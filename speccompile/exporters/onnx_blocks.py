@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from speccompile.runtime.artifact.draft_head import DraftHead
+from speccompile.runtime.artifact.draft_head_file import DraftHead
 
 from .onnx_graph import GraphBuilder
 

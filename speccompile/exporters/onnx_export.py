@@ -404,7 +404,7 @@ def write_onnx_files(root: Path, ir, records: dict, onnx_memory: dict | None = N
     part and their weights under ``root/onnx``, as the build chose to export them (``ir.tuning["onnx_export"]``: the
     graph variant, weight-only quantization), reusing the quantized copies in ``ir.quantized`` (and adding those it
     makes); ``onnx_memory``: more of ``export_onnx_weights``' memory options."""
-    from speccompile.artifact import model_plans
+    from speccompile.artifact_writer import model_plans
 
     return export_onnx_weights(
         ir.config,

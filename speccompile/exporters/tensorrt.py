@@ -206,7 +206,7 @@ def export_tensorrt(
     graphs are exported for those with a model part (as the ONNX backend's are), and the engines' step
     profile covers every plan's verify."""
     if onnx_record is None or onnx_record.get("variant", "standard") != "standard":
-        from speccompile.artifact import model_plans
+        from speccompile.artifact_writer import model_plans
         from speccompile.exporters.onnx_export import export_onnx_weights
 
         folder = root / ("onnx" if onnx_record is None else f"{ENGINE_DIR}/onnx")

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from speccompile.artifact import WEIGHTS_FILE
+from speccompile.artifact_writer import WEIGHTS_FILE
 
 
 def write_torch_files(root: Path, ir, records: dict, onnx_memory: dict | None = None) -> dict:

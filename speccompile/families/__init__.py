@@ -1,7 +1,7 @@
 """Model families as data: one descriptor per family of transformers causal LMs, found by ``model_type``.
 
 ``FAMILIES`` maps each supported ``model_type`` to the ``"module:Class"`` of its descriptor (a ``Family``,
-``base.py``), imported on first use. A descriptor says where the family keeps its tensors (``layout``) and
+``family.py``), imported on first use. A descriptor says where the family keeps its tensors (``layout``) and
 which switches of the one canonical decoder reproduce it (``arch_config``); ``speccompile/convert.py``
 does the rest generically.
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from speccompile.runtime.registry import Registry
 
-from .base import Family, Layout, UnsupportedModelError
+from .family import Family, Layout, UnsupportedModelError
 
 
 class FamilyRegistry(Registry):

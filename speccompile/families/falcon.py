@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from speccompile.runtime.artifact.manifest import ArchConfig
 
-from .base import SHARED_NORM, Family, Layout
+from .family import SHARED_NORM, Family, Layout
 
 _LAYER = {
     "attn.qkv": "self_attention.query_key_value",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from speccompile.runtime.artifact.manifest import ArchConfig
 
-from .base import LLAMA_LAYER, Family, Layout
+from .family import LLAMA_LAYER, Family, Layout
 
 
 class Gemma3(Family):

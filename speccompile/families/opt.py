@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from speccompile.runtime.artifact.manifest import ArchConfig
 
-from .base import Family, Layout
+from .family import Family, Layout
 
 
 class OPT(Family):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from speccompile.runtime.artifact.manifest import ArchConfig
 
-from .base import SHARED_NORM, Family, Layout
+from .family import SHARED_NORM, Family, Layout
 
 
 class Phi(Family):

@@ -35,7 +35,7 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from ...artifact.draft_head import DraftHead, expand_logits, load_draft_head
+from ...artifact.draft_head_file import DraftHead, expand_logits, load_draft_head
 from ...artifact.manifest import ArchConfig, DraftPlan
 from ...errors import ArtifactError, BackendUnavailableError
 from ...segments import FINAL_HEAD, Row, Segment, full_model

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file
 
-from ...artifact.draft_head import DraftHead, load_draft_head
+from ...artifact.draft_head_file import DraftHead, load_draft_head
 from ...artifact.manifest import ArchConfig
 from ...errors import ArtifactError, BackendUnavailableError
 from ...segments import FINAL_HEAD, Row, Segment
@@ -370,7 +370,7 @@ class TorchBackend(Backend):
             view = buf[:, slot]
             view.index_copy_(2, dst, view.index_select(2, src))
 
-    # -- draft heads: trained exit adapters and reduced vocabularies (runtime/artifact/draft_head.py) ------------
+    # -- draft heads: trained exit adapters and reduced vocabularies (runtime/artifact/draft_head_file.py) ------------
     def load_draft_head(self, head_file: str, root: Path | None) -> None:
         c = self.config
         head = load_draft_head(Path(root or ".") / head_file, c.hidden_size, c.vocab_size)

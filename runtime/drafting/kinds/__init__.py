@@ -10,7 +10,7 @@ from __future__ import annotations
 from ...artifact.manifest import DraftPlan
 from ...errors import ArtifactError
 from ...registry import Registry
-from .base import DraftKind
+from .draft_kind import DraftKind
 
 KINDS = Registry(
     "draft kind",

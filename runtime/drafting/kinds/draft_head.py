@@ -1,4 +1,4 @@
-"""The draft head wrapper: a trained exit adapter and/or a reduced draft vocabulary (``runtime/artifact/draft_head.py``).
+"""The draft head wrapper: a trained exit adapter and/or a reduced draft vocabulary (``runtime/artifact/draft_head_file.py``).
 
 Any model draft may end in a draft head instead of the shared head (``DraftKind.head``: the plan's
 ``draft_head_file``); the verifier always uses the full head, so output is unchanged. What such a head

@@ -10,7 +10,7 @@ across calls (``Backend.reuses_prefix``) verifies with the full model instead.
 from __future__ import annotations
 
 from ...segments import FINAL_HEAD, Segment
-from .base import DraftKind
+from .draft_kind import DraftKind
 
 
 class EarlyExit(DraftKind):

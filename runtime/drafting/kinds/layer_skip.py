@@ -8,7 +8,7 @@ verify reuses nothing.
 from __future__ import annotations
 
 from ...segments import Segment
-from .base import DraftKind
+from .draft_kind import DraftKind
 
 
 class LayerSkip(DraftKind):

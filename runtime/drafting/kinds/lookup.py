@@ -3,7 +3,7 @@ and the full model verifies; a round without a hit is a plain step."""
 
 from __future__ import annotations
 
-from .base import DraftKind
+from .draft_kind import DraftKind
 
 
 class LookupOnly(DraftKind):

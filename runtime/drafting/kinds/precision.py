@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from ...errors import ArtifactError
 from ...segments import Segment
-from .base import DraftKind
+from .draft_kind import DraftKind
 
 SCHEMES = ("int4", "int8")
 

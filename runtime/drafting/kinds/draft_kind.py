@@ -10,7 +10,7 @@ what the plan is (the pattern of vLLM's proposers and transformers' candidate ge
 - ``draft_calls`` / ``verify_calls``: the same calls as (segment, token count) pairs, which the cost
   model prices (``passes/cost_model.py``), so the estimate describes what runs;
 - ``estimate_hidden``: the draft's hidden states over a calibration sequence in one parallel pass
-  (``passes/acceptance.py`` supplies the estimator);
+  (``passes/acceptance_estimate.py`` supplies the estimator);
 - ``describe``: its part of ``inspect`` and error lines.
 
 Backends, the decode loop, the cost model, the estimator and the exporters call these and never ask

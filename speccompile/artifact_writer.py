@@ -20,7 +20,7 @@ from pathlib import Path
 
 import speccompile
 from speccompile.backend_parts import in_write_order, writer
-from speccompile.memory import peak_resident_bytes
+from speccompile.build_memory import peak_resident_bytes
 from speccompile.runtime.artifact.manifest import (
     MANIFEST_NAME,
     SCHEMA_VERSION,

@@ -9,7 +9,7 @@ learns from them (``Drafter.observes``).
 
 Here: ``Draft``, ``RoundContext``, the ``Drafter`` interface with its declared capabilities, ``LookupSource``
 (what a model-free source adds) and ``SourceOptions`` (a source's options, under its name in the plan).
-The sources are one module each beside this one (``model.py``, ``ngram.py``, ``retrieval.py``,
+The sources are one module each beside this one (``model_draft.py``, ``ngram.py``, ``retrieval.py``,
 ``lookahead.py``, ``logitspec.py``, ``recycling.py``), registered in ``SOURCES`` (``__init__.py``); the
 compositions are ``hybrid.py`` (a lookup hit, else the model, extended by a lookup) and ``tree_lookup.py``
 (token trees of the lookups); ``factory.make_drafter(plan, ...)`` builds a plan's drafter.

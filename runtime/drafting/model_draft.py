@@ -15,7 +15,7 @@ import numpy as np
 from ..artifact.manifest import DraftPlan
 from ..errors import ArtifactError
 from ..sampling import probabilities, sample
-from .base import Draft, Drafter, RoundContext, SourceOptions, drive
+from .drafter import Draft, Drafter, RoundContext, SourceOptions, drive
 
 if TYPE_CHECKING:
     from .plan import ReadPlan
