@@ -41,7 +41,7 @@ from speccompile.runtime.backends.torch.int8_twin import (
     set_input_scales,
 )
 from speccompile.runtime.decoding.speculative import DecodeRequest, decode_all
-from speccompile.runtime.drafting import has_model_part, options
+from speccompile.runtime.drafting import has_model_part, options, read_plans
 from speccompile.runtime.drafting.kinds.precision import precision_of
 from speccompile.runtime.errors import ArtifactError
 from speccompile.runtime.memory import return_freed_memory
@@ -298,7 +298,7 @@ class PrecisionTune(Pass):
         plans = {f"precision-{i}": precision_plan(params, c.max_draft) for i, params in enumerate(self.schemes)}
         try:
             backend = c.runner.backend(plans)
-            backend.check_plans(plans)
+            backend.check_plans(read_plans(plans, backend.config.num_layers))
         except ArtifactError as exc:  # no kernel for it here (the generic torch path, standard ONNX graphs, a GPU)
             return PassResult(ir, skipped=f"no precision draft on this backend: {exc}")
         lap = self._lap("backend", start)

@@ -2,7 +2,8 @@
 
 It drafts by following, from the round's input token, the token that most recently came after each token in
 the sequence so far, for up to ``length`` tokens. This file plus one ``SOURCES`` entry is all of it: its options
-live under its name in the plan's ``sources`` and are checked here; no other runtime file learns about it.
+live under its name in the plan's ``sources`` and are checked here, read once with the plan (``ReadPlan.options``);
+no other runtime file learns about it.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from speccompile.runtime.artifact.manifest import DraftPlan
-from speccompile.runtime.drafting import options
+from speccompile.runtime.drafting import ReadPlan
 from speccompile.runtime.drafting.drafter import Draft, LookupSource, RoundContext, SourceOptions
 from speccompile.runtime.errors import ArtifactError
 
@@ -33,8 +34,8 @@ class SuccessorDrafter(LookupSource):
         self.length, self.after = length, {}
 
     @classmethod
-    def from_plan(cls, plan: DraftPlan, root=None) -> "SuccessorDrafter":
-        return cls(options(plan, "successor").length)
+    def from_plan(cls, plan: ReadPlan, root=None) -> "SuccessorDrafter":
+        return cls(plan.options("successor").length)
 
     @staticmethod
     def describe(found: SuccessorOptions, plan: DraftPlan) -> str:

@@ -13,7 +13,6 @@ from speccompile.runtime.artifact.manifest import DraftPlan
 from speccompile.runtime.backends.torch.backend import GRAPH_CACHE_STEP, TorchBackend
 from speccompile.runtime.backends.torch.graphs import eager_capture
 from speccompile.runtime.drafting import read_plan
-from speccompile.runtime.drafting.kinds import kind_of
 from speccompile.runtime.sampling import SamplingParams
 from speccompile.runtime.segments import full_model
 
@@ -75,7 +74,7 @@ def test_each_step_is_captured_once_and_replayed(tiny_decoder):
     backend.verify(plan, [1, 2, 3], 12, 2)
     # exit draft; the verify: the prefix on the 1 fresh token, the suffix on all 3 kept states
     assert capture.count == first + 4
-    kind = kind_of(plan, decoder.config.num_layers)
+    kind = plan.kind
     assert set(backend.static.graphs) >= {
         (full_model(decoder.config.num_layers), 1),
         (kind.draft_segment, 1),

@@ -97,7 +97,7 @@ class DraftKind(ABC):
     @property
     def layers(self) -> int:
         if self.num_layers is None:
-            raise ValueError("this draft kind needs the model's layer count (kind_of(plan, num_layers))")
+            raise ValueError("this draft kind needs the model's layer count (read_plan(plan, num_layers))")
         return self.num_layers
 
     @property
