@@ -1,13 +1,16 @@
 """Drafting: every way the runtime proposes tokens for the verifier, behind one interface.
 
 A plan (``DraftPlan``, plain data in the manifest) names its sources: the model part (a draft kind,
-``kinds/``, drafting through ``model.ModelDrafter``) and the model-free sources in ``plan.lookup``, tried
+``kinds/``, drafting through ``model_draft.ModelDrafter``) and the model-free sources in ``plan.lookup``, tried
 in order. Each source is one module with its own options dataclass, stored under the source's name in
-``plan.sources`` and checked by the source (``options``); ``SOURCES`` below is the one registry. A new
-source is one module (a ``LookupSource`` subclass with an ``Options`` dataclass) plus one line here.
+``plan.sources`` and checked by the source; ``SOURCES`` (``sources.py``) is the one registry. A new source is
+one module (a ``LookupSource`` subclass with an ``Options`` dataclass) plus one line there.
 
-``factory.make_drafter`` composes a plan's sources into the drafter the round runs (``hybrid``,
-``tree_lookup``); ``check_plan`` is what loading an artifact checks of a plan beyond its data types.
+``check_plan`` is what loading an artifact checks of a plan beyond its data types; it returns the plan read
+once (``plan.ReadPlan``: its kind and each source's options), which everything after loading takes.
+``factory.make_drafter`` composes a read plan's sources into the drafter the round runs (``hybrid``,
+``tree_lookup``). ``options``, ``has_model_part`` and ``describe`` here are conveniences for code that holds a
+plan's data (the tuner's candidates): each reads the plan first.
 """
 
 from __future__ import annotations

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 class ReadPlan:
     """``data`` (the manifest's plan), its draft ``kind`` (built for ``num_layers`` blocks: None where no
     segment is asked for), and its sources' options, each read once (``options``; ``model`` is the model
-    part's). Immutable: ``replace`` and ``with_options`` read a changed copy."""
+    part's). Read-only: ``replace`` and ``with_options`` read a changed copy."""
 
     __slots__ = ("data", "num_layers", "kind", "_options")
 
@@ -60,7 +60,7 @@ class ReadPlan:
 
     @property
     def model(self) -> "SourceOptions":
-        """The model part's options, a ``model.ModelOptions`` (their defaults for a plan without a model part)."""
+        """The model part's options, a ``model_draft.ModelOptions`` (their defaults for a plan without a model part)."""
         return self.options("model")
 
     @property
