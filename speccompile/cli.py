@@ -16,6 +16,16 @@ import click
 
 from speccompile.passes.pipeline import COMMAND_DEFAULTS, cli_fields, from_cli
 from speccompile.runtime.errors import SpeccompileError
+from speccompile.server.limits import (
+    DEFAULT_HOST,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_PORT,
+    DEFAULT_PREFILL_CHUNK,
+    DEFAULT_REPLICA_CPUS,
+    DEFAULT_SCALE_DOWN_AFTER_S,
+    MAX_BATCH_BOUNDS,
+)
 
 
 class Terminated(BaseException):
@@ -445,21 +455,44 @@ def echo_call_costs(tuning: dict) -> None:
 def inspect(artifact, as_json):
     """Summarise an artifact: source, geometry, draft plans and their measured figures."""
     from speccompile.runtime import read_artifact
-    from speccompile.runtime.artifact.manifest import unlisted_files
     from speccompile.runtime.drafting import read_plans
 
     manifest = read_artifact(artifact)
+    warn_unlisted_files(artifact, manifest)
+    if as_json:
+        click.echo(json.dumps(manifest.to_dict(), indent=2))
+        return
+    echo_artifact(artifact, manifest)
+    echo_precision(manifest)
+    echo_pass_table(manifest.tuning)
+    echo_verify_costs(manifest.tuning)
+    echo_call_costs(manifest.tuning)
+    for name, plan in read_plans(manifest.plans, manifest.config.num_layers).items():
+        echo_plan(name, plan, manifest)
+    if manifest.default_plan is None:
+        click.echo(
+            f"  no default plan: none beat plain decoding (best confirmed "
+            f"{manifest.tuning.get('best_confirmed_speedup', 0):.2f}x); generate decodes plainly unless --plan is given"
+        )
+
+
+def warn_unlisted_files(artifact: Path, manifest) -> None:
+    """Files in the artifact that its manifest does not list: nothing checks or reads them, so say so, on
+    stderr, so that ``--json`` output stays one JSON document."""
+    from speccompile.runtime.artifact.manifest import unlisted_files
+
     unlisted = unlisted_files(artifact, manifest)
-    if unlisted:  # on stderr, so that --json output stays one JSON document
+    if unlisted:
         shown = ", ".join(unlisted[:5]) + (f" and {len(unlisted) - 5} more" if len(unlisted) > 5 else "")
         click.echo(
             f"warning: {len(unlisted)} file(s) in the artifact are not in its manifest, so not verified and "
             f"never read by the runtime: {shown}",
             err=True,
         )
-    if as_json:
-        click.echo(json.dumps(manifest.to_dict(), indent=2))
-        return
+
+
+def echo_artifact(artifact: Path, manifest) -> None:
+    """What the artifact is: its source model, geometry, decoder path, backends, files and the build's memory."""
     c = manifest.config
     src = manifest.source
     click.echo(f"artifact {artifact} (schema {manifest.schema_version}, speccompile {manifest.toolkit_version})")
@@ -483,6 +516,11 @@ def inspect(artifact, as_json):
 
         peak = describe_peak(memory["peak_resident_bytes"], memory.get("fp32_weights_bytes"))
         click.echo(f"  memory      the build's peak resident memory {peak}")
+
+
+def echo_precision(manifest) -> None:
+    """The precision self-drafts' weights: ONNX's stored quantized copy, or torch's int8 twin made at load and
+    its SmoothQuant scales; and, from a GGUF source, why their acceptance is not a 16-bit model's."""
     extra = manifest.backends.get("onnx", {}).get("precision_draft_bytes")
     scales = manifest.backends.get("torch", {}).get("int8_scales_file")
     if extra:
@@ -496,136 +534,150 @@ def inspect(artifact, as_json):
             f"memory); its SmoothQuant scales: {scales} ({size / 1e3:.0f} kB)"
         )
     if extra or scales:
-        if str(src.get("path", "")).lower().endswith(".gguf"):
+        if str(manifest.source.get("path", "")).lower().endswith(".gguf"):
             click.echo(
                 "              the source is a GGUF: its fp32 weights are de-quantized from its own block grid, so a "
                 "precision draft's acceptance here is not a 16-bit-trained model's (benchmarks/quant_agreement.py)"
             )
-    echo_pass_table(manifest.tuning)
-    echo_verify_costs(manifest.tuning)
-    echo_call_costs(manifest.tuning)
-    for name, plan in read_plans(manifest.plans, manifest.config.num_layers).items():
-        m = plan.measured
-        default = " (default)" if name == manifest.default_plan else ""
-        model, ngram = plan.model, plan.options("ngram")
+
+
+def echo_plan(name: str, plan, manifest) -> None:
+    """One draft plan: what it drafts with, then its measured figures, its draft sources' settings, and why it
+    was chosen."""
+    m = plan.measured
+    default = " (default)" if name == manifest.default_plan else ""
+    model, ngram = plan.model, plan.options("ngram")
+    click.echo(
+        f"  plan {name}{default}: {plan.describe()}; max draft {model.max_draft}, threshold "
+        f"{model.threshold:.2f}{', adaptive' if model.adaptive else ''}"
+    )
+    if plan.skip_attn or plan.skip_mlp:
+        click.echo(f"      skip attention {plan.skip_attn}, skip MLP {plan.skip_mlp}")
+    echo_plan_figures(m)
+    echo_plan_sources(plan, ngram, m)
+    echo_plan_choice(name, m, manifest.tuning)
+
+
+def echo_plan_figures(m: dict) -> None:
+    """A plan's tuning figures: acceptance and speedup, expected and confirmed against plain decoding, and
+    its adapter's training."""
+    if m:
         click.echo(
-            f"  plan {name}{default}: {plan.describe()}; max draft {model.max_draft}, threshold "
-            f"{model.threshold:.2f}{', adaptive' if model.adaptive else ''}"
+            f"      acceptance {m.get('acceptance_rate', 0):.2f}, mean accepted "
+            f"{m.get('mean_accepted', 0):.2f} (confirmed {m.get('confirmed_mean_accepted', 0):.2f}), "
+            f"expected speedup {m.get('expected_speedup', 0):.2f}x (confirmed "
+            f"{(m.get('confirmed_speedup') or 0):.2f}x, prediction error "
+            f"{100 * m.get('prediction_error', 0):+.0f}%), tuned by {m.get('method', '?')} in "
+            f"{m.get('tuning_seconds', 0):.0f}s" + (f" over {m['trials']} trials" if "trials" in m else "")
         )
-        if plan.skip_attn or plan.skip_mlp:
-            click.echo(f"      skip attention {plan.skip_attn}, skip MLP {plan.skip_mlp}")
-        if m:
-            click.echo(
-                f"      acceptance {m.get('acceptance_rate', 0):.2f}, mean accepted "
-                f"{m.get('mean_accepted', 0):.2f} (confirmed {m.get('confirmed_mean_accepted', 0):.2f}), "
-                f"expected speedup {m.get('expected_speedup', 0):.2f}x (confirmed "
-                f"{(m.get('confirmed_speedup') or 0):.2f}x, prediction error "
-                f"{100 * m.get('prediction_error', 0):+.0f}%), tuned by {m.get('method', '?')} in "
-                f"{m.get('tuning_seconds', 0):.0f}s" + (f" over {m['trials']} trials" if "trials" in m else "")
-            )
-        interval = m.get("confirmed_interval")
-        if interval and None not in interval:
-            click.echo(
-                f"      confirmed in {m.get('confirmation_turns')} turns against plain decoding: 95% interval "
-                f"{interval[0]:.2f}x..{interval[1]:.2f}x ({m.get('confirmation_stopped')})"
-            )
-        if m.get("adapter"):
-            a = m["adapter"]
-            click.echo(
-                f"      adapter after block {a['exit_layer']}: {a['parameters']} parameters, trained on {a['tokens']} "
-                f"tokens in {a['train_seconds']:.0f}s ({a['loss']} loss {a['first_loss']} -> {a['final_loss']}, "
-                f"{a['stopped_by']}; exit agreement {a['exit_agreement_before']:.2f} -> "
-                f"{a['exit_agreement_after']:.2f} on the calibration continuations"
-                + (
-                    f", {a['held_out_agreement_before']:.2f} -> {a['held_out_agreement_after']:.2f} on "
-                    f"{a['held_out_tokens']} held-out tokens)"
-                    if a.get("held_out_tokens")
-                    else ")"
-                )
-            )
-        if plan.draft_vocab is not None:
-            ratio = (
-                f", head {m['head_cost_ratio']:.1f}x cheaper (timed {m.get('head_cost_ratio_timed', 0):.1f}x)"
-                if "head_cost_ratio" in m
-                else ""
-            )
-            click.echo(f"      draft vocabulary: the {plan.draft_vocab} most frequent tokens{ratio}")
-        if "lookahead" in plan.lookup:
-            lookahead = plan.options("lookahead")
-            click.echo(
-                f"      lookahead: a window of {lookahead.window} Jacobi guesses, pooled {lookahead.ngram}-grams"
-            )
-        if "recycling" in plan.lookup:
-            click.echo(
-                "      token recycling: each verify row's top tokens become the successors drafted after its input token"
-            )
-        if [source for source in plan.lookup if source not in ("lookahead", "recycling")]:
-            datastore = plan.options("retrieval").datastore if "retrieval" in plan.lookup else None
-            click.echo(
-                f"      lookup {'+'.join(plan.lookup)}: n-gram sizes {ngram.max}..{ngram.min}, up to "
-                f"{plan.lookup_max_draft} tokens"
-                + (f" (1 after a match of <= {ngram.short})" if ngram.drafts_after_short_match else "")
-                + (f", datastore {datastore}" if datastore else "")
-            )
-        if m.get("trees"):
-            t = m["trees"]
-            click.echo(
-                "      token trees priced on this backend: "
-                + "; ".join(
-                    f"best {kind} {t[kind]['mean_accepted']:.2f} tokens/round from {t[kind]['drafted_per_round']:.1f} drafted, "
-                    f"expected {t[kind]['expected_speedup']:.2f}x"
-                    for kind in ("chain", "tree")
-                )
-                + f" ({t['tree']['plan']})"
-            )
-        for key, what in (
-            ("round_mix", "rounds by source (calibration)"),
-            ("confirmed_round_mix", "rounds by source (confirmation)"),
-        ):
-            if m.get(key):
-                click.echo(f"      {what}: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in m[key].items()))
-        if m.get("chosen_over"):
-            click.echo(
-                "      chosen over: " + ", ".join(f"{k} {v:.2f}x" for k, v in m["chosen_over"].items() if v is not None)
-            )
-        by_estimate = manifest.tuning.get("default_by_estimate") or {}
-        if by_estimate.get("chosen") == name:
-            click.echo(
-                f"      default by its expected speedup: timed runs could not tell it from {by_estimate['over']}"
-            )
-    if manifest.default_plan is None:
+    interval = m.get("confirmed_interval")
+    if interval and None not in interval:
         click.echo(
-            f"  no default plan: none beat plain decoding (best confirmed "
-            f"{manifest.tuning.get('best_confirmed_speedup', 0):.2f}x); generate decodes plainly unless --plan is given"
+            f"      confirmed in {m.get('confirmation_turns')} turns against plain decoding: 95% interval "
+            f"{interval[0]:.2f}x..{interval[1]:.2f}x ({m.get('confirmation_stopped')})"
         )
+    if m.get("adapter"):
+        a = m["adapter"]
+        click.echo(
+            f"      adapter after block {a['exit_layer']}: {a['parameters']} parameters, trained on {a['tokens']} "
+            f"tokens in {a['train_seconds']:.0f}s ({a['loss']} loss {a['first_loss']} -> {a['final_loss']}, "
+            f"{a['stopped_by']}; exit agreement {a['exit_agreement_before']:.2f} -> "
+            f"{a['exit_agreement_after']:.2f} on the calibration continuations"
+            + (
+                f", {a['held_out_agreement_before']:.2f} -> {a['held_out_agreement_after']:.2f} on "
+                f"{a['held_out_tokens']} held-out tokens)"
+                if a.get("held_out_tokens")
+                else ")"
+            )
+        )
+
+
+def echo_plan_sources(plan, ngram, m: dict) -> None:
+    """How a plan's drafts are made beyond the model: a reduced draft vocabulary, lookahead's Jacobi window,
+    token recycling, n-gram or datastore lookup."""
+    if plan.draft_vocab is not None:
+        ratio = (
+            f", head {m['head_cost_ratio']:.1f}x cheaper (timed {m.get('head_cost_ratio_timed', 0):.1f}x)"
+            if "head_cost_ratio" in m
+            else ""
+        )
+        click.echo(f"      draft vocabulary: the {plan.draft_vocab} most frequent tokens{ratio}")
+    if "lookahead" in plan.lookup:
+        lookahead = plan.options("lookahead")
+        click.echo(f"      lookahead: a window of {lookahead.window} Jacobi guesses, pooled {lookahead.ngram}-grams")
+    if "recycling" in plan.lookup:
+        click.echo(
+            "      token recycling: each verify row's top tokens become the successors drafted after its input token"
+        )
+    if [source for source in plan.lookup if source not in ("lookahead", "recycling")]:
+        datastore = plan.options("retrieval").datastore if "retrieval" in plan.lookup else None
+        click.echo(
+            f"      lookup {'+'.join(plan.lookup)}: n-gram sizes {ngram.max}..{ngram.min}, up to "
+            f"{plan.lookup_max_draft} tokens"
+            + (f" (1 after a match of <= {ngram.short})" if ngram.drafts_after_short_match else "")
+            + (f", datastore {datastore}" if datastore else "")
+        )
+
+
+def echo_plan_choice(name: str, m: dict, tuning: dict) -> None:
+    """What a plan was weighed on: token trees priced against chains, its rounds by draft source, the plans it
+    beat, and whether it is the default only by its expected speedup."""
+    if m.get("trees"):
+        t = m["trees"]
+        click.echo(
+            "      token trees priced on this backend: "
+            + "; ".join(
+                f"best {kind} {t[kind]['mean_accepted']:.2f} tokens/round from {t[kind]['drafted_per_round']:.1f} drafted, "
+                f"expected {t[kind]['expected_speedup']:.2f}x"
+                for kind in ("chain", "tree")
+            )
+            + f" ({t['tree']['plan']})"
+        )
+    for key, what in (
+        ("round_mix", "rounds by source (calibration)"),
+        ("confirmed_round_mix", "rounds by source (confirmation)"),
+    ):
+        if m.get(key):
+            click.echo(f"      {what}: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in m[key].items()))
+    if m.get("chosen_over"):
+        click.echo(
+            "      chosen over: " + ", ".join(f"{k} {v:.2f}x" for k, v in m["chosen_over"].items() if v is not None)
+        )
+    by_estimate = tuning.get("default_by_estimate") or {}
+    if by_estimate.get("chosen") == name:
+        click.echo(f"      default by its expected speedup: timed runs could not tell it from {by_estimate['over']}")
 
 
 @main.command()
 @click.argument("artifact", type=click.Path(path_type=Path))
-@click.option("--host", default="127.0.0.1", show_default=True, help="Address to listen on (0.0.0.0: every interface).")
-@click.option("--port", type=click.IntRange(0, 65535), default=8000, show_default=True)
+@click.option(
+    "--host", default=DEFAULT_HOST, show_default=True, help="Address to listen on (0.0.0.0: every interface)."
+)
+@click.option("--port", type=click.IntRange(0, 65535), default=DEFAULT_PORT, show_default=True)
 @click.option("--backend", default=None, help="Backend to run (torch or onnx; default: the artifact's first).")
 @click.option("--device", default="cpu", show_default=True)
 @click.option(
     "--max-batch",
-    type=click.IntRange(1, 256),
-    default=8,
+    type=click.IntRange(*MAX_BATCH_BOUNDS),
+    default=DEFAULT_MAX_BATCH,
     show_default=True,
     help="Requests decoded together in one batch (continuous batching: each round reads the weights once for "
     "all of them, and speculation is sized to the load).",
 )
-@click.option("--slots", type=click.IntRange(1, 256), default=None, hidden=True, help="Old name of --max-batch.")
+@click.option(
+    "--slots", type=click.IntRange(*MAX_BATCH_BOUNDS), default=None, hidden=True, help="Old name of --max-batch."
+)
 @click.option(
     "--max-queue",
     type=click.IntRange(0),
-    default=16,
+    default=DEFAULT_MAX_QUEUE,
     show_default=True,
     help="Requests that may wait for a place in the batch; beyond them the server answers 429 with Retry-After.",
 )
 @click.option(
     "--prefill-chunk",
     type=click.IntRange(1),
-    default=256,
+    default=DEFAULT_PREFILL_CHUNK,
     show_default=True,
     help="Prompt tokens read per round beside the running requests (smaller: steadier latency for them).",
 )
@@ -676,14 +728,14 @@ def inspect(artifact, as_json):
 @click.option(
     "--scale-down-after",
     type=FiniteFloat(min=0),
-    default=60.0,
+    default=DEFAULT_SCALE_DOWN_AFTER_S,
     show_default=True,
     help="With --autoscale: seconds of low load before a replica is removed.",
 )
 @click.option(
     "--replica-cpus",
     type=FiniteFloat(min=0),
-    default=1.0,
+    default=DEFAULT_REPLICA_CPUS,
     show_default=True,
     help="With --ray: CPUs Ray reserves for each replica (with 1 CPU per node: one replica per node).",
 )

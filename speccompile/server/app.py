@@ -38,6 +38,14 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from speccompile.runtime import InputError, SpeculativeModel, load
 from speccompile.runtime.errors import SpeccompileError, quote
+from speccompile.server.limits import (
+    DEFAULT_HOST,
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_PORT,
+    DEFAULT_PREFILL_CHUNK,
+    check_capacity,
+)
 from speccompile.server.openai_api import (
     COMPLETIONS_DEFAULT_MAX_TOKENS,
     APIError,
@@ -294,8 +302,8 @@ class ServerState:
 def create_app(
     artifact_or_model: str | Path | SpeculativeModel,
     *,
-    max_batch: int = 8,
-    max_queue: int = 16,
+    max_batch: int = DEFAULT_MAX_BATCH,
+    max_queue: int = DEFAULT_MAX_QUEUE,
     plan: str | None = None,
     api_key: str | None = None,
     backend: str | None = None,
@@ -303,7 +311,7 @@ def create_app(
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
     model_name: str | None = None,
     speculate: bool = True,
-    prefill_chunk: int | None = 256,
+    prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
     kv_budget_bytes: int | None = None,
     keep_prompts: int | None = None,
     slots: int | None = None,
@@ -319,10 +327,7 @@ def create_app(
     (from the batch thread): the Ray replicas feed Ray's metrics with it."""
     if slots is not None:
         max_batch = slots
-    if max_batch < 1:
-        raise InputError(f"max_batch must be at least 1 (got {max_batch})")
-    if max_queue < 0:
-        raise InputError(f"max_queue must be 0 or more (got {max_queue})")
+    check_capacity(max_batch, max_queue)  # before the weights load, so a bad size fails at once
     model = (
         artifact_or_model
         if isinstance(artifact_or_model, SpeculativeModel)
@@ -330,8 +335,7 @@ def create_app(
     )
     if plan is not None:
         model.plan(plan)  # unknown plan names fail now, not on the first request
-    metrics_box: list[ServerMetrics] = []
-    scheduler = Scheduler(
+    scheduler, metrics = _start_batch(
         model,
         max_batch=max_batch,
         max_queue=max_queue,
@@ -340,10 +344,7 @@ def create_app(
         keep_prompts=keep_prompts,
         speculate=speculate,
         plan=plan,
-        observe=lambda round_: metrics_box and metrics_box[0].observe_round(round_),
     )
-    metrics = ServerMetrics(scheduler)
-    metrics_box.append(metrics)
     state = ServerState(
         model=model,
         model_name=model_name or model.root.resolve().name,
@@ -352,15 +353,40 @@ def create_app(
         chat=ChatTemplate.from_artifact(model.root),
         on_outcome=on_outcome,
     )
+    app = FastAPI(title="speccompile", lifespan=_closing(scheduler))
+    app.state.speccompile = state
+    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
+    _add_error_handlers(app, metrics)
+    _add_status_routes(app, state)
+    _add_completion_routes(app, state)
+    return app
+
+
+def _start_batch(model: SpeculativeModel, **options) -> tuple[Scheduler, ServerMetrics]:
+    """The scheduler (its decode thread starts here) and the metrics that watch it. Each needs the other: the
+    metrics' gauges read the scheduler, and the scheduler reports every round to the metrics, through a box
+    filled once they exist."""
+    metrics_box: list[ServerMetrics] = []
+    scheduler = Scheduler(model, **options, observe=lambda round_: metrics_box and metrics_box[0].observe_round(round_))
+    metrics = ServerMetrics(scheduler)
+    metrics_box.append(metrics)
+    return scheduler, metrics
+
+
+def _closing(scheduler: Scheduler):
+    """The app's lifespan: nothing to do at startup (the batch thread already runs); at shutdown, stop it."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
         yield
         scheduler.close()
 
-    app = FastAPI(title="speccompile", lifespan=lifespan)
-    app.state.speccompile = state
-    app.add_middleware(RequestGuard, api_key=api_key, max_body_bytes=max_body_bytes, metrics=metrics)
+    return lifespan
+
+
+def _add_error_handlers(app: FastAPI, metrics: ServerMetrics) -> None:
+    """Answer the app's own refusals (``APIError``) and Starlette's (404, 405...) with the OpenAI error body;
+    what no handler answers, ``RequestGuard`` does."""
 
     @app.exception_handler(APIError)
     async def on_api_error(request, exc: APIError):
@@ -376,6 +402,12 @@ def create_app(
             kind="invalid_request_error" if exc.status_code < 500 else "server_error",
         )
 
+
+def _add_status_routes(app: FastAPI, state: ServerState) -> None:
+    """What a load balancer, Prometheus and an OpenAI client ask before they send work: /health, /metrics,
+    /v1/models. None waits for the batch."""
+    scheduler = state.scheduler
+
     @app.get("/health")
     async def health():
         return {
@@ -389,7 +421,7 @@ def create_app(
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(state.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def list_models():
@@ -399,6 +431,12 @@ def create_app(
     async def get_model(name: str):
         _check_model(state, name)
         return _model_card(state)
+
+
+def _add_completion_routes(app: FastAPI, state: ServerState) -> None:
+    """/v1/completions and /v1/chat/completions: each checks its body and builds the prompt, then both queue
+    the request for the batch the same way (``_respond``)."""
+    model = state.model
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -430,8 +468,6 @@ def create_app(
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         options = check_sampling(req, max_tokens, len(ids), model.context)
         return await _respond(state, req, ids, options, ChatFormat(state.model_name))
-
-    return app
 
 
 def _check_model(state: ServerState, name: str | None) -> None:
@@ -568,8 +604,8 @@ def bind_socket(host: str, port: int) -> socket.socket:
 
 def run_server(
     app: FastAPI,
-    host: str = "127.0.0.1",
-    port: int = 8000,
+    host: str = DEFAULT_HOST,
+    port: int = DEFAULT_PORT,
     log_level: str = "info",
     announce: Callable[[str], None] | None = None,
 ) -> None:

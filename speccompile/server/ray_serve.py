@@ -40,6 +40,15 @@ from typing import Callable
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from speccompile.runtime.errors import InputError, SpeccompileError, quote
+from speccompile.server.limits import (
+    DEFAULT_MAX_BATCH,
+    DEFAULT_MAX_QUEUE,
+    DEFAULT_PORT,
+    DEFAULT_PREFILL_CHUNK,
+    DEFAULT_REPLICA_CPUS,
+    DEFAULT_SCALE_DOWN_AFTER_S,
+    MAX_BATCH_BOUNDS,
+)
 
 DEFAULT_APP_NAME = "speccompile"
 DEPLOYMENT_NAME = "speccompile"
@@ -86,9 +95,11 @@ class ServeArgs(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     artifact: str = Field(description="the artifact folder: an absolute path, the same on every node")
-    max_batch: int = Field(8, ge=1, description="requests one replica decodes at once, in one batch")
-    max_queue: int = Field(16, ge=0, description="requests that may wait for a replica; then 429")
-    prefill_chunk: int = Field(256, ge=1, description="prompt tokens a joiner prefills per round")
+    max_batch: int = Field(
+        DEFAULT_MAX_BATCH, ge=MAX_BATCH_BOUNDS[0], description="requests one replica decodes at once, in one batch"
+    )
+    max_queue: int = Field(DEFAULT_MAX_QUEUE, ge=0, description="requests that may wait for a replica; then 429")
+    prefill_chunk: int = Field(DEFAULT_PREFILL_CHUNK, ge=1, description="prompt tokens a joiner prefills per round")
     kv_budget_bytes: int | None = Field(None, ge=1, description="a replica's KV cache budget in bytes")
     keep_prompts: int | None = Field(None, ge=0, description="prompts whose KV a replica keeps (None: max_batch)")
     plan: str | None = None
@@ -99,8 +110,8 @@ class ServeArgs(BaseModel):
     model_name: str | None = None
     replicas: int | None = Field(None, ge=1)
     autoscale: str | None = Field(None, description="MIN:MAX replicas, autoscaling on ongoing requests")
-    scale_down_after_s: float = Field(60.0, ge=0, allow_inf_nan=False)
-    replica_cpus: float = Field(1.0, ge=0, allow_inf_nan=False)
+    scale_down_after_s: float = Field(DEFAULT_SCALE_DOWN_AFTER_S, ge=0, allow_inf_nan=False)
+    replica_cpus: float = Field(DEFAULT_REPLICA_CPUS, ge=0, allow_inf_nan=False)
 
     @field_validator("artifact")
     @classmethod
@@ -440,7 +451,7 @@ def connect(address: str | None = None) -> str:
     return "a local Ray cluster on 127.0.0.1" if address is None else f"the Ray cluster at {address}"
 
 
-def start_serve(host: str = LOOPBACK, port: int = 8000) -> str:
+def start_serve(host: str = LOOPBACK, port: int = DEFAULT_PORT) -> str:
     """Start Ray Serve with its HTTP proxy on the head node only, on ``host``:``port``; returns the URL that
     proxy answers on (a running Serve keeps its own proxy and options)."""
     serve.start(proxy_location="HeadOnly", http_options={"host": host, "port": port})

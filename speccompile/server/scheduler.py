@@ -32,6 +32,7 @@ from speccompile.runtime.decoding.load import call_costs, longest_draft
 from speccompile.runtime.decoding.speculative import DecodeRequest, cache_length
 from speccompile.runtime.errors import InputError
 from speccompile.runtime.sampling import SamplingParams
+from speccompile.server.limits import DEFAULT_MAX_BATCH, DEFAULT_MAX_QUEUE, DEFAULT_PREFILL_CHUNK, check_capacity
 from speccompile.server.openai_api import Outcome, SamplingOptions, StopCutter
 
 log = logging.getLogger("speccompile.server")
@@ -68,9 +69,9 @@ class Scheduler:
     def __init__(
         self,
         model: SpeculativeModel,
-        max_batch: int = 8,
-        max_queue: int = 16,
-        prefill_chunk: int | None = 256,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        max_queue: int = DEFAULT_MAX_QUEUE,
+        prefill_chunk: int | None = DEFAULT_PREFILL_CHUNK,
         kv_budget_bytes: int | None = None,
         speculate: bool = True,
         plan: str | None = None,
@@ -78,10 +79,7 @@ class Scheduler:
         observe: Callable[[dict], None] | None = None,
         keep_prompts: int | None = None,
     ):
-        if max_batch < 1:
-            raise InputError(f"max_batch must be at least 1 (got {max_batch})")
-        if max_queue < 0:
-            raise InputError(f"max_queue must be 0 or more (got {max_queue})")
+        check_capacity(max_batch, max_queue)
         self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
         self.kv_budget_bytes, self.observe = kv_budget_bytes, observe
         self.plan = model.draft_plan(plan) if speculate else None
