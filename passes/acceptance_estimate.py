@@ -82,9 +82,10 @@ def greedy_continuations(
 ) -> list[list[int]]:
     """The target's own greedy continuation of each prompt, up to and including an ``eos`` token.
 
-    Batched when the decoder allows it (``batches_left_padded``): a calibration build spends most of its
-    time here, and on a memory-bound CPU step twelve rows cost about twice one row (SmolLM2-135M: 41 s
-    one prompt at a time, 8 s in one batch). Otherwise through the runtime's plain decoding loop.
+    Batched when the decoder allows it (``batches_left_padded``): a calibration build spends most of its time here,
+    and on a memory-bound CPU step twelve rows cost about twice one row, so one batch takes a fraction of the
+    prompt-at-a-time time (measured: docs/history.md, 'Figures behind the code's constants'). Otherwise through the
+    runtime's plain decoding loop.
 
     ``deadline`` (a ``time.perf_counter`` time; a budgeted build's): a batch stops growing its continuations
     there (at least ``MIN_CONTINUATION`` tokens each), and no further prompt starts after it, so the list
@@ -329,7 +330,7 @@ class RoundEstimate:
 def simulate_rounds(profile: Profile, max_draft: int, threshold: float) -> list[tuple[int, int]]:
     """Replay draft-and-verify rounds along each calibration continuation: (drafted, accepted) per round.
 
-    Mirrors ``runtime.speculative.decode`` step for step: a round starting at position i drafts while
+    Mirrors ``runtime.decoding.speculative.decode`` step for step: a round starting at position i drafts while
     the draft is confident, at most ``max_draft`` tokens and never past the token budget (one slot is
     kept for the verifier's token); it accepts the run of matches from i; the next round starts after
     the verifier's token. With a budget of one token left, the loop takes a plain step instead.

@@ -98,7 +98,7 @@ def stdlib_corpus(max_chars: int) -> list[str]:
 
 def default_tokens(hidden_size: int) -> int:
     """Training positions when ``--adapter-tokens`` is not given: in proportion to the model's width (a tiny
-    test model needs a few thousand, SmolLM2's 576 wide adapter the cap)."""
+    test model needs a few thousand; from 512 wide, the cap)."""
     return int(min(MAX_DEFAULT_TOKENS, max(2048, TOKENS_PER_WIDTH * hidden_size)))
 
 
@@ -358,8 +358,8 @@ class AdapterAutotune(Pass):
     def gain(self) -> float:
         """The share of the shared head's disagreements an adapter may fix in the time it has: ``ADAPTER_GAIN``
         with the full default time, less with less (by the square root of the share of it: training gains most
-        in its first steps). On a budgeted SmolLM2 torch build, 34 s of training reached 1.01x against a bound
-        of 1.29x computed as if it had its full 300 s."""
+        in its first steps): a bound computed as if a short training had its full time promised far more than
+        the training reached (measured: docs/history.md, 'Figures behind the code's constants')."""
         left = self.seconds_left()
         share = 1.0 if left is None else min(max(left, 0.0) / DEFAULT_TIME_BUDGET, 1.0)
         return ADAPTER_GAIN * share**0.5

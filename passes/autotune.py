@@ -97,8 +97,8 @@ class CosineAutotune(Pass):
 
     def least_seconds(self) -> float:
         """The bound's probes (those that could beat the incumbent even if always right), each about a quarter
-        of a reference pass (a quarter of the sequences, most of the blocks): a Llama-3.2-1B-shaped build's
-        bound took 23.5 s of the 22 it had left."""
+        of a reference pass (a quarter of the sequences, most of the blocks): on a big model the bound alone
+        can take more than a budget has left (measured: docs/history.md, 'Figures behind the code's constants')."""
         _, _, perfect = self._probes()
         probed = len(needed(perfect, incumbent(self.context.ir) * (1 + BOUND_MARGIN)))
         return probed * 0.25 * self.context.timings.get("reference_pass", 0.0)

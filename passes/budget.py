@@ -3,7 +3,7 @@
 ``Budget`` starts with the build command and covers everything: loading the model, calibration, the tuning
 passes, confirmation and writing the artifact. Its default (``default_seconds``) is ``BUDGET_STEPS`` plain
 decode steps of the model as timed here, capped by the model's size (``cap_seconds``: 50 s plus 0.25 s per
-million parameters, so 84 s for SmolLM2-135M, 199 s for Qwen3-0.6B, 360 s for Llama-3.2-1B): a fast machine
+million parameters, so 84 s for a 135M-parameter model, 199 s for a 0.6B one, 360 s for a 1.24B one): a fast machine
 builds in less, a slow one never in more. The cap is known once the model is loaded, before calibration,
 which is sized by it (``planned``): the target's continuations stop at ``CALIBRATION_SHARE`` of the budget
 (fewer, shorter continuations on a big model), the reference pass over them at ``REFERENCE_SHARE``, timings
@@ -33,18 +33,20 @@ from tqdm.auto import tqdm
 from speccompile.runtime.artifact.manifest import DraftPlan
 
 RATE_SLACK = 0.1  # added to a measured agreement: the subset it was measured on, and correlated matches
-ADAPTER_GAIN = 0.5  # share of the shared-head exit's disagreements an adapter may fix (SmolLM2 measured 0.33)
-BUDGET_STEPS = 2500  # default budget in plain decode steps (torch sublayer timings): SmolLM2 here 65-90 s. Was
-# 2000 until torch's steps got faster (MKL-packed products) while a build's fixed costs did not: on 2026-12-03 a
-# SmolLM2 torch build (55 s) skipped the precision pass ("needs 7s, 4s left") and shipped lookup at 1.25x, not
-# the int8 twin at 1.5x
+ADAPTER_GAIN = 0.5  # share of the shared-head exit's disagreements an adapter may fix: optimistic, above the share
+# measured (docs/history.md, 'Figures behind the code's constants'), as a bound must be
+BUDGET_STEPS = 2500  # default budget in plain decode steps (torch sublayer timings), enough that a build on fast
+# (packed) torch steps, whose fixed costs do not shrink with the step, still reaches the precision pass instead of
+# shipping a slower lookup plan (figures: docs/history.md, 'Figures behind the code's constants')
 MIN_SECONDS, MAX_SECONDS = 15.0, 3600.0
 CAP_BASE_SECONDS, CAP_SECONDS_PER_MILLION = 50.0, 0.25  # the default budget's cap by model size (``cap_seconds``)
 CALIBRATION_SHARE = 0.2  # of the planned budget: the most the target's calibration continuations take
-REFERENCE_SHARE = 0.15  # ... the reference pass over them (Qwen3-0.6B's shape: 67 s for 8 sequences, here)
+REFERENCE_SHARE = 0.15  # ... the reference pass over them (what it takes on a 0.6B model's shape: docs/history.md,
+# 'Figures behind the code's constants')
 TIMING_SHARE = 0.05  # ... each of the two timings (torch sublayers, the runner's steps), beyond a few rounds
 CONFIRM_SHARE = 0.3  # ... the minimum confirmation turns (their length is cut to fit)
-AGREEMENT_STRIDE = 4  # every 4th calibration position scores exit agreement (Spearman 0.99 against all on refcoder)
+AGREEMENT_STRIDE = 4  # every 4th calibration position scores exit agreement: it ranks the exits almost as every
+# position does (measured: docs/history.md, 'Figures behind the code's constants')
 MIN_AGREEMENT_POSITIONS = 256  # ... unless that leaves fewer positions than this
 
 
@@ -201,8 +203,8 @@ def agreement_seconds(context, exits=None) -> float:
     """About what ``exit_agreements`` still takes for ``exits`` (default: every block): one head product per
     scored position and exit not yet known, at the cost per position of one such product, timed once per
     tuning run on the first calibration sequence (the sublayer timings' head, a few cold tokens, priced it
-    3.6x too high on SmolLM2). A bound that reads them is not free on a big vocabulary: a
-    Llama-3.2-1B-shaped build's early-exit bound took 51 s of the 32 its budget had left."""
+    several times too high). A bound that reads them is not free on a big vocabulary: on a 1B model an early-exit
+    bound can take more than the budget has left (measured: docs/history.md, 'Figures behind the code's constants')."""
     L = context.ir.config.num_layers
     wanted = range(1, L) if exits is None else exits
     known = context.signals.get("exit_agreements", {})

@@ -19,7 +19,7 @@ REPEATS = 3  # each point: the best of this many calls after a warm-up (as ``Cal
 
 def estimated_seconds(step_seconds: float, rows: int, width: int) -> float:
     """About what ``CallCosts.measure`` takes, from the plain step's seconds: a call of n rows costs about a step
-    up to a few rows and grows with n past them (SmolLM2 on 2 cores: 16 rows 2.3 steps)."""
+    up to a few rows and grows with n past them (measured: docs/history.md, 'Figures behind the code's constants')."""
     calls = sum(max(1.0, n / 4) for n in CallCosts.row_counts(rows)) + 1.5 * max(width - 1, 0)
     return step_seconds * ((REPEATS + 1) * calls + 3)
 

@@ -241,11 +241,11 @@ class ConfirmPlans(Pass):
     With ``top`` set, only the ``top`` plans with the highest expected speedup are timed (the others keep
     their prediction and ``confirmed_speedup`` None): on a 135M model each confirmation costs tens of
     seconds, and a plan predicted well below the best is not worth them. ``close`` also leaves out plans
-    predicted slower than plain decoding or below ``close`` times the best prediction (a budgeted build's
-    race: every plan in it adds a decode to each turn; SmolLM2's adapter plan, predicted 0.93x next to a
-    1.18x lookup plan, took a third of a 41 s confirmation). With ``sequential`` the timed
-    plans race in turns (``Confirmer.race``) until the leader is sure against plain decoding, or the
-    deadline; otherwise each is timed a fixed number of times (``Confirmer.measure``)."""
+    predicted slower than plain decoding or below ``close`` times the best prediction (a budgeted build's race:
+    every plan in it adds a decode to each turn, and a plan predicted well below the leader can take a large share
+    of the confirmation; measured: docs/history.md, 'Figures behind the code's constants'). With ``sequential`` the
+    timed plans race in turns (``Confirmer.race``) until the leader is sure against plain decoding, or the deadline;
+    otherwise each is timed a fixed number of times (``Confirmer.measure``)."""
 
     name = "confirm_plans"
 
@@ -304,10 +304,10 @@ class ConfirmPlans(Pass):
 
 def tied_with_best(plan: DraftPlan, best: DraftPlan) -> bool:
     """Whether ``plan``'s race against the fastest plan ``best`` left it not surely slower (the paired interval of
-    their speedups reaches 1.0), and the two were priced by the same estimator (``measured.method``): each has
-    its own bias, which cancels only between plans priced alike (lookahead's run-based pricing over-predicted
-    by 21-23% and, settled against lookup's replay, once made a refcoder build ship lookahead at 0.98x of
-    the lookup build)."""
+    their speedups reaches 1.0), and the two were priced by the same estimator (``measured.method``): each has its
+    own bias, which cancels only between plans priced alike (lookahead's run-based pricing over-predicts; settled
+    against lookup's replay, it made a build ship the slower plan; measured: docs/history.md, 'Figures behind the
+    code's constants')."""
     versus = plan.measured.get("confirmed_vs_best") or {}
     hi = (versus.get("interval") or [None, None])[1]
     return (
@@ -325,10 +325,9 @@ class ChooseDefaultPlan(Pass):
 
     When the race could not tell the fastest plan from another priced by the same estimator (``tied_with_best``),
     the one with the higher expected speedup wins: the estimate replays every calibration sequence, a budgeted
-    race times three or four prompts. Why: SmolLM2's int8 draft behind lookup (expected 1.87x) and alone
-    (1.71x) confirmed 1.62x and 1.63x in a 4-turn race that a build then settled by those 1%, shipping the
-    draft alone, which the benchmark prompts ran at 1.60-1.66x against 1.72-1.79x behind lookup
-    (``benchmarks/precision_draft.py``, 2026-12-03)."""
+    race times three or four prompts. Why: a short race settled by 1% between two such plans shipped the one the
+    benchmark prompts ran slower, which the estimate had ranked second (measured: docs/history.md, 'Figures
+    behind the code's constants')."""
 
     name = "choose_default_plan"
 

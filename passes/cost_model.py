@@ -55,7 +55,8 @@ class CostModel:
         return sum(self.segment(segment, t) for segment, t in kind.draft_calls())
 
     def draft_head_extra(self, plan: DraftPlan) -> float:
-        """What a plan's draft head adds to one draft step over the shared head (``draft_kinds.draft_head``)."""
+        """What a plan's draft head adds to one draft step over the shared head
+        (``runtime/drafting/kinds/draft_head.py``)."""
         return read_plan(plan, self.num_layers).kind.head_extra(self)
 
     def verify(self, plan: DraftPlan | None, t: int, reuse: int | None = None) -> float:
@@ -169,10 +170,10 @@ class StepCosts:
     """What a round costs on the backend that will run the artifact (docs/design.md section 5).
 
     ``forward[t-1]`` is one timed ``Backend.forward`` of ``t`` tokens after a realistic context, on that
-    backend (torch or ONNX Runtime): verify steps differ most between backends (an 8-token verify is
-    1.37x a step on ORT, 1.44x on torch for SmolLM2), so they are measured there. A model draft step
-    costs the plan's share of the full model, taken from the torch sublayer timings (``sublayers``), of
-    one measured step, plus the per-call overhead of turning logits into a draft token
+    backend (torch or ONNX Runtime): verify steps differ most between backends (what an 8-token verify costs in
+    steps differs between ORT and torch; measured: docs/history.md, 'Figures behind the code's constants'), so they
+    are measured there. A model draft step costs the plan's share of the full model, taken from the torch sublayer
+    timings (``sublayers``), of one measured step, plus the per-call overhead of turning logits into a draft token
     (``draft_overhead``). ``lookup`` is one n-gram / retrieval lookup. Same interface as ``CostModel``
     (``plain_step``, ``draft_step``, ``verify``), so every estimator works with either.
     """
@@ -287,9 +288,9 @@ def measure_step_costs(
     prefix = rng.integers(0, config.vocab_size, context).tolist()
     backend.forward(prefix, 0)
     # A verify's cost grows with its token count, partly in steps: ONNX Runtime's MLAS products take rows in
-    # blocks of 6 on AVX-512, so 7 tokens cost about what 12 do (SmolLM2: 6 tokens 1.22x a step, 7 tokens
-    # 1.35x, 12 tokens 1.41x, 13 tokens 1.56x; benchmarks/verify_curve.py). Time both sides of those edges and
-    # a few counts between, interpolate the rest.
+    # blocks of 6 on AVX-512, so 7 tokens cost about what 12 do (benchmarks/verify_curve.py; measured:
+    # docs/history.md, 'Figures behind the code's constants'). Time both sides of those edges and a few counts
+    # between, interpolate the rest.
     sizes = sorted({t for t in (1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 13, 16, 24, 32) if t <= max_tokens} | {max_tokens})
     inputs = [rng.integers(0, config.vocab_size, t).tolist() for t in sizes]
     for ids in inputs:  # warm-up

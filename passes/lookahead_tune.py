@@ -28,7 +28,8 @@ from .replay import ReplayedRound, estimate_rounds, round_mix
 from .tuning import TuningContext
 
 WINDOWS = (2, 4, 6)
-NGRAMS = (2,)  # pooled 3-grams were accepted less than 2-grams on SmolLM2 and refcoder
+# pooled 3-grams are accepted less than 2-grams (measured: docs/history.md, 'Figures behind the code's constants')
+NGRAMS = (2,)
 TREE_BRANCHES = 3  # pooled n-grams verified next to the window in a tree plan
 
 
@@ -58,9 +59,9 @@ RECYCLING_TREE_NODES = (8, 16)
 
 def recycling_grid(trees: bool, behind: DraftPlan | None):
     """Token Recycling alone and behind the lookup plan ``behind`` (its sources draft when they hit), as chains and,
-    where ``trees``, as token trees of ``RECYCLING_TREE_NODES`` tokens. Why both: on refcoder (ONNX Runtime) the
-    lookup plan drafts most rounds and recycling alone ran 1.42-1.45x plain decoding against lookup's 1.83x; on
-    SmolLM2 lookup misses most rounds and recycling behind it ran 1.24x against the lookup chain's 1.18x."""
+    where ``trees``, as token trees of ``RECYCLING_TREE_NODES`` tokens. Why both: where the lookup plan drafts
+    most rounds, recycling alone runs well below it; where lookup misses most rounds, recycling behind it beats
+    the lookup chain (measured: docs/history.md, 'Figures behind the code's constants')."""
     alone = DraftPlan(name="recycling", lookup=["recycling"], lookup_max_draft=4)
     bases = [alone]
     if behind is not None and behind.lookup and not has_model_part(behind) and "recycling" not in behind.lookup:

@@ -81,11 +81,11 @@ class LookupAutotune(Pass):
     """The best lookup plan over ``lookup_grid`` (then, with ``hybrid_with``, its hybrids: ``HybridAutotune``).
 
     Where a token tree of the best chain's sources is priced above the chain, the tree becomes ``lookup`` and the
-    chain stays beside it as ``lookup-chain``, so that confirmation times the two in turns and the default is
-    the one that ran faster (where the turns cannot tell them apart, the tree: ``ChooseDefaultPlan`` settles a
-    tie between plans priced alike by the higher price). Why: a tree's estimate leans on the verify-cost curve (a few timed calls per size),
-    and on refcoder with torch the tree priced highest (2 branches, 8 nodes) ran 0.98-0.99x of its chain
-    (``benchmarks/auto_compare.py`` and ``benchmarks/trees.py``, 2026-12-03)."""
+    chain stays beside it as ``lookup-chain``, so that confirmation times the two in turns and the default is the
+    one that ran faster (where the turns cannot tell them apart, the tree: ``ChooseDefaultPlan`` settles a tie
+    between plans priced alike by the higher price). Why: a tree's estimate leans on the verify-cost curve (a few
+    timed calls per size), and the tree priced highest has run slower than its chain (measured: docs/history.md,
+    'Figures behind the code's constants')."""
 
     name = "lookup_autotune"
     adds = ("lookup", CHAIN_PLAN, "hybrid")
@@ -115,7 +115,8 @@ class LookupAutotune(Pass):
             )
         Datastore.build(sequences).save(self.context.workdir / DATASTORE_FILE)
         # Confirmation decodes the first calibration prompts: it must not find their own continuations in
-        # the datastore (a leak that once "confirmed" 5x), so it reads one built from the other sequences.
+        # the datastore (a leak that "confirms" far more than the plan runs at), so it reads one built from the
+        # other sequences.
         held_out = sequences[len(self.context.confirm_prompts) :] or [[]]
         Datastore.build(held_out).save(self.context.workdir / HELD_OUT_DATASTORE_FILE)
         self.context.confirm_datastore = HELD_OUT_DATASTORE_FILE

@@ -96,10 +96,9 @@ def incumbent(ir: DecoderIR) -> float:
 
 
 BOUND_MARGIN = 0.05
-"""A budgeted pass runs only if its bound beats the incumbent by more than this: confirmation on a 2-core
-machine cannot tell plans within a few percent apart (``confirm.TIE``), so a pass that can at best add that
-much spends its seconds on a plan that cannot win (SmolLM2: the adapter pass, bound 1.28x next to a 1.26x
-lookup plan, took 20 s of an 95 s budget for a 0.95x plan)."""
+"""A budgeted pass runs only if its bound beats the incumbent by more than this: confirmation on a 2-core machine
+cannot tell plans within a few percent apart (``confirm.TIE``), so a pass that can at best add that much spends its
+seconds on a plan that cannot win (measured: docs/history.md, 'Figures behind the code's constants')."""
 
 
 class PassManager:

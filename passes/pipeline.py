@@ -54,7 +54,8 @@ def _auto(i: PipelineInputs) -> list:
     from .precision_tune import PrecisionTune
 
     c, o, progress = i.context, i.options, i.progress
-    # The precision draft right after lookup: on SmolLM2 the only model draft that beats lookup (ONNX Runtime)
+    # The precision draft right after lookup: the model draft that can beat lookup where others do not
+    # (measured: docs/history.md, 'Figures behind the code's constants')
     passes = [LookupAutotune(c, retrieval=o.retrieval, show_progress=progress)]
     if not i.generic:  # the generic path has no precision draft (its model is transformers' own)
         passes.append(PrecisionTune(c, show_progress=progress, quick=True))

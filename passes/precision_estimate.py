@@ -1,5 +1,5 @@
 """The torch decoder that stands in for a precision self-draft (``runtime/drafting/kinds/precision.py``) when the
-estimator scores it (``passes/acceptance.profile_plan``: the draft's logits over a calibration sequence in
+estimator scores it (``passes/acceptance_estimate.profile_plan``: the draft's logits over a calibration sequence in
 one parallel pass against the verifier's KV, which is what the first drafted token of a real round sees).
 
 - On torch the draft *is* a torch decoder, the int8 twin (``runtime/backends/torch/int8_twin.py``): the estimate runs the
@@ -72,9 +72,10 @@ def dequantized(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor | N
 
 
 class GridLinear(nn.Module):
-    """A linear layer on a weight-only block grid, kept as its one-byte codes with their scales and de-quantized
-    for each call: an estimation twin holds about a third of the fp32 weights' bytes, not a second fp32 copy
-    per scheme (those were most of a Qwen3-0.6B-shaped ONNX build's 10 GB peak)."""
+    """A linear layer on a weight-only block grid, kept as its one-byte codes with their scales and de-quantized for
+    each call: an estimation twin holds about a third of the fp32 weights' bytes, not a second fp32 copy per scheme
+    (such copies are most of a big model's ONNX build peak; measured: docs/history.md, 'Figures behind the code's
+    constants')."""
 
     def __init__(self, linear: nn.Linear, bits: int, block: int, symmetric: bool):
         super().__init__()
@@ -98,9 +99,9 @@ class GridLinear(nn.Module):
 
 @torch.inference_mode()
 def int8_input_scales(decoder: nn.Module, sequences: list[torch.Tensor], alpha: float = SMOOTHING_ALPHA) -> dict:
-    """SmoothQuant scales for the int8 twin (``runtime/int8_twin.fold_points``): the largest magnitude each input
-    channel of its products takes while the full model reads ``sequences`` (token ids ``[1, T]``; the calibration
-    continuations), turned into per-channel scales (``input_scales_from``)."""
+    """SmoothQuant scales for the int8 twin (``runtime/backends/torch/int8_twin.fold_points``): the largest
+    magnitude each input channel of its products takes while the full model reads ``sequences`` (token ids
+    ``[1, T]``; the calibration continuations), turned into per-channel scales (``input_scales_from``)."""
     points = fold_points(decoder)
     absmax: dict[str, torch.Tensor] = {}
 

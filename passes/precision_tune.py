@@ -5,10 +5,10 @@ A precision draft is priced and scored in three steps, each as close to what run
 
 1. **Cost, timed in rounds on the backend** (``cost_model.measure_draft_rounds``): draft steps and the verify
    after them, alternating as a round runs them. Back-to-back timings may flatter a draft that runs apart from
-   the verifier (on ONNX Runtime, before its sessions stopped spinning after each call, a verify right after
-   drafts cost twice its back-to-back time: ``onnx_backend.stop_spinning_after_runs``). The step and the
-   verify's factor go into the costs every estimate reads (``StepCosts.draft_steps``, ``verify_after_draft``).
-2. **First drafted token of a round, exactly** (``passes/acceptance.profile_plan`` with the draft's torch
+   the verifier (on ONNX Runtime, when sessions' threads spin on after each call, a verify right after drafts
+   costs far more than back-to-back: ``runtime/backends/onnx/backend.stop_spinning_after_runs``). The step and
+   the verify's factor go into the costs every estimate reads (``StepCosts.draft_steps``, ``verify_after_draft``).
+2. **First drafted token of a round, exactly** (``passes/acceptance_estimate.profile_plan`` with the draft's torch
    stand-in, ``passes/precision_estimate.py``): one parallel pass against the verifier's KV over every
    calibration continuation; the draft-length policy (alone) and the lookup sources' sizes (behind the lookup
    plan, a hybrid) are chosen on it as for any model draft.
@@ -69,11 +69,11 @@ REAL_LOOP_CANDIDATES = (
 TREE_BRANCHES = (2, 3)  # model-draft trees priced against each candidate's chain (``sources.model.branches``)
 TREE_MARGIN = 1.03
 """How much higher than its chain the replay must price a model-draft tree for the tree to replace it. The replay
-prices neither a draft step's runner-up search nor the tree verify's mask and cache compaction, and on SmolLM2
-(2026-12-03) it priced the trees within 0.5% of their chains (0.998-1.005). Timed in turns
-(``benchmarks/draft_branches.py``), ONNX Runtime's one-leaf tree ran 1.1-1.3% slower than its chain in two runs
-(3% of its leaves accepted); torch's two-leaf tree 3.5% slower in one run and 4% faster in the next (16% of its
-leaves accepted). A replay that close cannot tell them apart, so the simpler chain is kept."""
+prices neither a draft step's runner-up search nor the tree verify's mask and cache compaction, and it has priced
+trees within a fraction of a percent of their chains, while timed in turns
+(``benchmarks/experiments/draft_branches.py``) the trees ran a few percent either side of them (measured:
+docs/history.md, 'Figures behind the code's constants'). A replay that close cannot tell them apart, so the simpler
+chain is kept."""
 
 
 def precision_plan(params: dict, max_draft: int) -> DraftPlan:
@@ -85,9 +85,8 @@ def precision_plan(params: dict, max_draft: int) -> DraftPlan:
 def hybrid_ngram_sizes(lookup: DraftPlan) -> list[tuple[int, int]]:
     """The n-gram sizes a precision draft behind ``lookup`` is priced with: the lookup plan's own, and the
     pipeline's others (``lookup_autotune.NGRAM_SIZES``). Why not the lookup plan's alone: tuned to draft on its
-    own, a lookup plan takes one-token matches, and behind a draft accepted at 0.93 a token those rounds cost
-    more than they bring. On SmolLM2 with ONNX Runtime (benchmark prompts, int8 behind lookup) n-grams from 1
-    token ran 1.64x, from 2 or 3 tokens 1.81-1.83x, the draft alone 1.72x."""
+    own, a lookup plan takes one-token matches, and behind a well-accepted draft those rounds cost more than they
+    bring (measured: docs/history.md, 'Figures behind the code's constants')."""
     return sorted(set(NGRAM_SIZES) | {(options(lookup, "ngram").min, options(lookup, "ngram").max)})
 
 
@@ -99,12 +98,11 @@ def behind_lookup(plan: DraftPlan, lookup: DraftPlan) -> DraftPlan:
 
 def kept_compositions(scored: list) -> dict[str, tuple]:
     """The plans the pass adds, by name, from ``scored`` ((plan, estimate, rounds, parallel estimate) per
-    candidate): the best as ``precision``, and the best of the other composition (the draft alone, or behind
-    the lookup plan) as ``precision-alone`` / ``precision-hybrid``, so that confirmation times the two in turns.
-    Why both: on SmolLM2 with ONNX Runtime the two estimates came within their own error of each other and
-    swapped order from build to build (int8 behind lookup expected 1.84x at one build, int8 alone 1.73x ahead
-    of it at the next), while the benchmark ran them at 1.78-1.82x and 1.72x: the estimate cannot be trusted
-    to pick between them, a paired race can (``confirm.Confirmer.race``)."""
+    candidate): the best as ``precision``, and the best of the other composition (the draft alone, or behind the
+    lookup plan) as ``precision-alone`` / ``precision-hybrid``, so that confirmation times the two in turns. Why
+    both: the two estimates can come within their own error of each other and swap order from build to build
+    (measured: docs/history.md, 'Figures behind the code's constants'): the estimate cannot be trusted to pick
+    between them, a paired race can (``confirm.Confirmer.race``)."""
     if not scored:
         return {}
     best = max(scored, key=lambda found: found[1].expected_speedup)
@@ -130,8 +128,9 @@ class PrecisionTune(Pass):
     ):
         """``quick`` (the ``auto`` method, inside its time budget): int8 only (the scheme accepted best on every
         model measured) and no real-loop step: the plan keeps the parallel estimate over every calibration
-        continuation. A real loop short enough for the budget (two prompts of 32 tokens) overestimated by
-        20-50% on SmolLM2 and kept the lookup plan out of confirmation's race."""
+        continuation. A real loop short enough for the budget (two prompts of 32 tokens) overestimates by far and
+        keeps the lookup plan out of confirmation's race (measured: docs/history.md, 'Figures behind the code's
+        constants')."""
         self.context, self.show_progress, self.quick = context, show_progress, quick
         self.prompts, self.new_tokens = prompts, new_tokens
         self.schemes = SCHEMES.get(context.runner.name, SCHEMES["torch"])[: 1 if quick else None]
@@ -148,10 +147,9 @@ class PrecisionTune(Pass):
         """What the pass takes, from what calibration timed on this model and machine: per scheme, about
         ``PROFILE_PASSES`` reference passes (the bound's sample and the stand-in's scoring of every continuation)
         and, on ONNX Runtime, ``EXPORT_FACTOR`` times the runner's first export (the quantized graphs); the draft
-        rounds' timing; the real loop's decodes. Measured in phases (the pass table's ``phases``): SmolLM2-135M
-        14.8 s on ONNX Runtime (this gives 18.6 s), 12.2 s on torch (14.9 s); Qwen3-0.6B's shape 64-80 s on ONNX
-        Runtime (68 s), 41 s on torch (53 s). The plain-step rule it replaces said 15 s for the Qwen3 ONNX
-        case and 29 s where a Llama-3.2-1B-shaped build then spent 169 s, past its budget."""
+        rounds' timing; the real loop's decodes. Why from calibration's timings: this follows the phases the
+        pass table records (``phases``) on small and big models alike, where a rule from the plain step alone
+        fell far short on big ones (measured: docs/history.md, 'Figures behind the code's constants')."""
         c = self.context
         plain = c.costs.plain_step()
         export = c.timings.get("runner_backend", 0.0) if c.runner.name != "torch" else 0.0

@@ -5,7 +5,7 @@ can be replayed without the model: the drafter (the same ``make_drafter`` object
 n-gram index, retrieval datastore, hybrid choice and model draft policy included) proposes
 candidates for the committed history, and the accepted count is the run of candidates equal to the
 continuation. The model part's draft steps read a ``Profile`` (the plan's argmax and confidence at
-every position, from one parallel forward, ``acceptance.profile_plan``) instead of running the
+every position, from one parallel forward, ``acceptance_estimate.profile_plan``) instead of running the
 backend. Each round's cost then comes from the backend's measured step costs (``StepCosts``), so the
 estimate describes the same policy the runtime runs, on the backend it runs on.
 """
@@ -70,8 +70,9 @@ class ReplayedRound:
 def replay(
     plan: DraftPlan, references: list[Reference], profile: Profile | None = None, root: Path | None = None
 ) -> list[ReplayedRound]:
-    """Every round of ``plan``'s drafter over every calibration continuation, as ``runtime.speculative.decode``
-    would run it (the last token of a sequence, with no room to draft, is a plain step and not a round)."""
+    """Every round of ``plan``'s drafter over every calibration continuation, as
+    ``runtime.decoding.speculative.decode`` would run it (the last token of a sequence, with no room to draft, is a
+    plain step and not a round)."""
     if has_model_part(plan) and (profile is None or profile.tops is None):
         raise ValueError(f"plan {plan.name!r} has a model part: replay needs its profile")
     rounds: list[ReplayedRound] = []

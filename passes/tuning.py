@@ -181,10 +181,10 @@ class TuningContext:
 
     @property
     def training_references(self) -> list[Reference]:
-        """The calibration sequences a trained draft (adapter, draft vocabulary) may learn from: all but
-        the confirmation prompts', so confirmation measures the draft on text it never saw (an adapter
-        trained on them once confirmed 1.32x at build and ran 1.02x on the benchmark prompts). With no
-        other sequences (a calibration of only the confirmation prompts), all of them."""
+        """The calibration sequences a trained draft (adapter, draft vocabulary) may learn from: all but the
+        confirmation prompts', so confirmation measures the draft on text it never saw (an adapter trained on them
+        confirms far above what it runs at; measured: docs/history.md, 'Figures behind the code's constants'). With
+        no other sequences (a calibration of only the confirmation prompts), all of them."""
         return self.references[len(self.confirm_prompts) :] or self.references
 
     @property
@@ -197,10 +197,10 @@ class TuningContext:
         return best_policy(self.profile(plan, references), plan, self.costs, self.max_draft)
 
     def profile(self, plan: DraftPlan, references: list[Reference] | None = None):
-        """``plan``'s draft against the calibration continuations, on the torch decoder. The runner's sessions
-        are released first: the torch side reads its weights again, and ONNX Runtime's packed copy beside them
-        made a second copy (a Llama-3.2-1B-shaped build's layer-skip bound: 11.1 GB, 2.2x the weights, against
-        8.0 GB when that bound did not run); the next ``runner.backend`` opens them again."""
+        """``plan``'s draft against the calibration continuations, on the torch decoder. The runner's sessions are
+        released first: the torch side reads its weights again, and ONNX Runtime's packed copy beside them would
+        make a second copy (measured: docs/history.md, 'Figures behind the code's constants'); the next
+        ``runner.backend`` opens them again."""
         if self.runner is not None:
             self.runner.release()
         return profile_plan(

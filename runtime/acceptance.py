@@ -69,7 +69,7 @@ def accept(
 ) -> tuple[list[int], list[int] | None]:
     """The host round's driver: (the tokens the round commits, ending with the verifier's own; the accepted tree
     nodes, or None for a chain) from the verifier's ``logits`` ``[1 + len(draft.tokens), vocab]`` and the round's
-    ``draft`` (a ``drafting.base.Draft``: the rule sits below drafting, so it reads the draft's fields only)."""
+    ``draft`` (a ``drafting.drafter.Draft``: the rule sits below drafting, so it reads the draft's fields only)."""
     if draft.is_tree:
         if params.greedy:
             path, final = greedy_path(draft.tokens, draft.parents, logits)

@@ -111,10 +111,10 @@ def large_blocks_returned():
     the heap's free pages are given back. No effect where glibc is not the allocator.
 
     Why: making many long-lived small tensors from big temporaries (a weight's fp32 copies while it is
-    encoded) on the heap leaves the freed temporaries between the kept tensors, resident: on a
-    Qwen3-0.6B-shaped model the ONNX precision stand-in's 0.7 GB of codes took 2.3 GB. Not for the whole
-    build: a temporary that is made on every call (a de-quantized weight per product) would then be a fresh
-    mapping, zeroed, each time (a 100-token forward of that stand-in took 4.1 s, not 2.1 s)."""
+    encoded) on the heap leaves the freed temporaries between the kept tensors, resident: several times the
+    kept tensors' bytes. Not for the whole build: a temporary that is made on every call (a de-quantized weight
+    per product) would then be a fresh mapping, zeroed, each time, and each call much slower (both measured:
+    docs/history.md, 'Figures behind the code's constants')."""
     mallopt = _glibc("mallopt")
     if mallopt is not None:
         mallopt(M_MMAP_THRESHOLD, LARGE_BLOCK_BYTES)
@@ -136,9 +136,10 @@ def _glibc(name: str):
 
 
 def return_freed_memory() -> None:
-    """Collect unreachable objects (ONNX Runtime sessions sit in reference cycles) and hand the C heap's free
-    memory back to the system (glibc keeps freed blocks of a large allocation for reuse otherwise: a build
-    that closed its sessions still held 0.47 GB of their packed weights on SmolLM2-135M)."""
+    """Collect unreachable objects (ONNX Runtime sessions sit in reference cycles) and hand the C heap's free memory
+    back to the system (glibc keeps freed blocks of a large allocation for reuse otherwise: a build that closed its
+    sessions still held much of their packed weights; measured: docs/history.md, 'Figures behind the code's
+    constants')."""
     import gc
 
     gc.collect()

@@ -181,8 +181,9 @@ def near_tie_limit(dtype: str, top: float) -> float:
     fp32: ``NEAR_TIE`` (docs/design.md section 6). bf16 and fp16 artifacts compute and round every product in
     their own precision, so a k-token verify and the one-token steps it replaces (different kernels, different
     accumulation orders) differ by units in the last place of that precision, compounded over the blocks:
-    on SmolLM2 in bf16, gaps of 0-0.25, within 4 ulps of the top logit. A gap of up to ``NEAR_TIE_ULPS`` such
-    units counts as a near-tie there; and such divergences are not rare in half precision."""
+    the gaps measured where they diverge lie within a few ulps of the top logit (measured: docs/history.md,
+    'Figures behind the code's constants'). A gap of up to ``NEAR_TIE_ULPS`` such units counts as a near-tie
+    there; and such divergences are not rare in half precision."""
     import math
 
     bits = HALF_MANTISSA_BITS.get(dtype)

@@ -120,11 +120,11 @@ def tune_ir(
     """Calibrate, autotune by ``options.method`` (``METHODS``, ``passes/pipeline.py``), confirm by timed runs on
     ``backend``, pick the default plan.
 
-    Shared by ``build`` and ``tune``; returns the IR. ``encode`` (text -> token ids) lets the adapter pass
-    train on the offline default corpus. Calibration and confirmation stop at ``eos``, as generation does:
-    the text a model babbles after its end-of-sequence token is repetitive, so lookup drafts predicted
-    it well and flattered lookup plans (SmolLM2: expected 1.41x, confirmed 1.15x). A budgeted method
-    (``auto``) runs under ``budget`` (started by the caller when the model was loaded; a new one otherwise).
+    Shared by ``build`` and ``tune``; returns the IR. ``encode`` (text -> token ids) lets the adapter pass train on
+    the offline default corpus. Calibration and confirmation stop at ``eos``, as generation does: the text a model
+    babbles after its end-of-sequence token is repetitive, so lookup drafts predicted it well and flattered lookup
+    plans (measured: docs/history.md, 'Figures behind the code's constants'). A budgeted method (``auto``) runs
+    under ``budget`` (started by the caller when the model was loaded; a new one otherwise).
     """
     method = METHODS[options.method]
     if method.budgeted and budget is None:
@@ -255,8 +255,9 @@ def _build_locked(options: BuildOptions, log: Callable[[str], None], budget: Bud
     log(f"{path.path} decoder matches transformers: max |logit diff| = {diff:.1e}")
     if options.dtype != "float32":
         # A k-token verify and the one-token steps it replaces round differently in half precision by a few
-        # units in the last place: on SmolLM2 in bf16 (CPU) speculative output left plain output on 7 of 12
-        # prompts within 96 tokens, every time at a top-2 gap within 4 ulps. Said once, here, not discovered later.
+        # units in the last place, and speculative output then leaves plain output on many prompts, at top-2 gaps
+        # within a few ulps (measured: docs/history.md, 'Figures behind the code's constants'). Said once, here,
+        # not discovered later.
         log(
             f"note: in {options.dtype} speculative output equals plain output up to near-ties of a few units in the "
             f"last place of {options.dtype}, which are common; build in float32 where token-identical output matters"

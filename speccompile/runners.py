@@ -1,10 +1,10 @@
 """Runners: the backend an artifact will run on, made available to the tuner for timing.
 
-Costs and confirmation runs must come from the backend that runs the artifact (docs/design.md section 5):
-on CPU an 8-token verify costs 1.37x a step on ONNX Runtime and 1.44x on torch for SmolLM2, so a plan
-tuned on one is wrong on the other. The torch runner lives in ``passes`` (it needs only the runtime);
-the ONNX runner exports the graphs the plans need into the tuning run's scratch folder, with the same
-writer the artifact uses, and opens them with the runtime's ``OnnxBackend`` on the weights in memory.
+Costs and confirmation runs must come from the backend that runs the artifact (docs/design.md section 5): on CPU
+what an 8-token verify costs in steps differs between ONNX Runtime and torch (measured: docs/design.md section 5),
+so a plan tuned on one is wrong on the other. The torch runner lives in ``passes`` (it needs only the runtime); the
+ONNX runner exports the graphs the plans need into the tuning run's scratch folder, with the same writer the
+artifact uses, and opens them with the runtime's ``OnnxBackend`` on the weights in memory.
 """
 
 from __future__ import annotations

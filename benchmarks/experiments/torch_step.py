@@ -3,7 +3,7 @@
     python benchmarks/experiments/torch_step.py artifacts/smollm2-torch [--form streaming] [--calls 30]
 
 Loads the artifact's canonical weights into two torch backends, one whose q/k/v and gate/up products
-are packed (``runtime/decoder.pack_projections``, what ``TorchBackend`` does on CPU) and one without,
+are packed (``runtime/backends/torch/decoder.pack_projections``, what ``TorchBackend`` does on CPU) and one without,
 fills both caches with the same 128-token context, then times calls of 1, 2, 4 and 8 tokens at that
 position, alternating between the two backends call by call (the order flipping each call), so the
 machine's drifting speed weighs on both alike. Prints the median milliseconds per call and the ratio.

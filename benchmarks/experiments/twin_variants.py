@@ -5,11 +5,12 @@ projections, on one torch artifact's precision plans, each timed against plain d
     python benchmarks/experiments/twin_variants.py ART [--plans precision,precision-alone] [--prompts FILE] [--max-new-tokens 96]
 
 Every variant runs the artifact's plans unchanged (their draft lengths and thresholds were tuned on the twin the
-artifact ships, ``runtime/int8_twin.int8_twin``); only the twin under them changes. Prints, per variant and plan,
-the speedup over plain decoding (summed over the prompts, plain and every variant decoded one after the other on
-each prompt, in an order that alternates), the rounds, whether each output equals plain decoding, and the twin's
-teacher-forced agreement: how often its greedy token is the model's over each prompt's plain continuation, in
-one parallel pass (what the first drafted token of a round sees; later ones read the twin's own KV).
+artifact ships, ``runtime/backends/torch/int8_twin.int8_twin``); only the twin under them changes. Prints, per
+variant and plan, the speedup over plain decoding (summed over the prompts, plain and every variant decoded one
+after the other on each prompt, in an order that alternates), the rounds, whether each output equals plain decoding,
+and the twin's teacher-forced agreement: how often its greedy token is the model's over each prompt's plain
+continuation, in one parallel pass (what the first drafted token of a round sees; later ones read the twin's own
+KV).
 """
 
 from __future__ import annotations

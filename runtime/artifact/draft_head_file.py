@@ -15,10 +15,10 @@ trained for it. A *draft head* fixes the draft without touching the target (Kang
 
 The file (``draft_heads/<plan>.safetensors``, hashed in the manifest like every artifact file) holds
 ``adapter.norm.weight`` (+ ``.bias`` for LayerNorm models), ``adapter.gate.weight`` ``[I, d]``,
-``adapter.up.weight`` ``[I, d]``, ``adapter.down.weight`` ``[d, I]`` when there is an adapter, and
-``vocab.ids`` (int64, ``[N]``) when the vocabulary is reduced; its metadata names the format and the
-exit layer. Backends build their own kernels from these arrays (``torch_backend.TorchDraftHead``, the
-ONNX ``draft_head.*`` graphs of ``speccompile/exporters/onnx_blocks.py``).
+``adapter.up.weight`` ``[I, d]``, ``adapter.down.weight`` ``[d, I]`` when there is an adapter, and ``vocab.ids``
+(int64, ``[N]``) when the vocabulary is reduced; its metadata names the format and the exit layer. Backends build
+their own kernels from these arrays (``runtime/backends/torch/backend.TorchDraftHead``, the ONNX ``draft_head.*``
+graphs of ``speccompile/exporters/onnx_blocks.py``).
 """
 
 from __future__ import annotations

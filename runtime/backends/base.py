@@ -63,8 +63,8 @@ class Backend(ABC):
         whose ``head`` names it."""
 
     def prepare(self, segment: Segment) -> None:
-        """Make ready now whatever ``segment`` builds on its first run (the torch int8 twin: about a second for
-        SmolLM2-135M), so that cost falls at load and not inside the first request's decode. Default: nothing."""
+        """Make ready now whatever ``segment`` builds on its first run (the torch int8 twin: a second or more), so
+        that cost falls at load and not inside the first request's decode. Default: nothing."""
 
     def device_round(self, drafter, seed: int | None):
         """A round that stays on this backend's device for ``drafter`` (called as ``round(ctx, stats)``), or None: the

@@ -7,9 +7,10 @@ hidden state to logits (the shared head, or a plan's draft head). A segment is t
 blocks graph followed by a head graph, or, for the full model when no whole-model graph is opened, a
 prefix graph followed by the rest.
 
-Graph records carry their ``segment`` (the exporter writes it); for exports written before that,
-``segments_from_plan_records`` reads it from their per-plan records (a reader of that old record format,
-not of plans: the exporter now writes per plan only the graphs its draft kind's segments use). Numpy only.
+Graph records carry their ``segment`` (the exporter writes it); for an export whose graph records lack it (an
+earlier record format), ``segments_from_plan_records`` reads it from the per-plan records (a reader of that
+record format, not of plans: the exporter writes per plan only the graphs its draft kind's segments use).
+Numpy only.
 """
 
 from __future__ import annotations

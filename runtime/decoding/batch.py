@@ -269,8 +269,9 @@ class BatchDecoder:
         The policy prices a draft against the batch this round is part of: the live sequences and the ``joining``
         ones, whose prompt chunks share each step with the round. Why: when many requests arrive at once, the
         first to finish its prompt would otherwise decode alone, where drafting pays, and its longer rounds
-        would hold back the prefill of all the others (SmolLM2, ONNX Runtime, 16 streams: time to first token
-        2.16 s against plain batching's 1.72 s). Those are priced as one-token rows that each bring a token."""
+        would hold back the prefill of all the others (a later first token than plain batching gives; measured:
+        docs/history.md, 'Figures behind the code's constants'). Those are priced as one-token rows that each
+        bring a token."""
         batch = len(live) + joining
         drafts: list[Draft | None] = [None] * len(live)
         stepping: dict[int, tuple] = {}  # index -> (its drafting generator, (token, pos) asked, ctx)

@@ -1,12 +1,12 @@
 """Prompts a batch has read, kept in spare cache slots, so that a later prompt that begins alike copies that KV.
 
-Requests to one service mostly begin alike: a chat template's system prompt (25 of the SmolLM2 benchmark
-prompts' 76-115 tokens), a shared instruction or document, the earlier turns of a conversation, a retried
-request. Under load a prompt's prefill is about half the work of a short request, so a batch keeps the KV of
-the prompts it has read (``PromptCache.remember``) in slots after its sequences' slots, and a joining sequence
-copies the longest kept prefix of its prompt (``match``; at least ``MIN_TOKENS``, never the prompt's last token,
-whose logits it needs) instead of computing it. Kept prompts are evicted least recently used first; a kept
-prompt that a new one extends (the next turn of a conversation) is replaced in place.
+Requests to one service mostly begin alike: a chat template's system prompt (a fair share of a short chat prompt's
+tokens; measured: docs/history.md, 'Figures behind the code's constants'), a shared instruction or document, the
+earlier turns of a conversation, a retried request. Under load a prompt's prefill is about half the work of a short
+request, so a batch keeps the KV of the prompts it has read (``PromptCache.remember``) in slots after its sequences'
+slots, and a joining sequence copies the longest kept prefix of its prompt (``match``; at least ``MIN_TOKENS``,
+never the prompt's last token, whose logits it needs) instead of computing it. Kept prompts are evicted least
+recently used first; a kept prompt that a new one extends (the next turn of a conversation) is replaced in place.
 
 Why slots: the KV cache already has a slot dimension and ``Backend.move_slot`` copies a slot's positions (one
 copy per layer), so a kept prompt needs no new storage code on any backend; the price is one slot of cache per

@@ -8,8 +8,8 @@ chain source (behind n-gram lookup in a plan's ``lookup`` list) it drafts its be
 offers nothing else.
 
 Plan fields: ``logitspec_top_k`` guesses; the extension uses the plan's n-gram sizes and draft length.
-Measured on SmolLM2-135M's benchmark outputs: the token after ``t`` is among the last row's top 4 (other
-than ``t``) 14% of the time, top 8 22%, top 16 29% (``benchmarks/trees.py`` times the plans).
+How often the token after ``t`` is among the last row's top k (other than ``t``): docs/history.md, 'Figures
+behind the code's constants' (``benchmarks/experiments/trees.py`` times the plans).
 """
 
 from __future__ import annotations

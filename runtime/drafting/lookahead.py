@@ -10,9 +10,8 @@ right in place it often gets right somewhere else: each row adds the n-gram it p
 before it, then its output) to a pool keyed by first token, and later rounds whose input token starts a
 pooled n-gram verify it as another branch: lookahead decoding's lookahead and verification branches, in
 one call. The rows of the other branches are Jacobi steps for their inputs too, and their n-grams are pooled
-as well. Lookahead alone with a window of 2 (``benchmarks/trees.py``, ONNX Runtime, chain / tree) ran 0.96x /
-1.03x plain decoding on SmolLM2's benchmark prompts with the window's n-grams pooled and 1.04x / 1.04x with every
-row's; on refcoder's held-out prompts 1.16x / 1.20x and 1.29x / 1.27x.
+as well: pooling every row's n-grams, not the window's alone, made lookahead alone faster
+(``benchmarks/experiments/trees.py``; measured: docs/history.md, 'Figures behind the code's constants').
 
 Plan fields: ``lookahead_window`` is the window ``W``; ``lookahead_ngram`` the pooled n-gram length ``N``
 (2..4); ``lookup_branches`` how many continuations a round verifies per source (a tree, on a backend that

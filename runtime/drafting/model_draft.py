@@ -105,9 +105,9 @@ class BackendStep:
         sequence's step at once)."""
         if ctx.params.greedy:
             # Only the drafted token's probability is needed (the draft policy's confidence), so one exp pass in the
-            # logits' own precision instead of a float64 softmax: 40 us against 340 us over SmolLM2's 49k-token
-            # vocabulary, which was 5% of an int8 draft step on ONNX Runtime. A drafting heuristic: whatever it
-            # rounds to, the verifier decides every token.
+            # logits' own precision instead of a float64 softmax, which over a large vocabulary is a noticeable
+            # share of a cheap draft step (measured: docs/history.md, 'Figures behind the code's constants'). A
+            # drafting heuristic: whatever it rounds to, the verifier decides every token.
             drafted = self._drafted = int(np.argmax(logits))
             with np.errstate(under="ignore", invalid="ignore"):
                 self._weights = np.exp(logits - logits[drafted])  # <= 1 everywhere; 0 at -inf (a draft vocabulary)
@@ -126,9 +126,9 @@ class BackendStep:
         return [(t, float(weights[t]) / self._total) for t in top]
 
 
-# A runner-up less likely than this under the draft is not worth a verify row. SmolLM2-135M's int8 draft on ONNX
-# Runtime: leaves above 0.05 were the model's token 6% of the time, above 0.2 10%, above 0.3 17%;
-# a leaf pays there from about 8% (one more token per hit against a row's cost in a ~7-row verify).
+# A runner-up less likely than this under the draft is not worth a verify row: a leaf pays where it is the model's
+# token often enough that one more token per hit outweighs a row's cost in the verify; leaves above this probability
+# were, leaves above much lower ones were not (measured: docs/history.md, 'Figures behind the code's constants').
 BRANCH_MIN_PROBABILITY = 0.2
 
 

@@ -11,8 +11,8 @@ A lookup depends only on the last ``depth`` tokens of the context and its limits
 (``ANSWERS_KEPT``, least recently used out). Why: the build replays about a hundred lookup plans over the same
 calibration text (``passes/lookup_autotune.py``) and most of its retrieval lookups are repeats; the search
 itself narrows one column of the sorted keys at a time (two ``searchsorted`` each) instead of slicing the
-tokens at every probe of a Python binary search (SmolLM2's torch build: retrieval was 8 of the pass's 21 s
-under a profiler).
+tokens at every probe of a Python binary search (retrieval was a large share of the pass under a profiler:
+docs/history.md, 'Figures behind the code's constants').
 """
 
 from __future__ import annotations

@@ -162,7 +162,7 @@ def export_onnx(
     relative_to: Path | None = None,
     **options,
 ) -> dict[str, Any]:
-    """Write the ONNX graphs of ``decoder`` (a ``runtime.decoder.Decoder``; its ``config`` and
+    """Write the ONNX graphs of ``decoder`` (a ``runtime.backends.torch.decoder.Decoder``; its ``config`` and
     ``state_dict()`` are used) and of ``plans``' drafts, plus one shared ``weights.bin``, into
     ``out_dir``; return the manifest record for ``backends["onnx"]``.
 
@@ -193,19 +193,19 @@ def export_onnx_weights(
     """``export_onnx`` from an ``ArchConfig`` and canonical weights (name -> torch tensor or numpy array,
     as in weights/model.safetensors; a tied lm_head may be absent). No torch needed for numpy weights.
 
-    ``variant``: "standard" (ONNX ops only, passes ``onnx.checker``, runs on any execution provider) or
-    "fused" (ONNX Runtime contrib ops, KV cache updated in place; see ``onnx_fused``). ``quantize``
-    ("int8" / "int4", fused only): weight-only ``MatMulNBits`` for every linear layer and the head, in
-    blocks of ``block_size`` along the input dimension; ``accuracy_level`` is MatMulNBits' (0: unset,
-    4: int8 activations, ONNX Runtime's fast CPU path). ``pack`` (fused only): q/k/v and gate/up as one
-    matmul each, on weights concatenated in the graph (``FusedGraph.linear_cat``). ``pad_rows`` (fused
-    only; default: with ``quantize``): attention always runs on one more query row than the call has, so that
-    a k-token verify computes exactly the 1-token steps it replaces (``FusedGraph.padding``). Quantized
-    graphs need it (int8 activations turn MLAS's one-row rounding into whole quantization steps); fp32 graphs
-    agree within the near-tie rule without it, and it costs their plain steps (about 0.88x measured).
-    ``pad_products`` (quantized fused graphs; default: measured here, ``Quantizer.one_row_path_differs``): every
-    ``MatMulNBits`` runs on at least two rows, where this CPU's one-row kernel rounds differently (int4 on an
-    AMD EPYC Zen 2 with AVX2, where SmolLM2 int4's plain step ran at 0.87x with the padding).
+    ``variant``: "standard" (ONNX ops only, passes ``onnx.checker``, runs on any execution provider) or "fused"
+    (ONNX Runtime contrib ops, KV cache updated in place; see ``onnx_fused``). ``quantize`` ("int8" / "int4", fused
+    only): weight-only ``MatMulNBits`` for every linear layer and the head, in blocks of ``block_size`` along the
+    input dimension; ``accuracy_level`` is MatMulNBits' (0: unset, 4: int8 activations, ONNX Runtime's fast CPU
+    path). ``pack`` (fused only): q/k/v and gate/up as one matmul each, on weights concatenated in the graph
+    (``FusedGraph.linear_cat``). ``pad_rows`` (fused only; default: with ``quantize``): attention always runs on one
+    more query row than the call has, so that a k-token verify computes exactly the 1-token steps it replaces
+    (``FusedGraph.padding``). Quantized graphs need it (int8 activations turn MLAS's one-row rounding into whole
+    quantization steps); fp32 graphs agree within the near-tie rule without it, and it slows their plain steps
+    (measured: docs/history.md, 'Figures behind the code's constants'). ``pad_products`` (quantized fused graphs;
+    default: measured here, ``Quantizer.one_row_path_differs``): every ``MatMulNBits`` runs on at least two rows,
+    where this CPU's one-row kernel rounds differently (on some CPUs, at a cost to the plain step: docs/history.md,
+    'Figures behind the code's constants').
     ``draft_heads`` maps plans' draft head files (exit adapters, reduced vocabularies) to where they are now.
 
     Memory: float weights already in the export's dtype are read in place (numpy views of the torch tensors)
@@ -220,6 +220,62 @@ def export_onnx_weights(
         raise ValueError(f"ONNX export supports float32 and float16, not {dtype!r}")
     if variant not in VARIANTS:
         raise ValueError(f"unknown ONNX graph variant {variant!r}; use one of {VARIANTS}")
+    variant, quantizer, pad_rows, pad_products = _resolve_options(
+        config, dtype, variant, quantize, block_size, accuracy_level, pad_rows, pad_products
+    )
+    np_dtype = np.dtype(dtype)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    root = Path(relative_to) if relative_to is not None else out_dir.parent
+    rel = lambda p: Path(p).resolve().relative_to(root.resolve()).as_posix()  # noqa: E731
+    weights = _numpy_weights(weights, np_dtype)
+    if derived is not None:
+        weights.update(derived)
+    reused = set(derived or ())
+
+    graph_class, graph_options = _graph_builder(variant, quantizer, pack, pad_rows, pad_products)
+    lowering = _Lowering(config, np_dtype, weights, graph_class, graph_options, draft_heads)
+    plan_records = _lower_plans(lowering, config.num_layers, plans)
+
+    tensors, total_bytes, weights_path = _write_weights(lowering.graphs, weights, out_dir)
+    if derived is not None:
+        _keep_derived(derived, reused, weights, tensors, weights_path, total_bytes)
+    if arrays is not None:
+        arrays.update({name: weights[name] for name in tensors})
+    graph_records = _write_graphs(lowering, tensors, out_dir, rel)
+    return {
+        "format_version": FORMAT_VERSION,
+        "opset": OPSET,
+        "dtype": dtype,
+        "exporter": "speccompile.exporters.onnx_export (onnx.helper)",
+        "variant": variant,
+        "quantization": quantizer.record() if quantizer is not None else None,
+        "packed_projections": pack if variant == "fused" else False,
+        "padded_attention_rows": pad_rows if variant == "fused" else False,
+        "padded_product_rows": pad_products if variant == "fused" else False,  # measured at build, see above
+        # several sequences' one-token steps in one call (no padding row at batch > 1; OnnxBackend.run_rows)
+        "batched_steps": variant == "fused",
+        "weights": rel(weights_path),
+        "weights_bytes": total_bytes,
+        "precision_draft_bytes": _precision_draft_bytes(lowering, tensors),
+        "tensors": tensors,
+        "graphs": graph_records,
+        "plans": plan_records,
+    }
+
+
+def _resolve_options(
+    config: ArchConfig,
+    dtype: str,
+    variant: str,
+    quantize: str | None,
+    block_size: int,
+    accuracy_level: int,
+    pad_rows: bool | None,
+    pad_products: bool | None,
+) -> tuple[str, Quantizer | None, bool, bool]:
+    """The export's graph variant, quantizer and row padding, from ``export_onnx_weights``' options and their
+    defaults (``pad_products`` is measured on this CPU when not given); refuses the combinations no graph has."""
     quantizer = None
     if pad_rows is None:
         pad_rows = quantize is not None
@@ -237,50 +293,58 @@ def export_onnx_weights(
                 "model; export without --quantize"
             )
         variant = "standard"  # the portable graphs: ONNX Runtime runs them too, with the past KV copied per call
-    np_dtype = np.dtype(dtype)
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    root = Path(relative_to) if relative_to is not None else out_dir.parent
-    rel = lambda p: Path(p).resolve().relative_to(root.resolve()).as_posix()  # noqa: E731
-    weights = _numpy_weights(weights, np_dtype)
-    if derived is not None:
-        weights.update(derived)
-    reused = set(derived or ())
-    L = config.num_layers
+    return variant, quantizer, pad_rows, pad_products
 
+
+def _graph_builder(
+    variant: str, quantizer: Quantizer | None, pack: bool, pad_rows: bool, pad_products: bool
+) -> tuple[type[GraphBuilder], dict[str, Any]]:
+    """The graph builder class of ``variant`` and the options every graph of the export is built with."""
     if variant == "fused":
-        graph_class, graph_options = (
-            FusedGraph,
-            {
-                "quantizer": quantizer,
-                "pack": pack,
-                "pad_rows": pad_rows,
-                "pad_products": pad_products,
-            },
-        )
-    else:
-        graph_class, graph_options = GraphBuilder, {}
-    lowering = _Lowering(config, np_dtype, weights, graph_class, graph_options, draft_heads)
-    lowering.segment(full_model(L), None)
+        return FusedGraph, {
+            "quantizer": quantizer,
+            "pack": pack,
+            "pad_rows": pad_rows,
+            "pad_products": pad_products,
+        }
+    return GraphBuilder, {}
+
+
+def _lower_plans(lowering: _Lowering, num_layers: int, plans: dict[str, DraftPlan]) -> dict[str, dict[str, Any]]:
+    """Lower the full model, then every plan's segments; return each plan's record (its kind, its graphs)."""
+    lowering.segment(full_model(num_layers), None)
     plan_records: dict[str, dict[str, Any]] = {}
     for plan_name, plan in plans.items():
-        plan.validate(L)
-        kind = read_plan(plan, L).kind
+        plan.validate(num_layers)
+        kind = read_plan(plan, num_layers).kind
         graphs = [key for segment in kind.segments() for key in lowering.segment(segment, plan)]
         plan_records[plan_name] = {"kind": kind.name, "graphs": list(dict.fromkeys(graphs))}
+    return plan_records
 
-    tensors, total_bytes, weights_path = _write_weights(lowering.graphs, weights, out_dir)
-    if derived is not None:  # quantized copies made by this export, for the next one: read back from the file
-        # written, so that they take memory only while something reads them (ONNX Runtime reads them itself)
-        written = np.memmap(weights_path, dtype=np.uint8, mode="r") if total_bytes else None
-        for name in [n for n in weights if QUANTIZED_COPY.search(n) and n not in reused]:
-            t = tensors.get(name)
-            if t is not None:
-                view = written[t["offset"] : t["offset"] + t["nbytes"]]
-                weights[name] = view.view(np.dtype(t["dtype"])).reshape(t["shape"])
-            derived[name] = weights[name]
-    if arrays is not None:
-        arrays.update({name: weights[name] for name in tensors})
+
+def _keep_derived(
+    derived: dict[str, np.ndarray],
+    reused: set[str],
+    weights: dict[str, np.ndarray],
+    tensors: dict[str, dict[str, Any]],
+    weights_path: Path,
+    total_bytes: int,
+) -> None:
+    """Hand the quantized copies this export made to ``derived``, for the next export: read back from the file
+    written, so that they take memory only while something reads them (ONNX Runtime reads them itself)."""
+    written = np.memmap(weights_path, dtype=np.uint8, mode="r") if total_bytes else None
+    for name in [n for n in weights if QUANTIZED_COPY.search(n) and n not in reused]:
+        t = tensors.get(name)
+        if t is not None:
+            view = written[t["offset"] : t["offset"] + t["nbytes"]]
+            weights[name] = view.view(np.dtype(t["dtype"])).reshape(t["shape"])
+        derived[name] = weights[name]
+
+
+def _write_graphs(
+    lowering: _Lowering, tensors: dict[str, dict[str, Any]], out_dir: Path, rel
+) -> dict[str, dict[str, Any]]:
+    """Save every lowered graph next to ``weights.bin`` (checking the standard ones) and return their records."""
     graph_records = {}
     for key, g in lowering.graphs.items():
         path = out_dir / f"{safe_name(key)}.onnx"
@@ -295,6 +359,11 @@ def export_onnx_weights(
             "initializers": list(g.used),
             "segment": lowering.segments[key],
         }
+    return graph_records
+
+
+def _precision_draft_bytes(lowering: _Lowering, tensors: dict[str, dict[str, Any]]) -> int:
+    """The ``weights.bin`` bytes that only precision self-drafts' graphs read."""
     precision_graphs = {key for key, seg in lowering.segments.items() if seg.get("precision")}
     others = {name for key, g in lowering.graphs.items() if key not in precision_graphs for name in g.used}
     draft_only = {
@@ -303,25 +372,7 @@ def export_onnx_weights(
         for name in lowering.graphs[key].used
         if name not in others
     }
-    return {
-        "format_version": FORMAT_VERSION,
-        "opset": OPSET,
-        "dtype": dtype,
-        "exporter": "speccompile.exporters.onnx_export (onnx.helper)",
-        "variant": variant,
-        "quantization": quantizer.record() if quantizer is not None else None,
-        "packed_projections": pack if variant == "fused" else False,
-        "padded_attention_rows": pad_rows if variant == "fused" else False,
-        "padded_product_rows": pad_products if variant == "fused" else False,  # measured at build, see above
-        # several sequences' one-token steps in one call (no padding row at batch > 1; OnnxBackend.run_rows)
-        "batched_steps": variant == "fused",
-        "weights": rel(weights_path),
-        "weights_bytes": total_bytes,
-        "precision_draft_bytes": sum(draft_only.values()),  # weights.bin bytes only precision self-drafts read
-        "tensors": tensors,
-        "graphs": graph_records,
-        "plans": plan_records,
-    }
+    return sum(draft_only.values())
 
 
 def _write_weights(graphs: dict[str, GraphBuilder], weights: dict[str, np.ndarray], out_dir: Path):

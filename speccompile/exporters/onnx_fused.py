@@ -16,10 +16,11 @@
   has (``padding``), quantized products too where the CPU's one-row kernel rounds differently
   (``pad_products``), and a graph that starts from another graph's hidden state (an early exit's suffix, the
   head) norms it with the same fused kernel the full graph uses there (``residual_start``);
-- a graph that starts from a hidden state ends at its last block's hidden state (``last_hidden``), and
-  the runtime finishes it with the ``head`` graph the drafts use (``head_after_hidden``): ONNX Runtime
-  pre-packs each session's matmul weights separately, so a head inside both graphs would be packed twice
-  (SmolLM2's tied head: +113 MB, 1.105x the plain decoder's resident memory); this way it is packed once.
+- a graph that starts from a hidden state ends at its last block's hidden state (``last_hidden``), and the runtime
+  finishes it with the ``head`` graph the drafts use (``head_after_hidden``): ONNX Runtime pre-packs each session's
+  matmul weights separately, so a head inside both graphs would be packed twice (a noticeable share of a small
+  model's resident memory; measured: docs/history.md, 'Figures behind the code's constants'); this way it is packed
+  once.
 """
 
 from __future__ import annotations
@@ -282,8 +283,9 @@ class FusedGraph(GraphBuilder):
         which takes a separate one-row kernel (another summation order) when a call has one query row. So
         a 1-token step and the same position inside a k-token verify round differently (about 1e-6 in
         fp32), and with int8 activations (MatMulNBits ``accuracy_level`` 4) such a difference moves an
-        activation across an int8 rounding boundary: SmolLM2's int4/int8 logits then differ by 0.5 to 1
-        between the two paths, and speculative output is not the plain output. Every other kernel here
+        activation across an int8 rounding boundary: a quantized model's logits then differ by whole
+        quantization steps between the two paths (measured: docs/history.md, 'Figures behind the code's
+        constants'), and speculative output is not the plain output. Every other kernel here
         computes a row the same way whatever the row count (``tests/test_real_shapes.py``). The extra row
         is a copy of the last one, one position later: causal attention keeps it out of every real row's
         result, its KV entry lands in the slot after the call's last position, which the next call

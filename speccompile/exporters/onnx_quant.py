@@ -98,14 +98,13 @@ class Quantizer:
 def one_row_path_differs(
     scheme: str, block_size: int, accuracy_level: int, symmetric: bool, in_features: int, out_features: int
 ) -> bool:
-    """Whether this CPU's ``MatMulNBits`` computes a row alone (M = 1) differently from the same row among
-    others (M >= 2), measured on a random weight of the model's shape. MLAS takes a one-row kernel for
-    some schemes on some CPUs (int4 with int8 activations on an AMD EPYC Zen 2, AVX2: about 1e-6 apart,
-    which the next product's int8 activations turn into whole quantization steps; int8 there, and both on
-    the AVX-512 VNNI CPUs measured, compute M = 1 as one row of many). Where it does, the target graph
-    gives every product at least two rows (``FusedGraph.pad_products``); a verify's rows then compute
-    exactly the steps they replace. Rows of calls of 2, 3, 5 and 8 rows are compared with one another
-    too: a difference there is not one padding row can remove (the artifact's load-time self-check,
+    """Whether this CPU's ``MatMulNBits`` computes a row alone (M = 1) differently from the same row among others
+    (M >= 2), measured on a random weight of the model's shape. MLAS takes a one-row kernel for some schemes on some
+    CPUs and not on others (which: docs/history.md, 'Figures behind the code's constants'): its result is slightly
+    apart, which the next product's int8 activations turn into whole quantization steps. Where it does, the target
+    graph gives every product at least two rows (``FusedGraph.pad_products``); a verify's rows then compute exactly
+    the steps they replace. Rows of calls of 2, 3, 5 and 8 rows are compared with one another too: a difference
+    there is not one padding row can remove (the artifact's load-time self-check,
     ``runtime/backends/onnx/selfcheck.py``, refuses to speculate where a verify still differs)."""
     import onnxruntime as ort
     from onnx import TensorProto, helper, numpy_helper

@@ -21,8 +21,8 @@ read once from ``weights.bin``, that every such session receives through ``Sessi
 A tensor only one session uses is read by that session itself from the graph's external data: with weight
 prepacking on (the default) ONNX Runtime packs it for its matmul kernels and frees the bytes it read, so
 the packed copy is the only one (an ``OrtValue`` given by the caller must outlive the session, so ONNX
-Runtime keeps it beside the packed copy: SmolLM2-135M loaded at 1.45 GB that way, 0.54 GB of it the
-unpacked weights). With ``prepack=False`` every tensor is shared.
+Runtime keeps it beside the packed copy: an unpacked copy of the weights more, were every tensor given so;
+measured: docs/history.md, 'Figures behind the code's constants'). With ``prepack=False`` every tensor is shared.
 
 This module must not import torch or transformers.
 """
@@ -54,13 +54,13 @@ def stop_spinning_after_runs() -> bool:
 
     Why: every ONNX Runtime session has its own thread pool, whose threads spin for a while after a call. A
     plan with graphs of its own (precision drafts, early exits, layer skips, adapters) runs a draft session
-    and the verify session in turns on the same cores, each while the other's threads still spin: on a
-    2-core Xeon, SmolLM2-135M's 5-token verify after four int4 draft steps cost 1.85-1.97x its back-to-back
-    time and each draft step 11.5-13.0 ms; with spinning stopped after each call, 1.01-1.03x and 7.1-7.6 ms,
-    plain steps within 0-3% (threads still spin inside a call). Turning spinning off altogether cost plain
-    decoding 20%; one process-wide pool would have done as well but makes every other onnxruntime session in
-    the process (optimum's, a user's) fail unless it opts in. An artifact with one session (plain decoding,
-    lookup plans) keeps onnxruntime's default.
+    and the verify session in turns on the same cores, each while the other's threads still spin: a verify
+    after draft steps then costs nearly twice its back-to-back time, and with spinning stopped after each call
+    about its back-to-back time, plain steps barely slower (threads still spin inside a call). Turning spinning
+    off altogether costs plain decoding much more (figures: docs/history.md, 'Figures behind the code's
+    constants', and docs/drafting.md); one process-wide pool would have done as well but makes every other
+    onnxruntime session in the process (optimum's, a user's) fail unless it opts in. An artifact with one
+    session (plain decoding, lookup plans) keeps onnxruntime's default.
     ``SPECCOMPILE_ORT_SPIN_STOP=0`` keeps onnxruntime's default (to measure the difference)."""
     import os
 
@@ -101,8 +101,9 @@ class OnnxBackend(Backend):
         graph in the record); ``mmap=True`` keeps the shared tensors as views of the read-only map of weights.bin
         instead of copying them into private memory (pages then shared with the page cache and other processes).
 
-        ``prepack`` (default on) lets ORT pre-pack weights for its matmul kernels: about 1.5x faster
-        decoding and a verify of k tokens barely dearer than one step, which is what speculation needs;
+        ``prepack`` (default on) lets ORT pre-pack weights for its matmul kernels: faster decoding (measured:
+        docs/history.md, 'Figures behind the code's constants') and a verify of k tokens barely dearer than one
+        step, which is what speculation needs;
         but every session keeps its own packed copy (the Python API has no shared pre-packed container).
         So when every plan is an early exit at the same block E, there is no separate ``verify``
         session: plain decoding runs prefix(E) then suffix(E), which together are the full model, and
@@ -152,7 +153,7 @@ class OnnxBackend(Backend):
         self.providers = providers
 
         opened = [key for key in graphs if roles is None or key in roles]
-        # -- the weights: shared ones read once, the rest read by their one session (onnx_initializers.py) ----
+        # -- the weights: shared ones read once, the rest read by their one session (initializers.py) ---------
         shared = shared_tensors(graphs, opened, tensors) if prepack else set(tensors)
         self._blob = read_weights(self.root, record, tensors, weights_rel)  # checked, mapped; read as needed
         if initializers is not None:

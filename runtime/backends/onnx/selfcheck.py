@@ -49,8 +49,8 @@ def tree_rows_differ(backend, prompt: int = 57, seed: int = 1) -> str | None:
     """Why a token-tree verify of ``backend``'s full model (``forward_tree``) does not compute, bit for bit, the
     one-token steps along each of its branches (None: it does). A tree's later branch reads its keys past the
     slots of the earlier one, masked out: a different attention tiling than its own steps see, which a
-    quantized target's int8 activations turn into whole quantization steps (SmolLM2 int4 on an AMD EPYC:
-    logits 0.3-0.7 apart on 14 of 38 tree rows, every chain bit for bit)."""
+    quantized target's int8 activations turn into whole quantization steps, on some CPUs and not others
+    (measured: docs/history.md, 'Figures behind the code's constants')."""
     rng = np.random.default_rng(seed)
     prompt = min(prompt, backend.config.max_position_embeddings - len(TREE) - 2)
     ids = rng.integers(0, backend.config.vocab_size, prompt + 1 + len(TREE)).tolist()

@@ -8,14 +8,15 @@ It runs segments (``runtime/segments.py``) and knows nothing of draft plans: dra
 CUDA graphs (on by default on a CUDA device; ``cuda_graphs=False`` or ``SPECCOMPILE_CUDA_GRAPHS=0`` turns
 them off): every segment of up to ``GRAPH_TOKENS`` tokens that ends in the shared head (or in none), and
 every token tree's verify, is captured once and replayed (``runtime/backends/torch/graphs.py``), through
-the same decoder with tensor positions; prompts run eagerly. Why the default: on an H200 a refcoder step
-replayed from a graph ran 5-17x faster than the same step launched eagerly (``benchmarks/gpu_check.sh``),
-and the build tunes with the backend the runtime opens, so its plan is chosen for graphed steps. On CPU
+the same decoder with tensor positions; prompts run eagerly. Why the default: a small model's step replayed
+from a graph runs several times faster than the same step launched eagerly (``benchmarks/gpu_check.sh``;
+measured: docs/history.md, 'Figures behind the code's constants'), and the build tunes with the backend the
+runtime opens, so its plan is chosen for graphed steps. On CPU
 the flag is ignored and every call runs eagerly.
 
 Rounds on the device (``runtime/backends/torch/device_round.py``): on CUDA a speculative round with a model draft
 keeps drafted tokens and acceptance on the GPU, one host read per round (``device_round``); lookup-only
-rounds and every round on CPU run on the host, where they were as fast or faster (``round_on_device=True``
+rounds and every round on CPU run on the host, where they run as fast or faster (``round_on_device=True``
 or ``SPECCOMPILE_DEVICE_ROUND=1`` forces the device round anywhere, ``0`` turns it off).
 """
 
@@ -81,11 +82,11 @@ class TorchBackend(Backend):
         capture: Callable | None = None,
         round_on_device: bool | None = None,
     ):
-        """``cuda_graphs`` replays fixed-shape steps from CUDA graphs when ``device`` is CUDA (ignored on
-        CPU; None: as ``SPECCOMPILE_CUDA_GRAPHS`` says, on unless it is 0). ``capture`` replaces the graph capture (``torch_graphs.eager_capture`` runs the same static
-        steps without graphs, on any device: how the bookkeeping is tested on CPU). ``round_on_device``:
-        speculative rounds stay on the device (``device_round``); None: on CUDA only, or as
-        ``SPECCOMPILE_DEVICE_ROUND`` says."""
+        """``cuda_graphs`` replays fixed-shape steps from CUDA graphs when ``device`` is CUDA (ignored on CPU; None:
+        as ``SPECCOMPILE_CUDA_GRAPHS`` says, on unless it is 0). ``capture`` replaces the graph capture
+        (``graphs.eager_capture`` runs the same static steps without graphs, on any device: how the bookkeeping is
+        tested on CPU). ``round_on_device``: speculative rounds stay on the device (``device_round``); None: on CUDA
+        only, or as ``SPECCOMPILE_DEVICE_ROUND`` says."""
         self.decoder = decoder
         self.config: ArchConfig = decoder.config
         self.device = device or str(decoder.embed.weight.device)  # default: wherever the weights are
@@ -98,7 +99,7 @@ class TorchBackend(Backend):
         self.cuda_graphs = cuda_graphs_requested() if cuda_graphs is None else cuda_graphs
         self._capture = capture
         self.round_on_device = device_round_requested() if round_on_device is None else round_on_device
-        self.static = None  # torch_graphs.StaticSteps over the current cache, when graphs are on
+        self.static = None  # graphs.StaticSteps over the current cache, when graphs are on
         self.draft_heads: dict[str, tuple[DraftHead, TorchDraftHead]] = {}  # draft head file -> kernel
         if torch.device(self.device).type == "cpu":
             # q/k/v and gate/up as one product each, then the faster CPU form of small-row products,
@@ -126,13 +127,14 @@ class TorchBackend(Backend):
         cuda_graphs: bool | None = None,
         int8_scales: Path | None = None,
     ):
-        """``int8_scales``: the int8 twin's SmoothQuant scales (``runtime/int8_twin.set_input_scales``)."""
+        """``int8_scales``: the int8 twin's SmoothQuant scales
+        (``runtime/backends/torch/int8_twin.set_input_scales``)."""
         weights = load_file(str(weights_path), device="cpu")  # a private memory map of the file
         graphs = cuda_graphs_requested() if cuda_graphs is None else cuda_graphs
         # on CPU the decoder holds the mapped tensors themselves (pages read from the file as a step first
         # needs them, and shared with the page cache): a copy would hold the weights twice while loading
-        # (Qwen3-0.6B: a 7.1 GB peak against 4.9 GB once loaded); the products packed at load drop the pages
-        # they replace (decoder.pack_projections)
+        # (measured: docs/history.md, 'Figures behind the code's constants'); the products packed at load drop
+        # the pages they replace (decoder.pack_projections)
         on_cpu = torch.device(device).type == "cpu"
         decoder = build_decoder(config, weights, dtype=DTYPES[dtype], device=device, copy=not on_cpu)
         backend = cls(decoder, device=device, cuda_graphs=graphs)
@@ -300,11 +302,11 @@ class TorchBackend(Backend):
         return [logits[b, : row.width] for b, row in enumerate(rows)]
 
     def device_round(self, drafter, seed: int | None):
-        """The speculative round of ``runtime.speculative.decode`` when it stays on this device
+        """The speculative round of ``runtime.decoding.speculative.decode`` when it stays on this device
         (``runtime/backends/torch/device_round.py``), or None: the host round runs. By default on CUDA for
         drafters with a model part (whose draft steps would each read the device back in the host round);
-        a lookup-only drafter drafts on the host either way, and on an H200 its host round ran as fast or
-        faster (refcoder, CUDA graphs: 937 against 567 tokens/s in float16, 709 against 659 in float32)."""
+        a lookup-only drafter drafts on the host either way, and its host round runs as fast or faster
+        (measured: docs/history.md, 'Figures behind the code's constants')."""
         on_device = self.round_on_device
         if on_device is None:
             on_device = (
@@ -318,7 +320,7 @@ class TorchBackend(Backend):
 
     def prepare(self, segment: Segment) -> None:
         if segment.precision:
-            int8_twin(self.decoder)  # quantizing ~120 products takes about a second (SmolLM2-135M)
+            int8_twin(self.decoder)  # quantizing every product takes a second or more: at load, not in a request
 
     def unsupported(self, segment: Segment) -> str | None:
         if segment.precision is not None:
@@ -327,12 +329,12 @@ class TorchBackend(Backend):
             return "the generic torch path skips whole blocks only (skip_attn must equal skip_mlp)"
         return None
 
-    # -- precision self-drafts (draft_kinds/precision.py): the decoder's int8 twin ------------------------
+    # -- precision self-drafts (runtime/drafting/kinds/precision.py): the decoder's int8 twin ---------------
     def _precision_unsupported(self, precision: str) -> str | None:
         from ...segments import parse_precision
 
         scheme = parse_precision(precision)[0]
-        if scheme != "int8":  # _weight_int4pack_mm_for_cpu: 5x slower than the fp32 product here (int8_twin.py)
+        if scheme != "int8":  # _weight_int4pack_mm_for_cpu is slower than the fp32 product (int8_twin.py)
             return (
                 f"{precision} precision drafts run on ONNX Runtime only (torch has no fast CPU {scheme} product); "
                 "use an int8 precision draft on torch, or build with --backend onnx"

@@ -4,36 +4,35 @@ Decoding and verifying multiply one to a few dozen token rows by every weight ma
 stream over the weights. ``F.linear(x, W)`` computes ``x @ W^T``, and how fast BLAS streams the weights
 for one to sixteen rows depends on the CPU and the BLAS build:
 
-- on this project's 2-core AMD EPYC, torch's MKL took 42 ms for SmolLM2-135M's 211 products with one row
-  and 70 ms with two, where the same products written ``W @ x^T`` with at least two columns (the
-  *streaming* form) took 17 ms and 16 ms;
-- on its 2-core Intel Xeon (AVX-512), ``F.linear`` streams one to three rows near the memory bandwidth
-  (19-21 ms for the 121 packed products) but four rows take 34 ms, eight 44 ms and twelve 53 ms: MKL
-  re-packs every weight on each call at those shapes. The *packed* form packs each weight once, at load,
-  into MKL's own GEMM layout (``cblas_sgemm_pack`` through ``torch.ops.mkl._mkl_reorder_linear_weight``,
-  what inductor's freezing pass uses) and multiplies by it (``cblas_sgemm_compute``): 19, 22, 27 and 30 ms
-  for 1, 4, 8 and 12 rows. A pack made for ``MAX_ROWS`` rows serves every count up to it (checked once
-  per process, ``MklPack.missing``). At SmolLM2's shapes its rows were also batch-invariant (row i of
-  a k-row product bitwise row i of the one-row product, 1 to 128 rows), so a verify computed its
-  positions' products exactly as plain decoding's steps did; on tiny test shapes they are not, so nothing
+- on some CPUs torch's MKL runs ``x @ W^T`` with one or two rows far below the memory bandwidth, where the
+  same products written ``W @ x^T`` with at least two columns (the *streaming* form) run near it;
+- on others ``F.linear`` streams one to three rows near the memory bandwidth but slows down from four rows
+  on: MKL re-packs every weight on each call at those shapes. The *packed* form packs each weight once, at
+  load, into MKL's own GEMM layout (``cblas_sgemm_pack`` through ``torch.ops.mkl._mkl_reorder_linear_weight``,
+  what inductor's freezing pass uses) and multiplies by it (``cblas_sgemm_compute``), which keeps a
+  k-row product close to a one-row one. A pack made for ``MAX_ROWS`` rows serves every count up to it
+  (checked once per process, ``MklPack.missing``). At a real model's shapes its rows may also be
+  batch-invariant (row i of a k-row product bitwise row i of the one-row product), so that a verify computes
+  its positions' products exactly as plain decoding's steps do; on tiny test shapes they are not, so nothing
   relies on it. The pack is a second copy of each weight, in memory only (nothing is stored): the price of
   the form, which ``SPECCOMPILE_CPU_LINEAR=standard`` avoids.
-- on an AMD EPYC Zen 4 (AVX-512) with torch 2.13, MKL is slow at every count (SmolLM2's 211 products: F.linear
-  46-78 ms, MKL's pack 39-83 ms for 1 to 16 rows), while oneDNN, torch's other CPU GEMM library, multiplies by a
+- on others again MKL is slow at every count, while oneDNN, torch's other CPU GEMM library, multiplies by a
   weight it reordered once into its own blocked layout (``torch.ops.mkldnn._reorder_linear_weight`` and
-  ``_linear_pointwise``, what inductor's freezing uses where MKL is absent) in 26, 29, 24, 28 and 34 ms for 1,
-  2, 4, 8 and 16 rows, against the streaming form's 21, 22, 29, 48 and 66 ms: a verify of 8 tokens then costs
-  1.3 steps, not 2.3. The packed form is therefore one of two packs, MKL's or oneDNN's, whichever is faster
-  for the shape (``fastest_packs``); oneDNN's rows too were batch-invariant at SmolLM2's shapes.
+  ``_linear_pointwise``, what inductor's freezing uses where MKL is absent), with little more time for 16 rows
+  than for one. The packed form is therefore one of two packs, MKL's or oneDNN's, whichever is faster for the shape
+  (``fastest_packs``).
+
+The figures, CPU by CPU: docs/backends.md, "The torch backend on CPU", and docs/history.md, 'Figures behind
+the code's constants'.
 
 ``use_streaming_linears`` times the forms on the model's own weights for each row count, once per weight
 shape (cold, in model order, as a step reads them; the first few times the last-level cache's size of each
 shape's weights, ``probe_weights``), and switches the model's ``nn.Linear`` modules to ``StreamingLinear``,
 which applies its shape's winner per count. The choice is per shape because the forms rank differently by
-shape: on the AMD EPYC Zen 2, with Qwen3-0.6B's weights and one row, MKL's packed product took 0.7x the time
-of the other forms on the tall matrices (q/k/v, gate/up, the head) and 1.0-1.15x on the wide ones (o, down).
-Packs are kept only where they beat the other forms clearly (``PACK_GAIN``): they double their weights' memory,
-so a pack made for a shape where it gains nothing is a copy for nothing (0.56 GB on Qwen3-0.6B).
+shape: MKL's packed product can win on the tall matrices (q/k/v, gate/up, the head) and lose on the wide ones
+(o, down) of the same model on the same CPU. Packs are kept only where they beat the other forms clearly
+(``PACK_GAIN``): they double their weights' memory, so a pack made for a shape where it gains nothing is a copy
+for nothing.
 Every form computes the same dot products; like any change of kernel they may round differently, which the
 near-tie rule of lossless greedy covers (docs/design.md section 6): a backend's plain and speculative decoding
 always run the same modules.
@@ -56,14 +55,15 @@ from ...machine import last_level_cache_bytes
 MAX_ROWS = 16  # longest verify the choice covers (a lookup draft is at most 12 tokens); longer calls use F.linear
 PROBE_ROWS = (1, 2, 3, 4, 8, 16)  # probed row counts (the others follow the probed count below them)
 MODES = ("auto", "standard", "streaming", "packed")
-# the packed form is kept for a row count when it is at most this much slower than the fastest other form. It
-# was 1.03 (one form for every count keeps a step and a verify on one kernel: at SmolLM2's shapes, bitwise), but on
-# the Zen 4 the load-time timing's noise then gave oneDNN's pack some one-row products it is 25% slower at, and
-# plain decoding lost 8% (in turns); the near-tie rule covers a step and a verify on two kernels
+# the packed form is kept for a row count when it is at most this much slower than the fastest other form: no
+# slack, though one form for every count would keep a step and a verify on one kernel, because a margin lets the
+# load-time timing's noise give a pack products it is much slower at, which costs plain decoding more than
+# kernel agreement is worth (the near-tie rule covers a step and a verify on two kernels; figures: docs/backends.md,
+# "The torch backend on CPU")
 PACKED_PREFERENCE = 1.0
 # ... but packs are made at all only where, at some probed count, the packed form takes at most this much of the
-# best other form's time: a pack is a second copy of every weight (2.4 GB on Qwen3-0.6B), worth it where MKL
-# re-packs per call (Intel Xeon: 27 against 44 ms at 8 rows), not for SmolLM2's 7% at one row on an AMD EPYC Zen 2
+# best other form's time: a pack is a second copy of every weight, worth it where MKL re-packs per call, not for
+# a few percent at one row (figures: docs/history.md, 'Figures behind the code's constants')
 PACK_GAIN = 0.9
 # the forms are timed on the first weights in model order up to this many bytes per byte of last-level cache
 # (at least MIN_PROBE_BYTES): a stream that size runs at memory bandwidth as the whole model does, and the packs
@@ -289,8 +289,8 @@ def choose_forms(
         if best["streaming"] < margin * best["standard"]:
             streaming.add(n)
         # measured against the faster of the other two: where W @ x^T is faster than F.linear by less than the
-        # margin it is still what the packed form must match (on the Zen 4 oneDNN's one-row product lost to
-        # it by 25% and was kept when only F.linear was its bar)
+        # margin it is still what the packed form must match (a pack measured against F.linear alone can be kept
+        # where it is much slower than W @ x^T: docs/backends.md, "The torch backend on CPU")
         fastest_other = min(best["standard"], best["streaming"])
         if best.get("packed", float("inf")) <= preference * fastest_other:
             packed.add(n)
@@ -307,7 +307,7 @@ def fastest_packs(
     """Packs of ``weights`` of the kind (``PACK_KINDS``: MKL's, oneDNN's) whose products take the least time
     over the probed row counts together (the kinds in turns, best of ``repeats``), or None where this torch
     build packs with neither. Why one kind per shape: each pack is a copy of the weights, and the kinds rank
-    by CPU (MKL wins on the Intel Xeon measured, oneDNN by 1.2-2x on the AMD EPYC Zen 4)."""
+    by CPU (MKL wins on some, oneDNN on others: docs/backends.md, "The torch backend on CPU")."""
     kinds = available_pack_kinds()
     if not kinds or not weights:
         return None

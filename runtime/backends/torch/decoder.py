@@ -134,8 +134,8 @@ class MLP(nn.Module):
 def pack_projections(model: nn.Module) -> list[tuple[nn.Linear, tuple[nn.Linear, ...]]]:
     """Compute q/k/v, and gate/up, of every block as one product each instead of three and two.
 
-    A decode step on CPU is dozens of small products plus the Python and dispatch work around each
-    (SmolLM2 on torch: 211 products a step); packing removes 90 of them. The packed weight is one
+    A decode step on CPU is dozens of small products plus the Python and dispatch work around each (seven
+    per block and the head); packing removes three of every block's seven. The packed weight is one
     ``[q+k+v, d]`` matrix whose row slices become the q, k and v parameters (views: no second copy), so the
     state dict, checkpoints and the ONNX export still see the canonical names. The packed module has the
     class of the q (or gate) module, so the same product form (``cpu_linear``), and is not registered as
@@ -175,7 +175,8 @@ def pack_projections(model: nn.Module) -> list[tuple[nn.Linear, tuple[nn.Linear,
         object.__setattr__(module, name, (product, sizes, parts, views))  # not in state_dict or modules()
         packed.append((product, parts))
         # the parts now view the concatenation: their old tensors, pages of the mapped weights file where the
-        # weights were loaded from one, are never read again (a third copy otherwise: Qwen3-0.6B 1.15 GB)
+        # weights were loaded from one, are never read again (a third copy otherwise; its size: docs/backends.md,
+        # "The torch backend on CPU")
         drop_file_pages(originals, whole_storage=False)
         del originals
     return packed

@@ -1,37 +1,36 @@
-"""The torch lowering of an int8 precision self-draft (``draft_kinds/precision.py``): a twin of the decoder that
-shares every tensor with it (embeddings, norms, rotary tables, the KV cache it is run on) except the weights
-of its products, which are int8.
+"""The torch lowering of an int8 precision self-draft (``runtime/drafting/kinds/precision.py``): a twin of the
+decoder that shares every tensor with it (embeddings, norms, rotary tables, the KV cache it is run on) except the
+weights of its products, which are int8.
 
-Why dynamic int8 and not weight-only: torch's CPU weight-only products are slow on this project's machines
-(SmolLM2-135M's 211 products for one token row: fp32 ``F.linear`` 20 ms, ``_weight_int8pack_mm`` 50 ms,
-``_weight_int4pack_mm_for_cpu`` 112 ms), while its dynamic-int8 product (weights int8 per output channel,
-the activation row quantized per call, fbgemm / oneDNN with VNNI) takes 7 ms. ONNX Runtime's
+Why dynamic int8 and not weight-only: torch's CPU weight-only products (``_weight_int8pack_mm``,
+``_weight_int4pack_mm_for_cpu``) are slower than the fp32 ``F.linear`` on this project's machines, while its
+dynamic-int8 product (weights int8 per output channel, the activation row quantized per call, fbgemm / oneDNN
+with VNNI) takes a fraction of the fp32 time (measured: docs/history.md, 'Figures behind the code's
+constants'). ONNX Runtime's
 ``MatMulNBits`` at accuracy level 4 quantizes activations to int8 as well, so both backends draft with
 int8 x int8 products. The twin quantizes each weight matrix per output channel, symmetric, whatever block
 size the plan names (that option shapes the ONNX Runtime draft only), and quantizes at load: a torch artifact
-stores only the smoothing scales below (330 KB for SmolLM2); the twin holds about a quarter of the fp32
-weights' bytes in memory.
+stores only the smoothing scales below (one float per input channel of each product); the twin holds about a
+quarter of the fp32 weights' bytes in memory.
 
 Activation outliers, measured. A product's input may carry a few channels far larger than the rest (as
-LLM.int8() describes), and one int8 scale per activation row crushes the others: on SmolLM2-135M the twin's
-greedy token agreed with the model's on 70% of continuation positions with int8 everywhere, on 93% with fp16
-weights and fp32 activations in the MLP's down projection (``linear_dynamic_fp16``), whose input, the gated
-product, has the worst outliers (a step of 15.7 ms instead of 13.3 ms; the fp32 step: 29 ms). SmoothQuant
-removes most of that loss (``fold_points``, ``set_input_scales``): per-channel scales measured on the build's
-calibration text divide each input channel (folded into the twin's own copy of the norm before the product, or
-of the up rows before the down projection) and multiply the weight columns, exactly. With them the down
-projection is int8 too. On SmolLM2's benchmark prompts (``benchmarks/twin_variants.py``, teacher-forced
-agreement, then the artifact's int8-behind-lookup plan timed in turns): smoothed with int8 down projections
-90.2%, 1.52x plain decoding; smoothed but fp16 down projections 95.1%, 1.48x (the better draft, the dearer
-step); no smoothing, fp16 down projections 87.8%, 1.46x. An artifact without scales (built before them)
-keeps the fp16 down projections.
+LLM.int8() describes), and one int8 scale per activation row crushes the others: with int8 everywhere the
+twin's greedy token agrees with the model's far less often than with fp16 weights and fp32 activations in the
+MLP's down projection (``linear_dynamic_fp16``), whose input, the gated product, has the worst outliers (at the
+price of a dearer step). SmoothQuant removes most of that loss (``fold_points``, ``set_input_scales``):
+per-channel scales measured on the build's calibration text divide each input channel (folded into the twin's
+own copy of the norm before the product, or of the up rows before the down projection) and multiply the weight
+columns, exactly. With them the down projection is int8 too: a slightly worse draft than with fp16 down
+projections, on a cheaper step that makes the plan faster (``benchmarks/experiments/twin_variants.py``;
+measured: docs/history.md, 'Figures behind the code's constants'). An artifact without scales keeps the fp16
+down projections.
 
 Activations use the full 8 bits where this CPU's kernel sums u8 x s8 products exactly (VNNI, AMX), and 7 bits
 (``reduce_range``) where it does not: without VNNI, fbgemm sums each pair of products into int16 with
 saturation (AVX2's ``vpmaddubsw``), which a full 8-bit activation overflows. Measured at first use
-(``int8_pairs_saturate``), never assumed from the CPU's name: on an AMD EPYC (Zen 2, AVX2) a row of ones
-times a matrix of ones gave half its sum at 8 bits, and the twin's acceptance on the tiny test models fell
-from above 0.5 to 0.29-0.44 (lossless all the same: the full model decides every token).
+(``int8_pairs_saturate``), never assumed from the CPU's name: on an AVX2 CPU without VNNI a row of ones times a
+matrix of ones gives half its sum at 8 bits, and the twin's acceptance falls (measured: docs/history.md, 'Figures
+behind the code's constants'; lossless all the same: the full model decides every token).
 
 The full model never runs through the twin: plain decoding and every verify use the decoder itself.
 """
@@ -118,9 +117,8 @@ class DynamicFp16Linear(nn.Module):
 SCALES_FILE = "weights/int8_scales.safetensors"  # a torch artifact's twin scales (backends['torch'].int8_scales_file)
 SMOOTHING_ALPHA = 0.7
 """SmoothQuant's migration strength: how much of an input channel's range moves into the weights
-(``s = max|x|^a / max|W|^(1-a)``). On SmolLM2-135M (fp16 down projections, a scratch measurement on the
-benchmark prompts' continuations) the twin's greedy token agreed with the model's on 89.5% of positions without
-smoothing, on 94.4% / 94.9% / 93.9% with 0.5 / 0.7 / 0.85."""
+(``s = max|x|^a / max|W|^(1-a)``): of 0.5, 0.7 and 0.85, the strength whose twin agreed best with the model's
+greedy token, each above no smoothing (measured: docs/history.md, 'Figures behind the code's constants')."""
 
 
 def fold_points(model: nn.Module) -> dict[str, tuple[nn.Module | None, list[nn.Module], nn.Module | None]]:
@@ -221,11 +219,11 @@ def _fold(twin: nn.Module, scales: dict[str, torch.Tensor]) -> tuple[dict, dict]
 def twin_with(
     decoder: nn.Module, product: Callable[[nn.Linear, bool], nn.Module], scales: dict[str, torch.Tensor] | None = None
 ) -> nn.Module:
-    """A copy of ``decoder`` (``runtime/decoder.Decoder``) whose every ``nn.Linear``, and every packed q/k/v or
-    gate/up product (``decoder.pack_projections``), is ``product(linear, outliers)`` (``outliers``: an MLP down
-    projection whose input ``scales`` do not smooth); all parameters and
-    buffers are the decoder's own tensors (no copy). A tied or packed module is converted once; the parts of a
-    packed product are not converted (the packed one runs; they keep viewing the decoder's weights).
+    """A copy of ``decoder`` (``runtime/backends/torch/decoder.Decoder``) whose every ``nn.Linear``, and every
+    packed q/k/v or gate/up product (``decoder.pack_projections``), is ``product(linear, outliers)`` (``outliers``:
+    an MLP down projection whose input ``scales`` do not smooth); all parameters and buffers are the decoder's own
+    tensors (no copy). A tied or packed module is converted once; the parts of a packed product are not converted
+    (the packed one runs; they keep viewing the decoder's weights).
 
     ``scales`` (``fold_points`` name -> per-channel scale): SmoothQuant smoothing. Activation outliers, a few
     channels far larger than the rest, crush the others under one int8 scale per row: dividing each input channel

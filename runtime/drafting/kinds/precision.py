@@ -8,11 +8,11 @@ its own: it reads the verifier's KV at every accepted position and writes its ow
 drafts, which the verify then rewrites (docs/design.md section 3). Nothing is reused by the verify: the draft's
 hidden states are not the full model's.
 
-Options live in the plan's ``params``: ``precision`` (``"int4"`` or ``"int8"``), ``block_size`` (default
-32) and ``symmetric`` (default False); the plan's ``exit_layer`` / ``skip_attn`` / ``skip_mlp`` make it an
-int4 early exit or layer skip. A backend without a kernel for the scheme refuses the plan before any work
-(torch refuses int4: its CPU int4 product measured 5x slower than the fp32 one; the standard ONNX graphs
-have no ``MatMulNBits`` draft). Tuned by ``passes/precision_tune.py``.
+Options live in the plan's ``params``: ``precision`` (``"int4"`` or ``"int8"``), ``block_size`` (default 32) and
+``symmetric`` (default False); the plan's ``exit_layer`` / ``skip_attn`` / ``skip_mlp`` make it an int4 early exit
+or layer skip. A backend without a kernel for the scheme refuses the plan before any work (torch refuses int4: its
+CPU int4 product is slower than the fp32 one, ``runtime/backends/torch/int8_twin.py``; the standard ONNX graphs have
+no ``MatMulNBits`` draft). Tuned by ``passes/precision_tune.py``.
 """
 
 from __future__ import annotations
