@@ -31,7 +31,7 @@ from tiny_models import FAMILIES  # noqa: E402
 
 from speccompile.runtime.artifact.manifest import DraftPlan  # noqa: E402
 from speccompile.runtime.backends.torch.backend import TorchBackend  # noqa: E402
-from speccompile.runtime.drafting import model as drafters  # noqa: E402
+from speccompile.runtime.drafting import model_draft as drafters  # noqa: E402
 from speccompile.runtime.drafting import read_plans  # noqa: E402
 from speccompile.runtime.errors import ArtifactError  # noqa: E402
 from speccompile.runtime.sampling import SamplingParams  # noqa: E402

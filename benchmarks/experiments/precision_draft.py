@@ -115,7 +115,7 @@ def main() -> None:
     )
     args = parser.parse_args()
     if args.branch_floor is not None:
-        from speccompile.runtime.drafting import model as drafters
+        from speccompile.runtime.drafting import model_draft as drafters
 
         drafters.BRANCH_MIN_PROBABILITY = args.branch_floor
 

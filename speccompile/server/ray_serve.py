@@ -661,8 +661,10 @@ def serve_on_ray(
         deployed = True
         deploy(args)
         announce(f"serving {args.artifact} on {url}/v1 with {args.describe()} on {connected} ({nodes} node(s))")
-        while True:
-            time.sleep(3600)
+        while True:  # short sleeps: Ray's driver threads (gRPC, its event engine) leave SIGINT unblocked, so the
+            # kernel may hand a Ctrl-C to one of them; Python then raises KeyboardInterrupt in this thread only when
+            # its sleep returns, which a sleep of an hour would hold back for an hour
+            time.sleep(0.5)
     except BaseException as exc:
         stopped = not isinstance(exc, Exception)  # Ctrl-C or SIGTERM: the line below is the command's last word
         if address is None:
