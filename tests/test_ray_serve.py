@@ -213,6 +213,21 @@ def test_cli_names_every_node_that_lacks_the_artifact(cluster, tmp_path):
 TGKILL = {"x86_64": 234, "aarch64": 131}  # the tgkill system call's number
 
 
+def other_threads_taking(pid: int, signum: int) -> list[int]:
+    """The process's threads, the main one aside, that do not block ``signum`` (a signal sent to a thread that
+    blocks it stays pending there, never delivered)."""
+    found = []
+    for name in os.listdir(f"/proc/{pid}/task"):
+        try:
+            status = open(f"/proc/{pid}/task/{name}/status").read()
+        except FileNotFoundError:  # the thread ended meanwhile
+            continue
+        blocked = int(next(line.split()[1] for line in status.splitlines() if line.startswith("SigBlk:")), 16)
+        if int(name) != pid and not blocked & (1 << (signum - 1)):
+            found.append(int(name))
+    return found
+
+
 def ctrl_c_through_another_thread(process: subprocess.Popen) -> None:
     """SIGINT delivered to one of the process's threads other than the main one, as the kernel may deliver a Ctrl-C
     in a process whose other threads leave it unblocked (a Ray driver's gRPC threads): the worst case for the CLI,
@@ -220,7 +235,7 @@ def ctrl_c_through_another_thread(process: subprocess.Popen) -> None:
     import ctypes
 
     number = TGKILL.get(os.uname().machine)
-    threads = [int(t) for t in os.listdir(f"/proc/{process.pid}/task") if int(t) != process.pid]
+    threads = other_threads_taking(process.pid, signal.SIGINT)
     if number is None or not threads:
         process.send_signal(signal.SIGINT)
         return
