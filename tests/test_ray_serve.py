@@ -211,6 +211,12 @@ def test_cli_names_every_node_that_lacks_the_artifact(cluster, tmp_path):
 
 
 TGKILL = {"x86_64": 234, "aarch64": 131}  # the tgkill system call's number
+AS_FROM_A_TERMINAL = (
+    "import runpy, signal, sys; signal.signal(signal.SIGINT, signal.default_int_handler); "
+    "sys.argv = ['speccompile', *sys.argv[1:]]; runpy.run_module('speccompile.cli', run_name='__main__')"
+)
+"""The CLI as a user at a terminal starts it, Ctrl-C at its default: a process inherits an ignored SIGINT from a
+launcher that ignores it (a background job of a non-interactive shell, nohup), and this test may run under one."""
 
 
 def other_threads_taking(pid: int, signum: int) -> list[int]:
@@ -226,6 +232,12 @@ def other_threads_taking(pid: int, signum: int) -> list[int]:
         if int(name) != pid and not blocked & (1 << (signum - 1)):
             found.append(int(name))
     return found
+
+
+def signal_masks(pid: int) -> str:
+    """The main thread's blocked, ignored and caught signal masks of process ``pid`` (``/proc``), for messages."""
+    status = open(f"/proc/{pid}/status").read().splitlines()
+    return " ".join(line.replace("\t", "") for line in status if line.startswith(("SigBlk", "SigIgn", "SigCgt")))
 
 
 def ctrl_c_through_another_thread(process: subprocess.Popen) -> None:
@@ -246,7 +258,7 @@ def ctrl_c_through_another_thread(process: subprocess.Popen) -> None:
 def test_cli_autoscale_rises_under_a_burst_and_falls_back_when_idle(cluster, chat_artifact, model):
     """`speccompile serve ART --ray ADDRESS --autoscale 1:2`, a real process joining the cluster."""
     made, url = cluster
-    command = [sys.executable, "-m", "speccompile.cli", "serve", str(chat_artifact), "--ray", made.address]
+    command = [sys.executable, "-c", AS_FROM_A_TERMINAL, "serve", str(chat_artifact), "--ray", made.address]
     command += [
         "--autoscale",
         "1:2",
@@ -259,7 +271,9 @@ def test_cli_autoscale_rises_under_a_burst_and_falls_back_when_idle(cluster, cha
         "--port",
         url.rsplit(":", 1)[1],
     ]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # faulthandler: a CLI that does not exit is made to print every thread's stack (SIGABRT) before it is killed
+    env = {**os.environ, "PYTHONFAULTHANDLER": "1"}
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(process.stdout.readline, "")), daemon=True)
     reader.start()
@@ -290,12 +304,21 @@ def test_cli_autoscale_rises_under_a_burst_and_falls_back_when_idle(cluster, cha
         assert served and all(ids == reference.token_ids for ids in served)
         wait_for(lambda: rs.replicas_running() == 1, 60, "the deployment to fall back to 1 replica when idle")
     finally:
+        masks = signal_masks(process.pid)  # for the message below, should the CLI not exit
         ctrl_c_through_another_thread(process)  # a user's Ctrl-C: the CLI removes its application, then exits
         try:
             process.wait(timeout=300)  # only a safety net: the CLI bounds its own wait for the removal
         except subprocess.TimeoutExpired:
-            process.kill()
-            raise AssertionError(f"the CLI still runs 300s after Ctrl-C: {''.join(lines)}") from None
+            process.send_signal(signal.SIGABRT)  # its threads' stacks, through faulthandler
+            try:
+                process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                process.kill()
+            reader.join(timeout=10)
+            raise AssertionError(
+                f"the CLI still runs 300s after Ctrl-C (its signal masks: {masks}; this process's: "
+                f"{signal_masks(os.getpid())}): {''.join(lines)[-6000:]}"
+            ) from None
     reader.join(timeout=30)
     output = "".join(lines)
     assert process.returncode == 130 and "Traceback" not in output, output
