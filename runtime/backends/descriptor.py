@@ -13,7 +13,6 @@ import: the descriptor names them as ``"module:function"`` strings, which only t
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 from ..artifact.manifest import Manifest
 from .base import Backend
@@ -28,8 +27,8 @@ class BackendDescriptor:
     onnx_memory)`` returns the manifest's ``backends[name]`` record (``records``: the backends written before it,
     in ``BACKENDS``' order, so a backend may reuse another's files)."""
     runner: str = "speccompile.passes.tuning:TorchRunner"
-    """``"module:Class"`` of the tuning runner that times plans on this backend (``Class(ir, workdir)``, or
-    ``Class(ir)`` for the torch runner); the torch runner where the backend has none of its own."""
+    """``"module:Class"`` of the tuning runner that times plans on this backend (``Class(ir, workdir)``); the torch
+    runner where the backend has none of its own."""
     canonical_only: bool = True
     """Whether it needs the canonical decoder (the generic torch path runs on torch alone)."""
 
@@ -47,9 +46,6 @@ class BackendDescriptor:
     def speculation_refusal(self, backend: Backend) -> str | None:
         """Why the opened ``backend`` must not speculate on this machine (None: it may)."""
         return None
-
-    def record(self, manifest: Manifest) -> dict[str, Any]:
-        return manifest.backends[self.name]
 
 
 __all__ = ["BackendDescriptor"]
