@@ -19,7 +19,8 @@ from speccompile.runtime.backends.torch.backend import TorchBackend
 from speccompile.runtime.backends.torch.device_round import DeviceRound
 from speccompile.runtime.backends.torch.graphs import eager_capture
 from speccompile.runtime.decoding.batch import BatchDecoder
-from speccompile.runtime.drafting.drafter import Drafter
+from speccompile.runtime.decoding.speculative import DecodeRequest, Stats, decode
+from speccompile.runtime.drafting.drafter import Draft, Drafter, LookupSource
 from speccompile.runtime.sampling import SamplingParams, probabilities
 
 NEW_TOKENS = 40
@@ -404,3 +405,60 @@ def test_the_device_round_is_chosen_on_cuda_or_when_asked(tiny_decoder, monkeypa
     assert TorchBackend(decoder).round_on_device is True
     monkeypatch.setenv("SPECCOMPILE_DEVICE_ROUND", "0")
     assert TorchBackend(decoder).round_on_device is False
+
+
+# -- captured rounds and the lookup gate -------------------------------------------------------------------
+def warm_capture(fn):
+    """What ``graphs.cuda_capture_with`` does before recording a graph: the round runs twice (the warm-up), with
+    every side effect of a real round (commits into the token buffer, the next lookup); then calls replay it."""
+    fn()
+    fn()
+    return fn
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_captured_rounds_undo_the_capture_warm_up(family, tiny_decoder):
+    _, decoder = tiny_decoder(family)
+    prompt = [5, 9, 17, 33, 5, 9, 17, 40, 5, 9]
+    plain, _ = run(TorchBackend(decoder, round_on_device=False), prompt, 32)
+    backend = device_backend(decoder, capture=warm_capture)
+    for plan in SYNC_PLANS:
+        spec, stats = run(backend, prompt, 32, plan)
+        assert stats.rounds > 0
+        assert_same_greedy(decoder, prompt, plain, spec)
+
+
+class Oracle(LookupSource):
+    """Proposes the known plain continuation, every token wrong (``wrong``) or right: a lookup whose acceptance
+    the test sets."""
+
+    name = "oracle"
+
+    def __init__(self, prompt_length: int, plain: list[int], wrong: bool, vocab: int, k: int = 4):
+        self.prompt_length, self.plain, self.wrong, self.vocab, self.k = prompt_length, plain, wrong, vocab, k
+
+    def propose(self, ctx):
+        done = len(ctx.history) - self.prompt_length
+        tokens = self.plain[done : done + min(self.k, ctx.limit)]
+        if self.wrong:
+            tokens = [(t + 1) % self.vocab for t in tokens]
+        return Draft(tokens=tokens, q=[None] * len(tokens), sources=[self.name] * len(tokens))
+
+
+@pytest.mark.parametrize("wrong", [True, False], ids=["acceptance-0", "acceptance-1"])
+def test_a_lookup_that_keeps_failing_stops_being_verified(tiny_decoder, wrong):
+    _, decoder = tiny_decoder("llama")
+    prompt = [5, 9, 17, 33]
+    plain, _ = run(TorchBackend(decoder, round_on_device=False), prompt, 80)
+    backend = device_backend(decoder)
+    backend.reserve(len(prompt) + 80)
+    oracle = Oracle(len(prompt), plain, wrong, decoder.config.vocab_size)
+    stats = Stats()
+    request = DecodeRequest(prompt, 80)
+    spec = [t for new in decode(backend, request, oracle, stats) for t in new]
+    assert spec == plain
+    verified = sum(1 for drafted, _ in stats.round_log if drafted)
+    if wrong:  # a few rounds until the running acceptance falls under the floor, then a probe every 16 rounds
+        assert 0 < verified <= 20 < stats.rounds
+    else:
+        assert verified == stats.rounds and stats.accepted == stats.drafted

@@ -67,8 +67,9 @@ class Backend(ABC):
         that cost falls at load and not inside the first request's decode. Default: nothing."""
 
     def device_round(self, drafter, seed: int | None):
-        """A round that stays on this backend's device for ``drafter`` (called as ``round(ctx, stats)``), or None: the
-        host round of ``runtime/decoding/batch.py`` runs. Only the torch backend on CUDA has one."""
+        """A round that stays on this backend's device for ``drafter`` (called as ``round(ctx, stats)``; with no
+        drafter, plain steps), or None: the host round of ``runtime/decoding/batch.py`` runs. Only the torch
+        backend on CUDA has one."""
         return None
 
     # -- batches: several sequences in one call -------------------------------------------------------

@@ -152,10 +152,10 @@ class BatchDecoder:
             self.backend.move_slot(source, slot, shared)
             sequence.prefilled = sequence.reused = shared
             sequence.stats.reused_prompt_tokens = shared
-        if drafter is not None and len(self.sequences) == 0 and self.max_batch == 1:
-            # a sequence alone: a backend may keep its rounds on its device (token trees and drafters that
-            # read the verifier's outputs run the host round)
-            if not (drafter.drafts_trees or drafter.observes):
+        if len(self.sequences) == 0 and self.max_batch == 1:
+            # a sequence alone: a backend may keep its rounds, or its plain steps (no drafter), on its device
+            # (token trees and drafters that read the verifier's outputs run the host round)
+            if drafter is None or not (drafter.drafts_trees or drafter.observes):
                 sequence.device_round = view.device_round(drafter, request.seed)
         self.sequences.append(sequence)
         return sequence
@@ -231,7 +231,7 @@ class BatchDecoder:
                 live.append((s, budget))
         if not live:
             return produced
-        if len(live) == 1 and live[0][0].device_round is not None and live[0][1] > 1:
+        if len(live) == 1 and live[0][0].device_round is not None and (live[0][1] > 1 or live[0][0].drafter is None):
             s, budget = live[0]
             ctx = RoundContext(history=s.history, pos=s.pos, limit=budget - 1, params=s.request.params, rng=s.rng)
             return produced + [(s, self._commit(s, s.device_round(ctx, s.stats)))]

@@ -130,12 +130,15 @@ class Drafter:
       and the lookups itself (the torch backend's on-device round).
     - ``steps_on_device``: a model part whose steps such a round can run itself (its ``kind``, ``policy``
       and ``chain`` for the tokens it drafted there).
+    - ``ngram_sizes``: a lookup source that is prompt lookup, as ``(min_n, max_n, max_draft, short_n)``, so
+      that such a round can look it up over its own token buffer (None: it looks up on the host).
     """
 
     name: str = ""
     drafts_trees: bool = False
     observes: bool = False
     steps_on_device: bool = False
+    ngram_sizes: tuple[int, int, int, int] | None = None
 
     @property
     def model_part(self) -> "Drafter | None":
@@ -216,6 +219,10 @@ class LookupSource(Drafter):
     def lookup(self, history: Sequence[int], tail: Sequence[int], limit: int) -> list[int]:
         """A continuation of ``tail`` (the committed ``history`` plus uncommitted drafts), at most ``limit`` tokens."""
         return []
+
+    def draft_of(self, tokens: Sequence[int]) -> Draft:
+        """The draft of ``tokens`` looked up by this source (the device round looks up without ``propose``)."""
+        return Draft(tokens=list(tokens), q=[None] * len(tokens), sources=[self.name] * len(tokens))
 
     def continuations(self, history: Sequence[int], limit: int, most: int) -> list[list[int]]:
         """Up to ``most`` different continuations of ``history`` (the first is ``propose``'s), for token trees."""

@@ -14,10 +14,12 @@ measured: docs/history.md, 'Figures behind the code's constants'), and the build
 runtime opens, so its plan is chosen for graphed steps. On CPU
 the flag is ignored and every call runs eagerly.
 
-Rounds on the device (``runtime/backends/torch/device_round.py``): on CUDA a speculative round with a model draft
-keeps drafted tokens and acceptance on the GPU, one host read per round (``device_round``); lookup-only
-rounds and every round on CPU run on the host, where they run as fast or faster (``round_on_device=True``
-or ``SPECCOMPILE_DEVICE_ROUND=1`` forces the device round anywhere, ``0`` turns it off).
+Rounds on the device (``runtime/backends/torch/device_round.py``, ``device_plain.py``): on CUDA a lone
+sequence's speculative round keeps its lookup, drafted tokens and acceptance on the GPU, captured as one CUDA
+graph per round shape, with one host read per round; plain decoding picks its tokens on the GPU and reads them
+in blocks (``device_round``). Every round on CPU runs on the host, where it runs as fast or faster
+(``round_on_device=True`` or ``SPECCOMPILE_DEVICE_ROUND=1`` forces the device round anywhere, ``0`` turns it
+off).
 """
 
 from __future__ import annotations
@@ -303,17 +305,20 @@ class TorchBackend(Backend):
 
     def device_round(self, drafter, seed: int | None):
         """The speculative round of ``runtime.decoding.speculative.decode`` when it stays on this device
-        (``runtime/backends/torch/device_round.py``), or None: the host round runs. By default on CUDA for
-        drafters with a model part (whose draft steps would each read the device back in the host round);
-        a lookup-only drafter drafts on the host either way, and its host round runs as fast or faster
-        (measured: docs/history.md, 'Figures behind the code's constants')."""
+        (``runtime/backends/torch/device_round.py``), or, with no ``drafter``, plain decoding's steps picked on
+        the device and read in blocks (``device_plain.py``); None: the host runs them. By default on CUDA, where
+        a host round reads the device at every draft step and verify and a host plain step at every token; on
+        CPU the host round runs as fast or faster (measured: docs/history.md, 'Figures behind the code's
+        constants')."""
         on_device = self.round_on_device
         if on_device is None:
-            on_device = (
-                torch.device(self.device).type == "cuda" and drafter is not None and drafter.model_part is not None
-            )
-        if not on_device or drafter is None:
+            on_device = torch.device(self.device).type == "cuda"
+        if not on_device:
             return None
+        if drafter is None:
+            from .device_plain import DevicePlain
+
+            return DevicePlain(self, seed)
         from .device_round import DeviceRound
 
         return DeviceRound.for_drafter(self, drafter, seed)
