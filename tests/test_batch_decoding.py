@@ -18,6 +18,7 @@ from test_tree import TREE
 from speccompile.runtime.artifact.manifest import DraftPlan
 from speccompile.runtime.backends.slots import ReplicaSlots
 from speccompile.runtime.backends.torch.backend import TorchBackend
+from speccompile.runtime.backends.torch.graphs import eager_capture
 from speccompile.runtime.decoding.batch import BatchDecoder
 from speccompile.runtime.decoding.load import CallCosts, Choice, choose_lengths, draft_pays, expected_tokens
 from speccompile.runtime.decoding.speculative import DecodeRequest
@@ -89,6 +90,29 @@ def test_torch_batch_every_sequence_decodes_its_own_plain_output(family, tiny_de
     requests = _requests(decoder, [None, LOOKUP, TREE, EXIT, SKIP, LOOKUP])
     outputs = _decode_batch(TorchBackend(decoder), requests, max_batch=3, joins=(0, 0, 0, 2, 3, 5))
     _check(decoder, TorchBackend(decoder), requests, outputs)
+
+
+def warm_capture(fn):
+    """What ``graphs.cuda_capture_with`` does before recording a graph: the step runs twice (the warm-up), with
+    every side effect of a real call; then each call replays it."""
+    fn()
+    fn()
+    return fn
+
+
+@pytest.mark.parametrize("capture", [eager_capture, warm_capture], ids=["static-steps", "warm-capture"])
+@pytest.mark.parametrize("family", ["llama", "gpt2", "mistral"])
+def test_torch_batches_through_graphs_per_batch_bucket_decode_their_own_plain_output(family, capture, tiny_decoder):
+    """The batched calls a CUDA GPU replays from graphs (one per segment, batch bucket and width; the batch padded
+    with rows that write past every sequence's end), run here through the same static buffers: sequences joining
+    and leaving, plain steps, verifies, prompt chunks and kept prompts beside them."""
+    _, decoder = tiny_decoder(family)
+    requests = _requests(decoder, [None, LOOKUP, TREE, EXIT, SKIP, LOOKUP])
+    backend = TorchBackend(decoder, capture=capture, round_on_device=False)
+    outputs = _decode_batch(backend, requests, max_batch=3, joins=(0, 0, 0, 2, 3, 5))
+    _check(decoder, TorchBackend(decoder), requests, outputs)
+    buckets = {key[2] for key in backend.static.graphs if key[0] == "rows"}
+    assert buckets >= {2, 4}, buckets  # batches of 2 and 3 sequences ran from their buckets' graphs
 
 
 @pytest.fixture(scope="module")

@@ -153,3 +153,34 @@ def test_torch_pads_of_a_row_near_its_end_fit_beside_a_wide_row(tiny_decoder):
     np.testing.assert_allclose(got[0], want, atol=1e-5)
     alone.reserve(16)
     np.testing.assert_allclose(got[1], alone.run_rows(full, [Row(0, 0, chunk)])[0], atol=1e-5)
+
+
+def test_torch_graphed_rows_pad_the_batch_without_touching_other_slots(tiny_decoder):
+    """A batch of 3 rows replayed from the graph of bucket 4 (``StaticSteps.run_rows``): each row computes what it
+    computes alone, and the pad row writes only past every sequence's end in its slot, so what slot 3 holds (a
+    kept prompt, say) is intact."""
+    from speccompile.runtime.backends.torch.graphs import eager_capture
+
+    _, decoder = tiny_decoder("llama")
+    config = decoder.config
+    full = full_model(config.num_layers)
+    prompts = _prompts(config.vocab_size, (7, 12, 3, 9))
+    batch = TorchBackend(decoder, capture=eager_capture)
+    batch.reserve(40, slots=3)
+    assert batch.slots == 4  # slots grow to a bucket with graphs on
+    batch.run_rows(full, [Row(3, 0, prompts[3])])  # slot 3: a prompt outside the batch
+    kept = (batch.slot_cache.k[:, 3, :, :40].clone(), batch.slot_cache.v[:, 3, :, :40].clone())
+    rows = [Row(slot, 0, prompt) for slot, prompt in enumerate(prompts[:3])]
+    got = batch.run_rows(full, rows)
+    steps = [Row(slot, len(prompt), [5 + slot]) for slot, prompt in enumerate(prompts[:3])]
+    got_steps = batch.run_rows(full, steps)
+    assert ("rows", full, 4, 12) in batch.static.graphs and ("rows", full, 4, 1) in batch.static.graphs
+    assert torch.equal(batch.slot_cache.k[:, 3, :, :40], kept[0]) and torch.equal(
+        batch.slot_cache.v[:, 3, :, :40], kept[1]
+    )
+    for row, step, logits, step_logits in zip(rows, steps, got, got_steps):
+        alone = TorchBackend(decoder)
+        alone.reserve(40)
+        want = alone.run_rows(full, [Row(0, 0, row.tokens)])[0]
+        np.testing.assert_allclose(logits, want, atol=1e-5)
+        np.testing.assert_allclose(step_logits, alone.run_rows(full, [Row(0, step.pos, step.tokens)])[0], atol=1e-5)

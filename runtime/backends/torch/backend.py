@@ -44,6 +44,15 @@ from .int8_twin import int8_kernel_missing, int8_twin, set_input_scales
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 GRAPH_TOKENS = 32  # longest step replayed from a CUDA graph (verify rounds); longer ones (prompts) run eagerly
 GRAPH_CACHE_STEP = 256  # with graphs on, caches grow in these steps: a new cache means recapturing every graph
+# Batch sizes whose batched calls replay CUDA graphs: a batch pads to the first bucket that holds it (its pad rows
+# write past every sequence's end), so a few graphs per width serve every batch, as vLLM's decode graphs do. With
+# graphs on, the cache's slots grow to a bucket too (fewer recaptures as a batch grows).
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64)
+
+
+def batch_bucket(n: int) -> int | None:
+    """The smallest bucket of ``BATCH_BUCKETS`` that holds ``n`` rows, or None (the batch runs eagerly)."""
+    return next((b for b in BATCH_BUCKETS if b >= n), None)
 
 
 def device_round_requested() -> bool | None:
@@ -98,6 +107,7 @@ class TorchBackend(Backend):
         self.cache: KVCache | None = None  # slot 0's view (the single-sequence calls and their graphs)
         self.hidden: torch.Tensor | None = None
         self.max_len, self.slots = 0, 0
+        self.reach = 0  # the longest length reserved: no sequence's KV lies past it
         self.cuda_graphs = cuda_graphs_requested() if cuda_graphs is None else cuda_graphs
         self._capture = capture
         self.round_on_device = device_round_requested() if round_on_device is None else round_on_device
@@ -169,12 +179,15 @@ class TorchBackend(Backend):
             return
         have = self.slot_cache.max_len if self.slot_cache is not None else 0
         have_slots = self.slot_cache.k.shape[1] if self.slot_cache is not None else 0
+        self.reach = max(self.reach, max_len)
         if have < max_len or have_slots < slots:
             size = max(max_len, have)
-            if self.graphed:
+            count = max(slots, have_slots, 1)
+            if self.graphed:  # room for the pad rows of a graphed batch past every sequence's end
+                size = max(size, min(self.reach + GRAPH_TOKENS, self.config.max_position_embeddings))
                 rounded = -(-size // GRAPH_CACHE_STEP) * GRAPH_CACHE_STEP
                 size = max(size, min(rounded, self.config.max_position_embeddings))
-            count = max(slots, have_slots, 1)
+                count = batch_bucket(count) or count
             old, old_hidden = self.slot_cache, self.slot_hidden
             self.slot_cache = KVCache(self.config, size, batch=count, dtype=self.dtype, device=self.device)
             self.slot_hidden = torch.zeros(count, size, self.config.hidden_size, dtype=self.dtype, device=self.device)
@@ -199,7 +212,9 @@ class TorchBackend(Backend):
         from .graphs import StaticSteps, cuda_capture_with
 
         capture = self._capture or cuda_capture_with(torch.cuda.graph_pool_handle())
-        return StaticSteps(self.decoder, self.cache, self.hidden, capture, max_tokens=GRAPH_TOKENS)
+        return StaticSteps(
+            self.decoder, self.cache, self.hidden, capture, max_tokens=GRAPH_TOKENS, slot_cache=self.slot_cache
+        )
 
     # -- the backend interface ---------------------------------------------------------------------
     @torch.inference_mode()
@@ -277,6 +292,13 @@ class TorchBackend(Backend):
         reach = max(row.pos for row in rows) + width  # a short row's pads write past its tokens
         if reach > self.slot_cache.max_len:  # a row near its end beside a wide one: room for the pads
             self.reserve(max(reach, self.max_len), self.slots)
+        bucket = self._graphed_bucket(segment, rows, width)
+        if bucket is not None:
+            out = self.static.run_rows(segment, rows, bucket, width, pad_start=self.slot_cache.max_len - width)
+            if out is None:
+                return [None] * n
+            logits = out[:n].float().cpu().numpy()
+            return [logits[b, : row.width] for b, row in enumerate(rows)]
         where = Positions.rows([row.pos for row in rows], [row.parents for row in rows], width, self.device)
         cache = self.slot_cache.view(first, n)
         decoder = int8_twin(self.decoder) if segment.precision else self.decoder
@@ -302,6 +324,21 @@ class TorchBackend(Backend):
         head = decoder.head if segment.head in (None, FINAL_HEAD) else self._draft_head(segment.head)[1].full_logits
         logits = head(h).float().cpu().numpy()
         return [logits[b, : row.width] for b, row in enumerate(rows)]
+
+    def _graphed_bucket(self, segment: Segment, rows: list[Row], width: int) -> int | None:
+        """The batch bucket whose graph runs ``rows`` (``StaticSteps.run_rows``), or None: eagerly. Graphed: chains
+        from token ids in the first slots, up to ``GRAPH_TOKENS`` wide, through the shared head (or none) at full
+        precision and keeping no hidden state, with slots for the bucket and room for its pad rows."""
+        if self.static is None or rows[0].slot != 0 or width > GRAPH_TOKENS:
+            return None
+        if any(row.parents is not None for row in rows) or segment.precision or segment.keep_hidden:
+            return None
+        if not segment.from_tokens or segment.head not in (None, FINAL_HEAD):
+            return None
+        bucket = batch_bucket(len(rows))
+        if bucket is None or bucket > self.slots or self.slot_cache.max_len - width < self.reach:
+            return None
+        return bucket
 
     def device_round(self, drafter, seed: int | None):
         """The speculative round of ``runtime.decoding.speculative.decode`` when it stays on this device
@@ -346,8 +383,12 @@ class TorchBackend(Backend):
             )
         if not isinstance(self.decoder, Decoder):
             return "the generic torch path has no int8 precision draft (its model is transformers' own)"
+        if torch.device(self.device).type == "cuda":  # weight-only int8 or fp8 products (cuda_twin.py)
+            from .cuda_twin import cuda_precision_missing
+
+            return cuda_precision_missing(self.device, scheme, self.dtype)
         if torch.device(self.device).type != "cpu":
-            return "int8 precision drafts on torch run on CPU (fbgemm / oneDNN); on a GPU build with --backend onnx"
+            return "int8 precision drafts on torch run on CPU or CUDA; build with --backend onnx"
         return int8_kernel_missing()
 
     # -- token trees (runtime/tree.py) ----------------------------------------------------------------

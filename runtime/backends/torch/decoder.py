@@ -356,6 +356,18 @@ class Positions:
         return cls(ids, keys, True, keys, ids, slots=slots, tree_mask=mask, key_ids=key_ids)
 
     @classmethod
+    def fixed_rows(cls, starts: Tensor, width: int, max_len: int) -> "Positions":
+        """``rows`` with fixed shapes (a batch replayed from a CUDA graph), chains only: the rows' first positions
+        ``starts`` ``[B]`` a device tensor, and keys over the whole static cache, so the mask is
+        ``[B, T, max_len]``. Same attention as ``rows`` (the extra keys are masked out)."""
+        device = starts.device
+        slots = starts[:, None] + torch.arange(width, device=device)[None, :]
+        key_pos = torch.arange(max_len, device=device)
+        mask = key_pos[None, None, :] <= slots[:, :, None]
+        key_ids = key_pos.expand(starts.shape[0], max_len)
+        return cls(slots, max_len, False, max_len, slots, slots=slots, tree_mask=mask, key_ids=key_ids)
+
+    @classmethod
     def fixed_tree(cls, slots: Tensor, depth: Tensor, rows: Tensor, max_len: int) -> "Positions":
         """``tree`` with fixed shapes (a token tree's verify replayed from a CUDA graph): the call's slots
         ``[T]`` (``pos + r``, a device tensor) instead of an int ``pos``, and keys over the whole static

@@ -13,7 +13,10 @@ One graph per (segment, T), captured on first use: the full model on T tokens (t
 the verify of a layer-skip or lookup round; prompts longer than ``max_tokens`` run eagerly), a token
 tree's verify of T rows (its depths and row mask are static inputs too), a
 layer-skip or early-exit draft step, an early exit's prefix on the round's fresh tokens and its suffix
-on the kept hidden states. Segments that end in a draft head run eagerly.
+on the kept hidden states. Segments that end in a draft head run eagerly. Batched rows of several
+sequences (chains of up to ``max_tokens`` tokens, from token ids, in the first slots) replay one graph per
+(segment, batch bucket, width), the batch padded to the bucket (``run_rows``). A sequence alone's device
+round and plain blocks capture their own graphs over these buffers (``device_round.py``, ``device_plain.py``).
 
 ``capture(fn)`` turns a step into a replayable callable. On CUDA it is ``cuda_capture`` (warm-up on a
 side stream, then ``torch.cuda.graph`` into one memory pool per backend). It is injected so that the
@@ -31,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ...segments import Segment, full_model
-from .decoder import KVCache, run_segment
+from .decoder import KVCache, Positions, run_segment
 
 Step = Callable[[], Tensor]
 
@@ -73,10 +76,19 @@ def cuda_capture_with(pool) -> Callable[[Step], Step]:
 
 
 class StaticSteps:
-    """Fixed-shape segments over one static cache, each captured once and replayed after."""
+    """Fixed-shape segments over one static cache, each captured once and replayed after. ``cache`` is slot 0's
+    view (a sequence alone); ``slot_cache`` every slot's (batched rows, ``run_rows``)."""
 
-    def __init__(self, decoder, cache: KVCache, hidden: Tensor, capture: Callable[[Step], Step], max_tokens: int = 32):
-        self.decoder, self.cache, self.hidden = decoder, cache, hidden
+    def __init__(
+        self,
+        decoder,
+        cache: KVCache,
+        hidden: Tensor,
+        capture: Callable[[Step], Step],
+        max_tokens: int = 32,
+        slot_cache: KVCache | None = None,
+    ):
+        self.decoder, self.cache, self.hidden, self.slot_cache = decoder, cache, hidden, slot_cache or cache
         self.capture, self.max_tokens = capture, max_tokens
         self.max_len = cache.max_len
         if decoder.config.positions == "rotary":  # computed before any capture, gathered by position after
@@ -87,6 +99,7 @@ class StaticSteps:
         self.offsets = torch.arange(max_tokens, dtype=torch.long, device=cache.k.device)  # positions = pos + these
         self.graphs: dict[tuple, Step] = {}  # (segment, T) or ("tree", T) -> replay
         self.tree_buffers: dict[int, tuple[Tensor, Tensor]] = {}  # T -> (depths [T], row mask [T, T])
+        self.row_buffers: dict[tuple[int, int], tuple[Tensor, Tensor]] = {}  # (rows, T) -> (ids, first positions)
         self.captures = 0
 
     def _inputs(self, tokens: "Sequence[int] | Tensor | None", t: int, pos: int) -> tuple[Tensor, Tensor]:
@@ -135,6 +148,45 @@ class StaticSteps:
 
     def forward(self, tokens: Sequence[int], pos: int) -> Tensor:
         return self.run(full_model(self.decoder.config.num_layers), pos, tokens)
+
+    def run_rows(self, segment: Segment, rows: Sequence, bucket: int, width: int, pad_start: int) -> Tensor | None:
+        """Chain rows of several sequences in slots ``0 .. len(rows) - 1`` (``TorchBackend.run_rows``) as one replayed
+        call of ``bucket`` rows of ``width`` tokens: the logits ``[bucket, width, vocab]`` (rows past the batch are
+        padding: they write their KV at ``pad_start`` onwards in their own slots, past every sequence's end, and
+        their logits mean nothing). One graph per (segment, bucket, width), as vLLM captures its decode steps per
+        batch size, so the few bucket sizes serve every batch."""
+        buffers = self.row_buffers.get((bucket, width))
+        if buffers is None:
+            device = self.cache.k.device
+            buffers = self.row_buffers[bucket, width] = (
+                torch.zeros(bucket, width, dtype=torch.long, device=device),
+                torch.zeros(bucket, dtype=torch.long, device=device),
+            )
+        ids, starts = buffers
+        host_ids = torch.zeros(bucket, width, dtype=torch.long)
+        host_starts = torch.full((bucket,), pad_start, dtype=torch.long)
+        for b, row in enumerate(rows):
+            host_ids[b, : row.width] = torch.tensor(list(row.tokens), dtype=torch.long)
+            host_ids[b, row.width :] = int(row.tokens[-1])  # pads after the row's tokens, as the eager call's
+            host_starts[b] = row.pos
+        ids.copy_(host_ids)
+        starts.copy_(host_starts)
+        key = ("rows", segment, bucket, width)
+        step = self.graphs.get(key)
+        if step is None:
+            d, cache = self.decoder, self.slot_cache.view(0, bucket)
+
+            def rows_step() -> Tensor | None:
+                where = Positions.fixed_rows(starts, width, self.max_len)
+                h = d.embed_tokens(ids, where.ids)
+                h = d.run_blocks(
+                    h, None, cache, segment.start, segment.stop, segment.skip_attn, segment.skip_mlp, where=where
+                )
+                return None if segment.head is None else d.head(h)
+
+            step = self.graphs[key] = self.capture(rows_step)
+            self.captures += 1
+        return step()
 
     def forward_tree(self, tokens: Sequence[int], depth: Tensor, rows: Tensor, pos: int) -> Tensor:
         """A token tree's verify (``Decoder.forward_tree``) over fixed shapes: one graph per tree size T,

@@ -32,6 +32,11 @@ saturation (AVX2's ``vpmaddubsw``), which a full 8-bit activation overflows. Mea
 matrix of ones gives half its sum at 8 bits, and the twin's acceptance falls (measured: docs/history.md, 'Figures
 behind the code's constants'; lossless all the same: the full model decides every token).
 
+On a GPU (the decoder's weights on a CUDA device) the twin's products are weight-only int8 or fp8 instead,
+chosen by what the device offers and measured there: ``runtime/backends/torch/cuda_twin.py``, which says why.
+``set_twin_lowering`` names the products for a decoder on any device (the CPU runs the GPU forms too, which is
+how they are tested without a GPU).
+
 The full model never runs through the twin: plain decoding and every verify use the decoder itself.
 """
 
@@ -281,16 +286,48 @@ def set_input_scales(decoder: nn.Module, scales: dict[str, torch.Tensor] | None)
     _TWINS.pop(decoder, None)
 
 
+TWIN_LOWERINGS = ("dynamic", "auto", "weight-only", "fp8")
+
+
+def twin_lowering(decoder: nn.Module) -> str:
+    """How ``decoder``'s twin makes its products: as ``set_twin_lowering`` said, else by the weights' device:
+    ``dynamic`` (this module's dynamic-int8 products) on CPU, ``auto`` (``cuda_twin.device_product``) on CUDA."""
+    lowering = getattr(decoder, "int8_twin_lowering", None)
+    if lowering is not None:
+        return lowering
+    return "dynamic" if decoder.embed.weight.device.type == "cpu" else "auto"
+
+
+def set_twin_lowering(decoder: nn.Module, lowering: str | None) -> None:
+    """Make ``decoder``'s next twin with ``lowering`` (``TWIN_LOWERINGS``; None: by device, ``twin_lowering``)."""
+    if lowering is not None and lowering not in TWIN_LOWERINGS:
+        raise ValueError(f"twin lowering {lowering!r} must be one of {', '.join(TWIN_LOWERINGS)}")
+    decoder.int8_twin_lowering = lowering
+    _TWINS.pop(decoder, None)
+
+
 def int8_twin(decoder: nn.Module) -> nn.Module:
-    """The decoder's int8 twin: ``DynamicInt8Linear`` products, smoothed with the decoder's input scales when it
-    has them (``set_input_scales``); ``DynamicFp16Linear`` for the MLP down projections they do not smooth.
-    Made once per decoder, so the backend's replicas and the tuner's estimator run the same one."""
+    """The decoder's int8 twin. ``dynamic`` lowering (CPU): ``DynamicInt8Linear`` products, smoothed with the
+    decoder's input scales when it has them (``set_input_scales``); ``DynamicFp16Linear`` for the MLP down
+    projections they do not smooth. Otherwise (CUDA, or ``set_twin_lowering``): ``cuda_twin.device_product``'s
+    weight-only int8 or fp8 products, unsmoothed. Made once per decoder, so the backend's replicas and the
+    tuner's estimator run the same one."""
     if decoder not in _TWINS:
-        _TWINS[decoder] = twin_with(
-            decoder,
-            lambda linear, outliers: (DynamicFp16Linear if outliers else DynamicInt8Linear)(linear),
-            getattr(decoder, "int8_input_scales", None),
-        )
+        lowering = twin_lowering(decoder)
+        if lowering == "dynamic":
+            twin = twin_with(
+                decoder,
+                lambda linear, outliers: (DynamicFp16Linear if outliers else DynamicInt8Linear)(linear),
+                getattr(decoder, "int8_input_scales", None),
+            )
+        else:
+            from .cuda_twin import device_product
+
+            product = device_product(decoder, lowering)
+            twin = twin_with(decoder, product)
+            twin.product_forms = product.chosen or {"*": product.forms[0]}
+        twin.lowering = lowering
+        _TWINS[decoder] = twin
     return _TWINS[decoder]
 
 
@@ -305,6 +342,7 @@ __all__ = [
     "DynamicInt8Linear",
     "SCALES_FILE",
     "SMOOTHING_ALPHA",
+    "TWIN_LOWERINGS",
     "fold_points",
     "input_scales_from",
     "int8_kernel_missing",
@@ -312,5 +350,7 @@ __all__ = [
     "int8_twin",
     "release_int8_twin",
     "set_input_scales",
+    "set_twin_lowering",
+    "twin_lowering",
     "twin_with",
 ]
