@@ -10,6 +10,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# every load times its CPU product forms afresh (tests that force a choice need that) and writes nothing to the
+# user's cache; tests/test_product_forms_store.py turns the store on in a folder of its own
+os.environ.setdefault("SPECCOMPILE_CPU_LINEAR_STORE", "0")
 
 import torch  # noqa: E402
 from tiny_models import FAMILIES, make_model  # noqa: E402

@@ -38,7 +38,8 @@ near-tie rule of lossless greedy covers (docs/design.md section 6): a backend's 
 always run the same modules.
 
 ``SPECCOMPILE_CPU_LINEAR=standard`` keeps ``F.linear`` everywhere; ``=streaming`` / ``=packed`` use that
-form for every row count up to ``MAX_ROWS`` without timing.
+form for every row count up to ``MAX_ROWS`` without timing. A choice timed once is kept for the machine
+(``product_forms_store.py``), so every later load of the same shapes on it chooses the same.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...machine import last_level_cache_bytes
+from .product_forms_store import FormsStore
 
 MAX_ROWS = 16  # longest verify the choice covers (a lookup draft is at most 12 tokens); longer calls use F.linear
 PROBE_ROWS = (1, 2, 3, 4, 8, 16)  # probed row counts (the others follow the probed count below them)
@@ -364,6 +366,23 @@ def _by_shape(weights: list[torch.Tensor]) -> dict[tuple[int, ...], list[torch.T
 Forms = tuple[frozenset[int], frozenset[int]]  # (row counts given W @ x^T, row counts given the packed product)
 
 
+def _kept_forms(
+    store: FormsStore | None, shape: tuple[int, ...], dtype
+) -> tuple[Forms, type[WeightPack] | None] | None:
+    """This machine's kept choice for ``shape`` and its pack kind, or None (not kept, or its pack kind is missing
+    from this process's torch: timed again)."""
+    kept = store.get(shape, dtype) if store is not None else None
+    if kept is None:
+        return None
+    streaming, packed, pack = kept
+    if not packed:
+        return (streaming, packed), None
+    kind = next((k for k in PACK_KINDS if k.__name__ == pack), None)
+    if kind is None or kind.missing() is not None:
+        return None
+    return (streaming, packed), kind
+
+
 def use_streaming_linears(
     model: nn.Module, packed: list[tuple[nn.Linear, tuple[nn.Linear, ...]]] = ()
 ) -> frozenset[int]:
@@ -403,9 +422,16 @@ def use_streaming_linears(
     forms: dict[tuple[int, ...], Forms] = {}
     kinds: dict[tuple[int, ...], type[WeightPack]] = {}  # the pack kind of each shape given the packed form
     timed_packs: dict[int, WeightPack] = {}  # packs the timing made of whole weights, kept where their shape wins
+    store = FormsStore() if mode == "auto" else None  # this machine's earlier choices (product_forms_store.py)
     for shape, group in groups.items():
         if mode not in ("auto", "packed"):
             forms[shape] = fixed[mode]
+            continue
+        kept = _kept_forms(store, shape, group[0].dtype)
+        if kept is not None:
+            forms[shape], kind = kept
+            if kind is not None:
+                kinds[shape] = kind
             continue
         probed = probe_weights(group)
         candidates = fastest_packs(probed) or []
@@ -414,7 +440,11 @@ def use_streaming_linears(
             kinds[shape] = type(candidates[0])
             whole = {id(w) for w in group}
             timed_packs.update({id(w): pack for w, pack in zip(probed, candidates) if id(w) in whole})
+        if store is not None:
+            store.put(shape, group[0].dtype, *forms[shape], kinds[shape].__name__ if shape in kinds else None)
         del candidates  # the packs of shapes where they lost are dropped here, never all made
+    if store is not None:
+        store.save()
     packs = {
         id(w): timed_packs.get(id(w)) or kinds[tuple(w.shape)](w) for w in weights if forms[tuple(w.shape)][1]
     }  # the packs chosen: every weight of a shape that gets the packed form
