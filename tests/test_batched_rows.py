@@ -184,3 +184,45 @@ def test_torch_graphed_rows_pad_the_batch_without_touching_other_slots(tiny_deco
         want = alone.run_rows(full, [Row(0, 0, row.tokens)])[0]
         np.testing.assert_allclose(logits, want, atol=1e-5)
         np.testing.assert_allclose(step_logits, alone.run_rows(full, [Row(0, step.pos, step.tokens)])[0], atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["llama", "gemma3_text", "gpt2", "qwen2", "phi", "mistral"])
+def test_torch_packed_rows_compute_what_they_compute_alone(family, tiny_decoder):
+    """Chains of different widths (a verify, a plain step, a prompt chunk) run packed: the products on the real
+    tokens only, attention on the padded rows. Each row's logits are the row's alone; so are an early exit's
+    prefix (which keeps its hidden states) and its suffix on them, packed likewise."""
+    from speccompile.runtime.segments import FINAL_HEAD, Segment
+
+    _, decoder = tiny_decoder(family)
+    config = decoder.config
+    full = full_model(config.num_layers)
+    exit_layer = max(1, config.num_layers // 2)
+    prefix = Segment(0, exit_layer, head=None, keep_hidden=True)
+    suffix = Segment(exit_layer, config.num_layers, head=FINAL_HEAD)
+    prompts = _prompts(config.vocab_size, (6, 11, 4))
+    news = _prompts(config.vocab_size, (4, 1, 7))
+    batch = TorchBackend(decoder)
+    batch.reserve(48, slots=3)
+    batch.run_rows(full, [Row(slot, 0, prompt) for slot, prompt in enumerate(prompts)])
+    rows = [Row(slot, len(prompt), new) for slot, (prompt, new) in enumerate(zip(prompts, news))]
+    packed_calls = []
+    original = batch._run_packed
+
+    def spy(*args):
+        packed_calls.append(len(args[1]))
+        return original(*args)
+
+    batch._run_packed = spy
+    got = batch.run_rows(full, rows)
+    assert batch.run_rows(prefix, rows) == [None] * 3
+    got_suffix = batch.run_rows(suffix, [Row(row.slot, row.pos, None, count=row.width) for row in rows])
+    assert packed_calls == [3, 3, 3]
+    for row, prompt, logits, suffix_logits in zip(rows, prompts, got, got_suffix):
+        alone = TorchBackend(decoder)
+        alone.reserve(48)
+        alone.run_rows(full, [Row(0, 0, prompt)])
+        want = alone.run_rows(full, [Row(0, row.pos, row.tokens)])[0]
+        np.testing.assert_allclose(logits, want, atol=1e-5)
+        alone.run_rows(prefix, [Row(0, row.pos, row.tokens)])
+        want_suffix = alone.run_rows(suffix, [Row(0, row.pos, None, count=row.width)])[0]
+        np.testing.assert_allclose(suffix_logits, want_suffix, atol=1e-5)

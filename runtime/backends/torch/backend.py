@@ -299,9 +299,11 @@ class TorchBackend(Backend):
                 return [None] * n
             logits = out[:n].float().cpu().numpy()
             return [logits[b, : row.width] for b, row in enumerate(rows)]
-        where = Positions.rows([row.pos for row in rows], [row.parents for row in rows], width, self.device)
         cache = self.slot_cache.view(first, n)
         decoder = int8_twin(self.decoder) if segment.precision else self.decoder
+        if any(row.width != width for row in rows) and all(row.parents is None for row in rows):
+            return self._run_packed(segment, rows, decoder, cache)
+        where = Positions.rows([row.pos for row in rows], [row.parents for row in rows], width, self.device)
         if segment.from_tokens:
             ids = torch.empty(n, width, dtype=torch.long)
             for b, row in enumerate(rows):
@@ -324,6 +326,28 @@ class TorchBackend(Backend):
         head = decoder.head if segment.head in (None, FINAL_HEAD) else self._draft_head(segment.head)[1].full_logits
         logits = head(h).float().cpu().numpy()
         return [logits[b, : row.width] for b, row in enumerate(rows)]
+
+    def _run_packed(self, segment: Segment, rows: list[Row], decoder, cache) -> list[np.ndarray | None]:
+        """Chains of different widths in one call with their tokens packed (``Positions.packed_rows``): a k-token
+        verify or a prompt chunk beside one-token steps widens only attention, not every row's products."""
+        where = Positions.packed_rows([row.pos for row in rows], [row.width for row in rows], self.device)
+        if segment.from_tokens:
+            ids = torch.tensor([int(t) for row in rows for t in row.tokens], dtype=torch.long, device=self.device)
+            h = decoder.embed_tokens(ids[None], where.ids)
+        else:
+            h = torch.cat([self.slot_hidden[row.slot, row.pos : row.pos + row.width] for row in rows])[None]
+        h = decoder.run_blocks(
+            h, None, cache, segment.start, segment.stop, segment.skip_attn, segment.skip_mlp, where=where
+        )
+        ends = np.cumsum([row.width for row in rows]).tolist()
+        if segment.keep_hidden:
+            for row, end in zip(rows, ends):
+                self.slot_hidden[row.slot, row.pos : row.pos + row.width] = h[0, end - row.width : end]
+        if segment.head is None:
+            return [None] * len(rows)
+        head = decoder.head if segment.head in (None, FINAL_HEAD) else self._draft_head(segment.head)[1].full_logits
+        logits = head(h)[0].float().cpu().numpy()
+        return [logits[end - row.width : end] for row, end in zip(rows, ends)]
 
     def _graphed_bucket(self, segment: Segment, rows: list[Row], width: int) -> int | None:
         """The batch bucket whose graph runs ``rows`` (``StaticSteps.run_rows``), or None: eagerly. Graphed: chains

@@ -281,7 +281,7 @@ class Positions:
     mask (``tree``), which replaces the causal one.
     """
 
-    __slots__ = ("ids", "keys", "exact", "span", "query", "slots", "tree_mask", "key_ids")
+    __slots__ = ("ids", "keys", "exact", "span", "query", "slots", "tree_mask", "key_ids", "packed")
 
     def __init__(
         self,
@@ -297,6 +297,7 @@ class Positions:
         self.ids, self.keys, self.exact, self.span, self.query = ids, keys, exact, span, query
         self.slots = ids if slots is None else slots
         self.tree_mask, self.key_ids = tree_mask, key_ids
+        self.packed: PackedRows | None = None
 
     @classmethod
     def of(cls, pos: "int | Tensor", t: int, device, cache: "KVCache | None") -> "Positions":
@@ -356,6 +357,30 @@ class Positions:
         return cls(ids, keys, True, keys, ids, slots=slots, tree_mask=mask, key_ids=key_ids)
 
     @classmethod
+    def packed_rows(cls, starts: Sequence[int], widths: Sequence[int], device) -> "Positions":
+        """Several sequences' chains in one call with their tokens packed (``TorchBackend.run_rows``): the call's
+        hidden states are ``[1, N, d]``, N the rows' real tokens end to end, so the products and the MLP cost what
+        those tokens cost, not rows x the widest row. Only attention sees the rows padded to the widest
+        (``PackedRows``). ``ids``: each packed token's position (rotary, learned positions); the mask is the
+        padded rows' ``[B, W, keys]``, a pad repeating its row's last token (its output is dropped)."""
+        n, width = len(starts), max(widths)
+        first = torch.tensor(list(starts), dtype=torch.long, device=device)
+        lengths = torch.tensor(list(widths), dtype=torch.long, device=device)
+        column = torch.arange(width, device=device)[None, :].expand(n, width)
+        real = column < lengths[:, None]
+        offsets = torch.cumsum(lengths, 0) - lengths  # where each row's tokens begin in the packed call
+        gather = offsets[:, None] + torch.minimum(column, lengths[:, None] - 1)  # [B, W] -> packed token
+        positions = first[:, None] + torch.minimum(column, lengths[:, None] - 1)  # a pad: its row's last position
+        ids = positions[real]  # [N], row by row
+        rows = torch.arange(n, device=device)[:, None].expand(n, width)[real]
+        keys = max(s + w for s, w in zip(starts, widths))
+        key_pos = torch.arange(keys, device=device)
+        mask = key_pos[None, None, :] <= positions[:, :, None]
+        where = cls(ids, keys, True, keys, ids, slots=ids, tree_mask=mask, key_ids=key_pos.expand(n, keys))
+        where.packed = PackedRows(rows, gather, real.reshape(-1).nonzero().reshape(-1), positions)
+        return where
+
+    @classmethod
     def fixed_rows(cls, starts: Tensor, width: int, max_len: int) -> "Positions":
         """``rows`` with fixed shapes (a batch replayed from a CUDA graph), chains only: the rows' first positions
         ``starts`` ``[B]`` a device tensor, and keys over the whole static cache, so the mask is
@@ -382,6 +407,18 @@ class Positions:
         ids = start + depth
         key_ids = torch.where(inside, start + depth.index_select(0, row), relative + start)
         return cls(ids, max_len, False, max_len, ids, slots=slots, tree_mask=mask, key_ids=key_ids)
+
+
+class PackedRows:
+    """How a packed call's tokens (``Positions.packed_rows``) map to the padded rows attention runs on: ``rows``
+    ``[N]`` each token's row (its cache slot in the call's view), ``gather`` ``[B, W]`` the packed token in each
+    padded cell, ``unpack`` ``[N]`` each packed token's cell in the flattened ``[B * W]``, ``positions`` ``[B, W]``
+    each cell's position (the mask's queries)."""
+
+    __slots__ = ("rows", "gather", "unpack", "positions")
+
+    def __init__(self, rows: Tensor, gather: Tensor, unpack: Tensor, positions: Tensor):
+        self.rows, self.gather, self.unpack, self.positions = rows, gather, unpack, positions
 
 
 class Decoder(nn.Module):
@@ -477,7 +514,8 @@ class Decoder(nn.Module):
         if where.tree_mask is not None:
             if window is None:
                 return where.tree_mask
-            return where.tree_mask & (where.key_ids[..., None, :] > where.ids[..., :, None] - window)
+            queries = where.packed.positions if where.packed is not None else where.ids  # a packed call: its cells'
+            return where.tree_mask & (where.key_ids[..., None, :] > queries[..., :, None] - window)
         if (
             where.exact
             and where.ids.dim() == 1
@@ -509,6 +547,23 @@ class Decoder(nn.Module):
         t = h.shape[1]
         if keys_values is not None:
             k, v, mask = keys_values(i, k, v, mask)
+        elif cache is not None and where.packed is not None:  # packed rows: real tokens' K/V, padded attention
+            packed = where.packed
+            cache.k[i][packed.rows, :, where.ids] = k[0].transpose(0, 1)
+            cache.v[i][packed.rows, :, where.ids] = v[0].transpose(0, 1)
+            q = q[0][:, packed.gather].transpose(0, 1)  # [heads, N, hd] -> [B, heads, W, hd]
+            k, v = cache.k[i, :, :, : where.keys], cache.v[i, :, :, : where.keys]
+            out = F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask[:, None],
+                scale=self.config.scale,
+                enable_gqa=block.attn.n_kv != block.attn.n_heads,
+            )
+            rows, heads, width, hd = out.shape
+            out = out.transpose(1, 2).reshape(rows * width, heads * hd).index_select(0, packed.unpack)
+            return block.attn_output(out[None])
         elif cache is not None:
             if where.slots.dim() == 2:  # a batch of rows, each writing its own slots' positions
                 index = where.slots[:, None, :, None].expand(-1, k.shape[1], -1, k.shape[3])
