@@ -682,6 +682,13 @@ def echo_plan_choice(name: str, m: dict, tuning: dict) -> None:
     help="Prompt tokens read per round beside the running requests (smaller: steadier latency for them).",
 )
 @click.option(
+    "--token-budget",
+    type=click.IntRange(1),
+    default=None,
+    help="Tokens per round in all: the running requests' steps and verifies first, prompt chunks in what is "
+    "left (default: no cap beyond --prefill-chunk).",
+)
+@click.option(
     "--kv-budget",
     type=FiniteFloat(min=1),
     default=None,
@@ -750,6 +757,7 @@ def serve(
     slots,
     max_queue,
     prefill_chunk,
+    token_budget,
     kv_budget,
     keep_prompts,
     plan,
@@ -783,6 +791,7 @@ def serve(
             max_batch=max_batch,
             max_queue=max_queue,
             prefill_chunk=prefill_chunk,
+            token_budget=token_budget,
             kv_budget_bytes=None if kv_budget is None else int(kv_budget * 1e6),
             keep_prompts=keep_prompts,
             plan=plan,
@@ -799,6 +808,7 @@ def serve(
         max_batch=max_batch,
         max_queue=max_queue,
         prefill_chunk=prefill_chunk,
+        token_budget=token_budget,
         kv_budget_bytes=None if kv_budget is None else int(kv_budget * 1e6),
         keep_prompts=keep_prompts,
         plan=plan,

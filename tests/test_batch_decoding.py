@@ -437,3 +437,58 @@ def test_batch_limits_are_one_line_errors(tiny_decoder):
     with pytest.raises(InputError, match="the batch is full"):
         engine.add(DecodeRequest([5, 6], 3))
     np.testing.assert_equal(len(engine.sequences), 1)
+
+
+class CallLog:
+    """The full model's batched calls of a backend: per call, the rows' widths and whether they were prompt rows."""
+
+    def __init__(self, backend, prompt_slots):
+        self.calls: list[list[tuple[int, int]]] = []  # per call: (slot, width)
+        original = backend.run_rows
+
+        def logged(segment, rows):
+            if segment.stop == backend.config.num_layers and segment.start == 0 and segment.head is not None:
+                self.calls.append([(row.slot, row.width) for row in rows])
+            return original(segment, rows)
+
+        backend.run_rows = logged
+
+
+def test_prompt_chunks_ride_in_the_verify_call_within_the_token_budget(tiny_decoder):
+    """Three sequences decode while a fourth reads a long prompt: each step is one call of the full model with the
+    running sequences' rows first and the prompt chunk in what the token budget leaves; every output is its own."""
+    _, decoder = tiny_decoder("llama")
+    vocab = decoder.config.vocab_size
+    prompts = _prompts(vocab, 3)
+    gen = torch.Generator().manual_seed(5)
+    long_prompt = torch.randint(3, vocab, (40,), generator=gen).tolist()
+    requests = [(DecodeRequest(p, 20), None) for p in prompts] + [(DecodeRequest(long_prompt, 6), LOOKUP)]
+    backend = TorchBackend(decoder)
+    engine = BatchDecoder(backend, max_batch=4, prefill_chunk=32, token_budget=8)
+    log = CallLog(engine.backend, None)
+    sequences = [engine.add(request, plan) for request, plan in requests[:3]]
+    outputs = {id(s): [] for s in sequences}
+    while any(s.prefilled < len(s.request.prompt_ids) for s in sequences):
+        for s, new in engine.step():
+            outputs[id(s)].extend(new)
+    log.calls.clear()
+    joiner = engine.add(*requests[3])
+    sequences.append(joiner)
+    outputs[id(joiner)] = []
+    steps = 0
+    while not all(s.finished for s in sequences):
+        for s, new in engine.step():
+            outputs[id(s)].extend(new)
+        steps += 1
+        assert steps < 200
+    reading = [call for call in log.calls if any(slot == joiner.slot for slot, _ in call)][: -(-40 // 5)]
+    assert len(reading) >= 8  # the 40 prompt tokens came in chunks of what the budget left: 8 - 3 running rows
+    for call in reading[:5]:
+        assert sum(width for _, width in call) <= 8 and len(call) == 4  # one call: 3 steps and the chunk
+    _check(decoder, TorchBackend(decoder), requests, [outputs[id(s)] for s in sequences])
+
+
+def test_a_token_budget_must_be_positive(tiny_decoder):
+    _, decoder = tiny_decoder("llama")
+    with pytest.raises(InputError, match="token_budget must be at least 1"):
+        BatchDecoder(TorchBackend(decoder), max_batch=2, token_budget=0)

@@ -5,14 +5,17 @@ sequences join and leave between rounds (``BatchDecoder.add`` / ``remove``). Eac
 slot of the backend (``Backend.run_rows``; backends without slots run a batch on replicas,
 ``backends/slots.py``), its own drafter, sampling parameters, random generator and statistics.
 
-One ``step``:
-1. prompt chunks of joining sequences (``prefill_chunk`` tokens a step in all, so that running sequences
-   keep their pace while a long prompt is read); a sequence whose prompt is read emits its first token;
-2. one verify round over the running sequences: each drafter proposes (lookups first, on the host; a model
-   draft only where ``load.py`` finds it pays under the current load), the load policy cuts each draft to the
-   length that maximises the batch's tokens per second, one ``run_rows`` verifies every sequence's input
-   token and draft (rows of the full model; an early exit's verify that reuses its prefix runs per
-   sequence), and the acceptance rule (``runtime/acceptance.py``) commits each row's tokens.
+One ``step`` is one verify round over the running sequences with the joining sequences' prompt chunks beside it:
+1. each running sequence's drafter proposes (lookups first, on the host; a model draft only where ``load.py`` finds
+   it pays under the current load), and the load policy cuts each draft to the length that maximises the batch's
+   tokens per second;
+2. one ``run_rows`` of the full model takes every running sequence's input token and draft (an early exit's
+   verify that reuses its prefix runs per sequence) *and* the joining sequences' next prompt chunks: the weights
+   are read once for both (vLLM's and OpenVINO's chunked prefill). Prompt tokens per step: at most
+   ``prefill_chunk``, and within ``token_budget`` (the step's tokens in all, rows of steps and verifies first,
+   as vLLM's ``max_num_batched_tokens``), so that running sequences keep their pace while a long prompt is read;
+3. the acceptance rule (``runtime/acceptance.py``) commits each verified row's tokens; a sequence whose prompt is
+   read emits its first token.
 
 A joining sequence whose prompt begins like a prompt the batch has read (a chat template's system prompt, a
 shared document, the earlier turns of a conversation) copies that prefix's KV from a spare slot instead of
@@ -86,7 +89,8 @@ class BatchDecoder:
 
     ``costs``: the measured call costs that let the load policy choose draft lengths (None: every sequence
     drafts as its own drafter proposes, which is right for a sequence alone). ``prefill_chunk``: prompt tokens
-    read per step (None: whole prompts). ``keep_prompts``: prompts whose KV is kept for later prompts that begin
+    read per step (None: whole prompts). ``token_budget``: tokens per step in all (None: no cap beyond
+    ``prefill_chunk``); verify rows come first, prompt chunks take what is left. ``keep_prompts``: prompts whose KV is kept for later prompts that begin
     alike (``prompt_cache.py``; None: as many as ``max_batch`` where slots copy and the batch has more than one
     place, else none)."""
 
@@ -99,13 +103,17 @@ class BatchDecoder:
         root: Path | None = None,
         draft_step_seconds: float | None = None,
         keep_prompts: int | None = None,
+        token_budget: int | None = None,
     ):
         if max_batch < 1:
             raise InputError(f"max_batch must be at least 1 (got {max_batch})")
         if prefill_chunk is not None and prefill_chunk < 1:
             raise InputError(f"prefill_chunk must be at least 1 token (got {prefill_chunk})")
+        if token_budget is not None and token_budget < 1:
+            raise InputError(f"token_budget must be at least 1 token (got {token_budget})")
         self.backend = batch_of(backend) if max_batch > 1 else backend
         self.max_batch, self.costs, self.prefill_chunk, self.root = max_batch, costs, prefill_chunk, root
+        self.token_budget = token_budget
         self.draft_step_seconds = draft_step_seconds
         self.full = full_model(backend.config.num_layers)
         self.sequences: list[Sequence] = []  # sequence i sits in slot i
@@ -173,18 +181,30 @@ class BatchDecoder:
 
     # -- one step --------------------------------------------------------------------------------------
     def step(self) -> list[tuple[Sequence, list[int]]]:
-        """Prompt chunks, then one verify round: (sequence, its new tokens) for every sequence that produced
+        """One verify round with prompt chunks beside it: (sequence, its new tokens) for every sequence that produced
         some. A sequence whose ``finished`` turns True has stopped (``stats.stop_reason`` says why)."""
-        produced = self._prefill()
-        running = [s for s in self.sequences if s.decoding and not any(s is p for p, _ in produced)]
+        running = [s for s in self.sequences if s.decoding]
         joining = sum(1 for s in self.sequences if not s.finished and s.prefilled < len(s.request.prompt_ids))
+        produced: list[tuple[Sequence, list[int]]] = []
+        prompts_read = False
         if running:
-            produced += self._round(running, joining)
+            produced, prompts_read = self._round(running, joining)
+        if not prompts_read:  # no verify call this step to ride in (nothing running, or a lone device round)
+            rows, owners = self._prompt_rows(0)
+            if rows:
+                start = time.perf_counter()
+                outs = self.backend.run_rows(self.full, rows)
+                produced = self._read_prompts(owners, rows, outs, time.perf_counter() - start) + produced
         return produced
 
-    def _prefill(self) -> list[tuple[Sequence, list[int]]]:
+    def _prompt_rows(self, spent: int) -> tuple[list[Row], list[Sequence]]:
+        """The joining sequences' next prompt chunks, in order of joining: ``prefill_chunk`` tokens in all, within
+        what ``token_budget`` leaves after the step's ``spent`` tokens of running rows."""
         rows, owners = [], []
         budget = self.prefill_chunk
+        if self.token_budget is not None:
+            left = max(self.token_budget - spent, 0)
+            budget = left if budget is None else min(budget, left)
         for s in self.sequences:
             prompt = s.request.prompt_ids
             if s.prefilled >= len(prompt) or s.finished:
@@ -196,15 +216,18 @@ class BatchDecoder:
             owners.append(s)
             if budget is not None:
                 budget -= take
-        if not rows:
-            return []
-        start = time.perf_counter()
-        outs = self.backend.run_rows(self.full, rows)
-        seconds = time.perf_counter() - start
+        return rows, owners
+
+    def _read_prompts(
+        self, owners: list[Sequence], rows: list[Row], outs, seconds: float
+    ) -> list[tuple[Sequence, list[int]]]:
+        """The prompt chunks' logits: a sequence whose prompt is read picks its first token. ``seconds``: the
+        chunks' share of the call that read them, split among them by tokens."""
         produced = []
+        tokens = sum(row.width for row in rows) or 1
         for s, row, logits in zip(owners, rows, outs):
             s.prefilled += row.width
-            s.stats.prefill_seconds += seconds / len(rows)
+            s.stats.prefill_seconds += seconds * row.width / tokens
             if s.prefilled < len(s.request.prompt_ids):
                 continue
             prompt = list(s.request.prompt_ids)
@@ -216,9 +239,10 @@ class BatchDecoder:
             produced.append((s, self._emit(s, [token])))
         return produced
 
-    def _round(self, running: list[Sequence], joining: int = 0) -> list[tuple[Sequence, list[int]]]:
-        """One verify round of the ``running`` sequences; ``joining`` more are still in their prompt chunks (the
-        load policy prices drafts as if they were in the round: see ``_propose``)."""
+    def _round(self, running: list[Sequence], joining: int = 0) -> tuple[list[tuple[Sequence, list[int]]], bool]:
+        """One verify round of the ``running`` sequences, with the prompt chunks of the ``joining`` ones in its call
+        (the load policy prices drafts as if those were in the round: see ``_propose``): what it produced, and
+        whether the prompt chunks were read (not when no verify call ran: a lone device round, or none live)."""
         produced = []
         live = []
         for s in running:
@@ -230,11 +254,11 @@ class BatchDecoder:
             else:
                 live.append((s, budget))
         if not live:
-            return produced
+            return produced, False
         if len(live) == 1 and live[0][0].device_round is not None and (live[0][1] > 1 or live[0][0].drafter is None):
             s, budget = live[0]
             ctx = RoundContext(history=s.history, pos=s.pos, limit=budget - 1, params=s.request.params, rng=s.rng)
-            return produced + [(s, self._commit(s, s.device_round(ctx, s.stats)))]
+            return produced + [(s, self._commit(s, s.device_round(ctx, s.stats)))], False
         drafts = self._propose(live, joining)
         rows, verified = [], {}
         for (s, _), draft in zip(live, drafts):
@@ -245,11 +269,24 @@ class BatchDecoder:
             else:
                 tree = draft is not None and draft.is_tree
                 rows.append((s, Row(s.slot, s.pos, tokens, parents=draft.parents if tree else None)))
-        if rows:
-            for (s, _), logits in zip(rows, self.backend.run_rows(self.full, [row for _, row in rows])):
-                verified[id(s)] = logits
+        spent = sum(len(d.tokens) + 1 if d is not None else 1 for d in drafts)
+        prompt_rows, owners = self._prompt_rows(spent)
+        start = time.perf_counter()
+        outs = self.backend.run_rows(self.full, [row for _, row in rows] + prompt_rows) if rows or prompt_rows else []
+        seconds = time.perf_counter() - start
+        for (s, _), logits in zip(rows, outs):
+            verified[id(s)] = logits
+        prompt_tokens = sum(row.width for row in prompt_rows)
+        prompts = self._read_prompts(
+            owners, prompt_rows, outs[len(rows) :], seconds * prompt_tokens / max(prompt_tokens + spent, 1)
+        )
         drafted = [0 if d is None else len(d.tokens) for d in drafts]
-        self.last_round = {"sequences": len(live), "rows": len(live) + sum(drafted), "drafted": drafted}
+        self.last_round = {
+            "sequences": len(live),
+            "rows": len(live) + sum(drafted),
+            "drafted": drafted,
+            "prompt_tokens": prompt_tokens,
+        }
         for (s, _), draft in zip(live, drafts):
             logits = verified[id(s)]
             if draft is None:
@@ -260,7 +297,7 @@ class BatchDecoder:
                     s.view.keep_rows(s.pos, kv_moves(path))
                 self._finish_round(s, draft, logits, committed, path)
             produced.append((s, self._commit(s, committed)))
-        return produced
+        return prompts + produced, True
 
     def _propose(self, live: list[tuple[Sequence, int]], joining: int = 0) -> list[Draft | None]:
         """Every live sequence's draft for this round (None: a plain step), cut by the load policy. Model draft

@@ -316,11 +316,13 @@ def create_app(
     keep_prompts: int | None = None,
     slots: int | None = None,
     on_outcome: Callable[[Outcome], None] | None = None,
+    token_budget: int | None = None,
 ) -> FastAPI:
     """An OpenAI-compatible ASGI app serving one artifact: up to ``max_batch`` requests decode together in one
     batch (one copy of the weights, each round reading them once), ``max_queue`` more wait. Pass an artifact
     folder (loaded with ``load``) or an already loaded model. ``prefill_chunk``: prompt tokens read per round
-    beside the running requests; ``kv_budget_bytes``: admit fewer requests when their caches would not fit;
+    beside the running requests, in the round's call; ``token_budget``: tokens per round in all (running rows
+    first, prompt chunks in what is left; None: no cap beyond ``prefill_chunk``); ``kv_budget_bytes``: admit fewer requests when their caches would not fit;
     ``keep_prompts``: prompts whose KV is kept for later prompts that begin alike (None: ``max_batch``; 0: none;
     each takes one more slot of cache, beyond ``kv_budget_bytes``).
     ``slots``: the earlier name of ``max_batch``. ``on_outcome`` also gets every finished request's figures
@@ -344,6 +346,7 @@ def create_app(
         keep_prompts=keep_prompts,
         speculate=speculate,
         plan=plan,
+        token_budget=token_budget,
     )
     state = ServerState(
         model=model,

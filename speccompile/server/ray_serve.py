@@ -100,6 +100,7 @@ class ServeArgs(BaseModel):
     )
     max_queue: int = Field(DEFAULT_MAX_QUEUE, ge=0, description="requests that may wait for a replica; then 429")
     prefill_chunk: int = Field(DEFAULT_PREFILL_CHUNK, ge=1, description="prompt tokens a joiner prefills per round")
+    token_budget: int | None = Field(None, ge=1, description="tokens per round in all, running rows first")
     kv_budget_bytes: int | None = Field(None, ge=1, description="a replica's KV cache budget in bytes")
     keep_prompts: int | None = Field(None, ge=0, description="prompts whose KV a replica keeps (None: max_batch)")
     plan: str | None = None
@@ -170,6 +171,8 @@ def capacity(args: ServeArgs) -> tuple[dict, int, int]:
         server["kv_budget_bytes"] = args.kv_budget_bytes
     if args.keep_prompts is not None:
         server["keep_prompts"] = args.keep_prompts
+    if args.token_budget is not None:
+        server["token_budget"] = args.token_budget
     return server, args.max_batch, args.max_queue
 
 

@@ -78,13 +78,19 @@ class Scheduler:
         measure_costs: bool = True,
         observe: Callable[[dict], None] | None = None,
         keep_prompts: int | None = None,
+        token_budget: int | None = None,
     ):
         check_capacity(max_batch, max_queue)
         self.model, self.max_batch, self.max_queue = model, max_batch, max_queue
         self.kv_budget_bytes, self.observe = kv_budget_bytes, observe
         self.plan = model.draft_plan(plan) if speculate else None
         self.decoder = BatchDecoder(
-            model.backend, max_batch=max_batch, prefill_chunk=prefill_chunk, root=model.root, keep_prompts=keep_prompts
+            model.backend,
+            max_batch=max_batch,
+            prefill_chunk=prefill_chunk,
+            root=model.root,
+            keep_prompts=keep_prompts,
+            token_budget=token_budget,
         )
         if self.plan is not None and max_batch > 1 and measure_costs:
             # what the load policy prices drafts with: the build's timings on this machine, or timed now (seconds)
