@@ -4,8 +4,13 @@
         [--new-tokens 64] [--engines torch-graphs,torch-graphs-host,torch,onnx,tensorrt,transformers]
         >> rows.jsonl
     python benchmarks/gpu_bench.py table rows.jsonl [--out table.txt]   (no rows file: the empty layout)
+    python benchmarks/gpu_bench.py results --out results.json [--shapes S.json ...] [--rows rows.jsonl]
+        [--steps steps.jsonl] [--info info.json]      (gpu_check.sh's one results JSON, and its tables printed)
     python benchmarks/gpu_bench.py batch ARTIFACT --model NAME --dtype D --prompts FILE [--streams 1,4,16]
         >> batch.jsonl     (batched rounds on torch-CUDA: N sequences at once, plain and speculative)
+
+``results`` gathers what ``gpu_check.sh`` measured into one JSON (``rows``: every ``gpu_shapes.py`` row, every
+``rows`` line as ``kind: "refcoder"``, every step's status as ``kind: "step"``) and prints the tables.
 
 ``rows`` prints one JSON line per engine, each measured in this one process (the artifact loaded once per
 engine, warmed up first): the runtime decoding the prompts plainly and speculatively (torch on CUDA with
@@ -85,8 +90,16 @@ def runtime_row(artifact: str, engine: str, prompts: list[list[int]], new_tokens
     for speculate in (False, True):  # CUDA graphs captured, TensorRT contexts and ORT kernels ready
         run(speculate)(longest)
     stats.clear()
-    plain, plain_s = timed(run(False), prompts)
-    spec, spec_s = timed(run(True), prompts)
+    # in turns, prompt by prompt, the order alternating: drift between minutes falls on both alike
+    plain, spec, plain_s, spec_s = [], [], 0.0, 0.0
+    for i, ids in enumerate(prompts):
+        for speculate in (False, True) if i % 2 == 0 else (True, False):
+            out, seconds = timed(run(speculate), [ids])
+            (spec if speculate else plain).extend(out)
+            if speculate:
+                spec_s += seconds
+            else:
+                plain_s += seconds
     rounds, accepted = sum(s.rounds or 0 for s in stats), sum(s.accepted for s in stats)
     tokens = sum(map(len, spec))
     return {
@@ -248,6 +261,45 @@ def table(rows_file: str | None) -> str:
     return "\n".join(lines)
 
 
+def read_lines(path: str | None) -> list[dict]:
+    """The JSON objects of a JSON-lines file (none when it is missing or empty: a step that never ran; a line that is
+    not one is passed over)."""
+    if not path or not Path(path).is_file():
+        return []
+    found = []
+    for line in Path(path).read_text().splitlines():
+        try:
+            found.append(json.loads(line))
+        except ValueError:  # a line a killed step left half written, or a log line
+            continue
+    return [item for item in found if isinstance(item, dict)]
+
+
+def results(args) -> None:
+    """One results JSON of a GPU check: the machine (``--info``), each step's status, every gpu_shapes row and every
+    refcoder bench row; then the tables (gpu_shapes', refcoder's, the steps)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from gpu_shapes import print_tables
+
+    info = json.loads(Path(args.info).read_text()) if args.info and Path(args.info).is_file() else {}
+    steps = [{"kind": "step", **step} for step in read_lines(args.steps)]
+    shapes = []
+    for path in args.shapes:
+        if Path(path).is_file():
+            shapes += json.loads(Path(path).read_text())["rows"]
+    refcoder = [{"kind": "refcoder", **row} for row in read_lines(args.rows)]
+    Path(args.out).write_text(
+        json.dumps({"benchmark": "gpu_check", **info, "rows": steps + shapes + refcoder}, indent=1)
+    )
+    print_tables(shapes)
+    if refcoder:
+        print("\nrefcoder: the artifact's default plan against plain decoding, in turns, same engine")
+        print(table(args.rows))
+    print("\nsteps:")
+    for step in steps:
+        print(f"  {step['step']:<28} {step['status']:<10} {step.get('seconds', 0):>5}s  {step.get('note', '')}")
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -269,6 +321,12 @@ def main(argv=None) -> None:
     batched.add_argument("--new-tokens", type=int, default=64)
     batched.add_argument("--streams", default="1,4,16")
     batched.add_argument("--device", default="cuda")
+    gather = commands.add_parser("results")
+    gather.add_argument("--out", required=True)
+    gather.add_argument("--shapes", nargs="*", default=[], help="gpu_shapes.py --json files")
+    gather.add_argument("--rows", default=None, help="a rows JSON-lines file")
+    gather.add_argument("--steps", default=None, help="JSON lines, one per step of gpu_check.sh")
+    gather.add_argument("--info", default=None, help="a JSON object of the machine, versions and command")
     show = commands.add_parser("table")
     show.add_argument("rows_file", nargs="?")
     show.add_argument("--out")
@@ -278,6 +336,9 @@ def main(argv=None) -> None:
         return
     if args.command == "batch":
         batch_rows(args)
+        return
+    if args.command == "results":
+        results(args)
         return
     text = table(args.rows_file)
     print(text)
