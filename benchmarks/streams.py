@@ -223,7 +223,7 @@ def print_cost_curve(artifact: str, backend: str | None, max_rows: int, max_widt
 
     model = load(artifact, backend=backend)
     costs = CallCosts.measure(model.backend, max_rows=max_rows, max_width=max_width)
-    print(f"cost of a batched call ({model.backend.name}, rows pad to the widest: {costs.pad_to_widest})")
+    print(f"cost of a batched call ({model.backend.name}, rows in one call: {costs.one_call})")
     print("| one-token rows in one call | ms per call | ms per row |")
     print("|---|---|---|")
     for n, seconds in sorted(costs.batched.items()):

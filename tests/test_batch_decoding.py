@@ -357,7 +357,7 @@ def test_expected_tokens_and_the_policy_fall_back_to_plain_under_load():
     assert rate >= 16 / costs.round_cost([1] * 16)  # never below plain batched decoding
     poor = [Choice(0.05, 4)] * 16
     assert choose_lengths(costs, poor) == [0] * 16  # drafts that are rarely right: plain batched decoding
-    padded = CallCosts({1: 1.0, 8: 1.0, 64: 8.0}, {1: 1.0}, pad_to_widest=True)
+    padded = CallCosts({1: 1.0, 8: 1.0, 64: 8.0}, {1: 1.0}, one_call=True)
     assert choose_lengths(padded, [Choice(0.9, 3)] * 2) == [3, 3]
     assert choose_lengths(padded, [Choice(0.3, 3)] * 16) == [0] * 16
     assert draft_pays(costs, 0.9, 4, 0.3, 1)
@@ -419,9 +419,9 @@ def test_measured_costs_come_from_the_backend_calls(tiny_decoder, onnx_family):
     costs = CallCosts.measure(ort_backend(root), max_rows=4, max_width=3, context=8, repeats=1)
     assert sorted(costs.batched) == [1, 2, 4] and sorted(costs.alone) == [1, 2, 3]
     assert all(v > 0 for v in list(costs.batched.values()) + list(costs.alone.values()))
-    assert not costs.pad_to_widest
+    assert not costs.one_call
     _, decoder = tiny_decoder("llama")
-    assert CallCosts.measure(TorchBackend(decoder), max_rows=2, max_width=2, context=8, repeats=1).pad_to_widest
+    assert CallCosts.measure(TorchBackend(decoder), max_rows=2, max_width=2, context=8, repeats=1).one_call
     again = CallCosts.from_dict(costs.as_dict())
     assert again.round_cost([1, 1, 3]) == pytest.approx(costs.round_cost([1, 1, 3]), rel=1e-3)
 
@@ -492,3 +492,21 @@ def test_a_token_budget_must_be_positive(tiny_decoder):
     _, decoder = tiny_decoder("llama")
     with pytest.raises(InputError, match="token_budget must be at least 1"):
         BatchDecoder(TorchBackend(decoder), max_batch=2, token_budget=0)
+
+
+def test_one_call_costs_price_each_drafted_token_and_read_older_manifests():
+    """Where every row shares one call priced by its tokens (torch's packed rows), each drafted token is weighed on
+    its own: a sequence whose drafts are often right drafts longer than one whose drafts rarely are, and a batch
+    whose drafts do not pay steps plainly. Costs stored by earlier builds under ``pad_to_widest`` read alike."""
+    costs = CallCosts({1: 1.0, 8: 1.0, 64: 8.0}, {1: 1.0}, one_call=True)
+    acceptance = [0.9, 0.2, 0.7, 0.7]  # four rows: a call of up to 8 tokens costs one step, more cost more
+    mixed = choose_lengths(costs, [Choice(a, 6) for a in acceptance])
+    # the 4 free tokens go to the likeliest: 0.9, 0.81, 0.729 of the first sequence, then one 0.7
+    assert mixed[0] == 3 and mixed[1] == 0 and mixed[2] + mixed[3] == 1
+    rate = sum(expected_tokens(a, k) for a, k in zip(acceptance, mixed)) / costs.round_cost([k + 1 for k in mixed])
+    assert rate >= 4 / costs.round_cost([1] * 4)
+    assert choose_lengths(costs, [Choice(0.05, 6)] * 16) == [0] * 16
+    stored = costs.as_dict()
+    assert stored["one_call"] is True
+    legacy = {key: value for key, value in stored.items() if key != "one_call"} | {"pad_to_widest": True}
+    assert CallCosts.from_dict(legacy).one_call and not CallCosts.from_dict(stored | {"one_call": False}).one_call

@@ -68,8 +68,8 @@ def check_measured(measured: Any, where: str) -> dict[str, Any]:
 
 def check_call_costs(data: Any, where: str = "the manifest's tuning.call_costs") -> dict[str, Any]:
     """The batched call costs a build stored (``passes/call_costs.py``) as typed parts: ``batched`` and ``alone``
-    ({rows or tokens: seconds}, every count >= 1, every time finite and positive), ``pad_to_widest`` and
-    ``machine``; a one-line ``ArtifactError`` naming ``where`` otherwise (``runtime/decoding/load.CallCosts``)."""
+    ({rows or tokens: seconds}, every count >= 1, every time finite and positive), ``one_call`` (stored as
+    ``pad_to_widest`` by earlier builds) and ``machine``; a one-line ``ArtifactError`` naming ``where`` otherwise (``runtime/decoding/load.CallCosts``)."""
     shape = 'need {"batched": {rows: seconds}, "alone": {tokens: seconds}}'
     if not isinstance(data, dict):
         raise ArtifactError(f"{where} are malformed ({shape}, got {type(data).__name__}); rebuild the artifact")
@@ -84,7 +84,7 @@ def check_call_costs(data: Any, where: str = "the manifest's tuning.call_costs")
             raise ArtifactError(f"{where}.{name} are malformed ({shape}); rebuild the artifact") from None
         if any(k < 1 or not math.isfinite(v) or v <= 0 for k, v in parts[name].items()):
             raise ArtifactError(f"{where}.{name} need positive times for counts >= 1; rebuild the artifact")
-    parts["pad_to_widest"] = bool(data.get("pad_to_widest", False))
+    parts["one_call"] = bool(data.get("one_call", data.get("pad_to_widest", False)))
     parts["machine"] = str(data.get("machine", ""))
     return parts
 

@@ -83,9 +83,10 @@ class Backend(ABC):
     ONNX Runtime, the canonical torch decoder); replicas trade places instead. A batch keeps a shared prompt
     prefix's KV in a spare slot only where slots copy (``runtime/decoding/batch.py``)."""
 
-    rows_pad_to_widest: bool = False
-    """How a batched call prices its rows (``runtime/decoding/load.py``): True when every row of a call is padded
-    to the widest (torch); False when one-token rows share a call and wider rows run alone (ONNX Runtime)."""
+    rows_in_one_call: bool = False
+    """How a batched call prices its rows (``runtime/decoding/load.py``): True when every row shares one call whose
+    products run on all the rows' tokens (torch packs rows of different widths); False when one-token rows share
+    a call and wider rows run alone (ONNX Runtime's fused graphs)."""
 
     def run_rows(self, segment: Segment, rows: Sequence[Row]) -> list[np.ndarray | None]:
         """``run`` on several sequences at once: each ``Row`` its own slot, position and tokens (or kept hidden

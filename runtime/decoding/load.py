@@ -16,10 +16,11 @@ the drafts that maximise tokens per second over the whole batch. Doing nothing i
 choices, so, as far as the costs are right, a round is never slower than plain batched decoding. The
 choice only sets draft lengths: every committed token is still the verifier's, so it changes no output.
 
-Two call shapes (``Backend.rows_pad_to_widest``):
+Two call shapes (``Backend.rows_in_one_call``):
 - ONNX Runtime (``False``): one-token rows of all sequences share one call; a wider row (a verify) runs as
-  a call of its own (GroupQueryAttention takes a batch only with one new token per sequence);
-- torch (``True``): every row is in one call, padded to the widest, so one sequence's draft widens all.
+  a call of its own (its fused graphs' GroupQueryAttention takes a batch only with one new token per sequence);
+- torch (``True``): every row is in one call, its products on all the rows' tokens packed, so a call costs what
+  a call of that many one-token rows costs, and each drafted token is priced on its own.
 """
 
 from __future__ import annotations
@@ -53,7 +54,7 @@ class CallCosts:
 
     batched: dict[int, float]
     alone: dict[int, float]
-    pad_to_widest: bool = False
+    one_call: bool = False
     measured: dict = field(default_factory=dict)
     machine: str = ""
     source: str = "timed"
@@ -74,8 +75,8 @@ class CallCosts:
         """Seconds of one verify round whose rows have these widths (1: a plain step)."""
         if not widths:
             return 0.0
-        if self.pad_to_widest:
-            return self._curve(self.batched, len(widths) * max(widths))
+        if self.one_call:  # the rows' tokens packed in one call
+            return self._curve(self.batched, sum(widths))
         ones = sum(1 for w in widths if w == 1)
         return (self._curve(self.batched, ones) if ones else 0.0) + sum(
             self._curve(self.alone, w) for w in widths if w > 1
@@ -90,7 +91,7 @@ class CallCosts:
         return {
             "batched": {str(k): float(f"{v:.6g}") for k, v in sorted(self.batched.items())},
             "alone": {str(k): float(f"{v:.6g}") for k, v in sorted(self.alone.items())},
-            "pad_to_widest": self.pad_to_widest,
+            "one_call": self.one_call,
             "machine": self.machine,
         }
 
@@ -98,9 +99,7 @@ class CallCosts:
     def from_dict(cls, data, where: str = "call costs") -> "CallCosts":
         """The costs ``as_dict`` wrote; a one-line ``ArtifactError`` naming ``where`` when they are malformed."""
         parts = check_call_costs(data, where)
-        return cls(
-            parts["batched"], parts["alone"], parts["pad_to_widest"], machine=parts["machine"], source="manifest"
-        )
+        return cls(parts["batched"], parts["alone"], parts["one_call"], machine=parts["machine"], source="manifest")
 
     @staticmethod
     def row_counts(max_rows: int) -> list[int]:
@@ -131,7 +130,7 @@ class CallCosts:
         batched = {n: best([Row(s, context, [1]) for s in range(n)]) for n in cls.row_counts(max_rows)}
         alone = {1: batched[1]}
         alone.update({w: best([Row(0, context, [1] * w)]) for w in range(2, max_width + 1)})
-        return cls(batched, alone, backend.rows_pad_to_widest, machine=machine_key(backend))
+        return cls(batched, alone, backend.rows_in_one_call, machine=machine_key(backend))
 
 
 def call_costs(backend, stored, max_rows: int, max_width: int) -> CallCosts:
@@ -160,13 +159,18 @@ def choose_lengths(costs: CallCosts, choices: Sequence[Choice]) -> list[int]:
     n = len(choices)
     plain = [0] * n
     best, best_rate = plain, n / max(costs.round_cost([1] * n), 1e-12)
-    if costs.pad_to_widest:  # one cap for everyone: the call is as wide as its widest row
-        for cap in range(1, max((c.available for c in choices), default=0) + 1):
-            lengths = [min(cap, c.available) for c in choices]
-            tokens = sum(expected_tokens(c.acceptance, k) for c, k in zip(choices, lengths))
+    if costs.one_call:  # one call priced by its tokens: add drafted tokens in the order of what each brings
+        a = {i: min(max(c.acceptance, 0.0), 0.999) for i, c in enumerate(choices)}
+        gains = sorted(
+            ((a[i] ** k, -k, i) for i, c in enumerate(choices) for k in range(1, c.available + 1)), reverse=True
+        )  # the k-th drafted token of a sequence brings a^k expected tokens: each sequence's in order
+        lengths, tokens = list(plain), float(n)
+        for gain, _, i in gains:
+            lengths[i] += 1
+            tokens += gain
             rate = tokens / max(costs.round_cost([k + 1 for k in lengths]), 1e-12)
             if rate > best_rate:
-                best, best_rate = lengths, rate
+                best, best_rate = list(lengths), rate
         return best
 
     # one-token rows share a call, wider rows run alone: let sequences draft in the order of their own

@@ -246,7 +246,7 @@ class TorchBackend(Backend):
             )
         return None if out is None else out[0]
 
-    rows_pad_to_widest = True  # a batched call pads every row to its widest (Positions.rows)
+    rows_in_one_call = True  # rows of a batched call share it, packed (Positions.packed_rows; trees pad)
 
     @property
     def batched(self) -> bool:  # type: ignore[override]
