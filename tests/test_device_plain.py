@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 from lossless import chi_square_pvalue as gof
 from lossless import exact_marginals, next_token_logits, run
-from test_device_round import HostReads
+from test_device_round import HostReads, count_calls
 from tiny_models import FAMILIES
 
 from speccompile.runtime.backends.torch.backend import TorchBackend
@@ -32,15 +32,7 @@ CAPTURES = {"eager": None, "static-steps": eager_capture, "warm-capture": warm_c
 
 @pytest.fixture
 def blocks_seen(monkeypatch):
-    seen = [0]
-    original = DevicePlain.__call__
-
-    def counted(self, ctx, stats):
-        seen[0] += 1
-        return original(self, ctx, stats)
-
-    monkeypatch.setattr(DevicePlain, "__call__", counted)
-    return seen
+    return count_calls(monkeypatch, DevicePlain)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

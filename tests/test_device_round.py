@@ -75,18 +75,23 @@ def device_backend(decoder, **kwargs) -> TorchBackend:
     return TorchBackend(decoder, round_on_device=True, **kwargs)
 
 
+def count_calls(monkeypatch, owner, name: str = "__call__") -> list[int]:
+    """A one-element counter of calls of ``owner.name`` (so a test knows which round ran)."""
+    seen = [0]
+    original = getattr(owner, name)
+
+    def counted(self, *args, **kwargs):
+        seen[0] += 1
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return seen
+
+
 @pytest.fixture
 def rounds_seen(monkeypatch):
     """Counts calls of the device round (so a test knows it ran, not the host round)."""
-    seen = [0]
-    original = DeviceRound.__call__
-
-    def counted(self, ctx, stats):
-        seen[0] += 1
-        return original(self, ctx, stats)
-
-    monkeypatch.setattr(DeviceRound, "__call__", counted)
-    return seen
+    return count_calls(monkeypatch, DeviceRound)
 
 
 # -- lossless greedy ---------------------------------------------------------------------------------

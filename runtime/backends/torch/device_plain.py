@@ -39,6 +39,16 @@ def pick_on_device(logits: Tensor, params: SamplingParams, u: Tensor | None) -> 
     return sample_at(probabilities(logits.view(1, -1), params)[0], u)
 
 
+def device_generator(device: torch.device, seed: int | None) -> torch.Generator:
+    """The request's random generator on ``device``: seeded by its seed, or from the system without one."""
+    generator = torch.Generator(device=device)
+    if seed is None:
+        generator.seed()
+    else:
+        generator.manual_seed(seed)
+    return generator
+
+
 def params_key(params: SamplingParams) -> tuple:
     """What a captured step bakes in of the sampling parameters (a graph per distinct key)."""
     return (params.greedy, params.temperature, params.top_k, params.top_p)
@@ -52,11 +62,7 @@ class DevicePlain:
         self.backend, self.block = backend, block
         self.full = full_model(backend.config.num_layers)
         self.device = torch.device(backend.device)
-        self.generator = torch.Generator(device=self.device)
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed)
+        self.generator = device_generator(self.device, seed)
         self.graphs: dict[tuple, object] = {}  # params_key -> replay, over ``self.static``'s buffers
         self.static = None  # the backend's StaticSteps the graphs were captured over (a new cache: new graphs)
         self.log = self.step_u = self.index = None
@@ -118,4 +124,4 @@ class DevicePlain:
         return step
 
 
-__all__ = ["PLAIN_BLOCK", "DevicePlain", "pick_on_device"]
+__all__ = ["PLAIN_BLOCK", "DevicePlain", "device_generator", "pick_on_device"]

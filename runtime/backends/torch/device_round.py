@@ -49,7 +49,7 @@ from ...sampling import probabilities, sample_at
 from ...segments import FINAL_HEAD, Segment, full_model
 from .decoder import run_segment
 from .device_lookup import ngram_continuation
-from .device_plain import params_key
+from .device_plain import device_generator, params_key
 from .int8_twin import int8_twin
 
 
@@ -126,11 +126,7 @@ class DeviceRound:
         self.calls = TensorCalls(backend)
         self.kind = model.kind if model is not None else None  # the plan's kind, read for this backend
         self.device = torch.device(backend.device)
-        self.generator = torch.Generator(device=self.device)
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed)
+        self.generator = device_generator(self.device, seed)
         self.ngram = device_ngram(lookups)
         self.gate = LookupGate()
         self.longest = max(self.ngram[2] if self.ngram else 0, model.policy.max_draft if model else 0, 1)
