@@ -208,7 +208,7 @@ def export_onnx_weights(
     where this CPU's one-row kernel rounds differently (on some CPUs, at a cost to the plain step: docs/history.md,
     'Figures behind the code's constants'). ``packed_rows`` (fused only; default: without ``quantize``): rows of
     several sequences, each of any width (steps, verifies, prompt chunks), share one call through
-    GroupQueryAttention's ``query_seqlens`` (``FusedGraph.packed_padding``; ONNX Runtime 1.32 or later runs these
+    GroupQueryAttention's ``query_seqlens`` (``FusedGraph.packed_layout``; ONNX Runtime 1.32 or later runs these
     graphs); quantized targets keep one call per wider row.
     ``draft_heads`` maps plans' draft head files (exit adapters, reduced vocabularies) to where they are now.
 
@@ -260,7 +260,7 @@ def export_onnx_weights(
         "padded_product_rows": pad_products if variant == "fused" else False,  # measured at build, see above
         # several sequences' one-token steps in one call (no padding row at batch > 1; OnnxBackend.run_rows)
         "batched_steps": variant == "fused",
-        # rows of any width of several sequences in one call (query_seqlens: FusedGraph.packed_padding)
+        # rows of any width of several sequences in one call (query_seqlens: FusedGraph.packed_layout)
         "packed_rows": packed_rows,
         "weights": rel(weights_path),
         "weights_bytes": total_bytes,

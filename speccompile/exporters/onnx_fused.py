@@ -151,9 +151,11 @@ class FusedGraph(GraphBuilder):
         cache at ``[P, P + Q)`` and spends next to nothing on padding, and it computes every row of a call whose
         padded width is at least two on the same kernel path (its probabilities-by-V product, MLAS's SGEMM, takes
         a separate one-row kernel only at width 1). The caller chooses that width: the runtime never goes below
-        two, so a row computes the same in every call, a sequence alone included, and a one-token step the same
-        as that position inside a verify (``tests/test_packed_rows.py``). The cache must have room for each
-        row's past and the padded width (``P + seq <= max_len``): the runtime makes sure it has."""
+        two, so a row computes the same, to the bit, in every call it can be in, a sequence alone included
+        (``tests/test_packed_rows.py``; a one-token step and the same position inside a verify still sum
+        attention over different key lengths, so they agree within the near-tie rule, as before). The cache must
+        have room for each row's past and the padded width (``P + seq <= max_len``): the runtime makes sure it
+        has."""
         self.query_seqlens = self.add_input("query_seqlens", TensorProto.INT32, ["batch"])
         self.token_index = self.add_input("token_index", TensorProto.INT64, ["batch", "seq"])
         self.token_place = self.add_input("token_place", TensorProto.INT64, ["tokens"])

@@ -282,7 +282,7 @@ class OnnxBackend(Backend):
         have_len = self.k[0].shape[2] if self.k else 0
         have_slots = self.k[0].shape[0] if self.k else 0
         # packed graphs: a one-token row at the last position may run with its attention on two rows, and
-        # GroupQueryAttention wants room for the padded width after each row's past (FusedGraph.packed_padding)
+        # GroupQueryAttention wants room for the padded width after each row's past (FusedGraph.packed_layout)
         room = max_len + (1 if self.packed else 0)
         if have_len < room or have_slots < slots:
             size, count = max(room, have_len), max(slots, have_slots)
@@ -530,7 +530,7 @@ class OnnxBackend(Backend):
 
         - Graphs that take ``query_seqlens``: every row in one call, whatever its width (idle slots between rows
           ride along with no tokens), except a row whose past leaves no room in the cache for the call's padded
-          width (``FusedGraph.packed_padding``: ``P + S <= max_len``), which runs alone: a row computes the same
+          width (``FusedGraph.packed_layout``: ``P + S <= max_len``), which runs alone: a row computes the same
           in either call.
         - Older graphs: one-token rows (plain steps, draft steps) in consecutive slots. GroupQueryAttention's CPU
           kernel refuses a batch of several sequences with more than one new token each and a past without
