@@ -83,8 +83,9 @@ class Backend(ABC):
     prefix's KV in a spare slot only where slots copy (``runtime/decoding/batch.py``)."""
 
     rows_pad_to_widest: bool = False
-    """How a batched call prices its rows (``runtime/decoding/load.py``): True when every row of a call is padded
-    to the widest (torch); False when one-token rows share a call and wider rows run alone (ONNX Runtime)."""
+    """How a batched call prices its rows (``runtime/decoding/load.py``): True when every row of a call is in one call,
+    priced as padded to the widest (torch; ONNX Runtime's packed graphs); False when one-token rows share a call and
+    wider rows run alone (ONNX Runtime's older graphs)."""
 
     def run_rows(self, segment: Segment, rows: Sequence[Row]) -> list[np.ndarray | None]:
         """``run`` on several sequences at once: each ``Row`` its own slot, position and tokens (or kept hidden

@@ -17,9 +17,12 @@ choices, so, as far as the costs are right, a round is never slower than plain b
 choice only sets draft lengths: every committed token is still the verifier's, so it changes no output.
 
 Two call shapes (``Backend.rows_pad_to_widest``):
-- ONNX Runtime (``False``): one-token rows of all sequences share one call; a wider row (a verify) runs as
-  a call of its own (GroupQueryAttention takes a batch only with one new token per sequence);
-- torch (``True``): every row is in one call, padded to the widest, so one sequence's draft widens all.
+- ONNX Runtime on graphs exported before ``packed_rows`` (``False``): one-token rows of all sequences share one
+  call; a wider row (a verify) runs as a call of its own (GroupQueryAttention takes a batch only with one new
+  token per sequence there);
+- torch, and ONNX Runtime on packed graphs (``True``): every row is in one call, priced as rows x the widest row
+  (torch pads every row to it; packed ONNX graphs run their products on the real tokens only, which that price
+  overestimates when drafts differ in length).
 """
 
 from __future__ import annotations
