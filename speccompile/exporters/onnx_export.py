@@ -256,7 +256,8 @@ def export_onnx_weights(
         "variant": variant,
         "quantization": quantizer.record() if quantizer is not None else None,
         "packed_projections": pack if variant == "fused" else False,
-        "padded_attention_rows": pad_rows if variant == "fused" else False,
+        # a packed graph's attention is as wide as the runtime lays it out (FusedGraph.packed_layout): no padding row
+        "padded_attention_rows": pad_rows and not packed_rows if variant == "fused" else False,
         "padded_product_rows": pad_products if variant == "fused" else False,  # measured at build, see above
         # several sequences' one-token steps in one call (no padding row at batch > 1; OnnxBackend.run_rows)
         "batched_steps": variant == "fused",
