@@ -11,8 +11,9 @@ Mirrors ``runtime/backends/torch/backend.py`` call for call. The KV cache is one
   ``OrtValue`` views, to both the past input and the present output with IOBinding (once per slot range
   and ``reserve``). No call copies the past. A graph that takes ``query_seqlens`` (``packed_rows`` exports,
   ONNX Runtime 1.32 or later) runs every row of a call together, whatever its width (one-token steps,
-  verifies, trees, prompt chunks), each row its own length and position and right-padded to the widest, so
-  the weights are read once for the whole batch. Older graphs run one-token rows in consecutive slots (a
+  verifies, trees, prompt chunks), each row its own length and position: the products and MLPs on the rows'
+  tokens one after another, only the attention on the rows padded to the widest (``FusedGraph.packed_layout``),
+  so the weights are read once for the whole batch and a call costs what its tokens cost. Older graphs run one-token rows in consecutive slots (a
   batch of plain or draft steps) as one call and wider rows one call each: without ``query_seqlens``
   GroupQueryAttention takes several sequences only with one new token each.
 - ``standard`` graphs (ONNX ops only) concatenate past and new KV, so each call feeds one row's past slice
