@@ -148,14 +148,17 @@ class FusedGraph(GraphBuilder):
         tokens cost, not rows x the widest row; GroupQueryAttention, the one op that needs each sequence's rows
         together, gets them gathered before it and scattered back after (``to_rows`` / ``to_tokens``). With
         ``query_seqlens`` the kernel attends only to each row's own tokens and past, writes only those into the
-        cache at ``[P, P + Q)`` and spends next to nothing on padding, and it computes every row of a call whose
-        padded width is at least two on the same kernel path (its probabilities-by-V product, MLAS's SGEMM, takes
-        a separate one-row kernel only at width 1). The caller chooses that width: the runtime never goes below
-        two, so a row computes the same, to the bit, in every call it can be in, a sequence alone included
-        (``tests/test_packed_rows.py``; a one-token step and the same position inside a verify still sum
-        attention over different key lengths, so they agree within the near-tie rule, as before). The cache must
-        have room for each row's past and the padded width (``P + seq <= max_len``): the runtime makes sure it
-        has."""
+        cache at ``[P, P + Q)`` and spends next to nothing on the padding. It computes a row with one query row
+        (``Q = 1``) on another path than with several (its probabilities-by-V product, MLAS's SGEMM, takes a
+        one-row kernel, another summation order, and ``Q = 1`` in a wider call differs from both), so the
+        runtime counts a one-token row's first pad with it (``Q = 2``; the pad repeats the row's last token one
+        position later: causal attention keeps it out of the real token's result, and its KV lands where the
+        row's next call writes first), as the older graphs' padding row did. Then a row computes the same, to
+        the bit, in every call it can be in, a sequence alone included, and a one-token step what the same
+        position computes inside a verify (``tests/test_packed_rows.py``). The cache must have room for each
+        row's past and the call's padded width (``P + seq <= max_len``): the runtime makes sure it has.
+        Nothing of the pad reaches the stream: a pad place of the layout reads its row's last token, and no
+        token's output is read from it."""
         self.query_seqlens = self.add_input("query_seqlens", TensorProto.INT32, ["batch"])
         self.token_index = self.add_input("token_index", TensorProto.INT64, ["batch", "seq"])
         self.token_place = self.add_input("token_place", TensorProto.INT64, ["tokens"])

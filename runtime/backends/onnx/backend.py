@@ -371,15 +371,22 @@ class OnnxBackend(Backend):
         """The inputs of graph ``key`` other than the KV cache for ``rows`` (None: an idle slot between two rows
         of a packed call), each padded to ``width`` tokens after its own.
 
-        A packed graph (``query_seqlens``) gets each row's own count of tokens and the layout of its token
-        stream (``FusedGraph.packed_layout``): its attention runs on at least two rows, so that every row takes
-        the same kernel path in every call. An older graph counts the pads in the row (a pad repeats the row's
-        last token, one position later each: causal attention keeps it out of every real token's result, and
-        its KV lands past the row's length, where the row's next call writes before anything reads)."""
+        A packed graph (``query_seqlens``) gets each row's count of tokens and the layout of its token stream
+        (``FusedGraph.packed_layout``); a one-token row counts one pad with it, so that every row of every call
+        has at least two query rows: GroupQueryAttention's kernel computes a row with one query row on another
+        path (another summation order) than with several, so a one-token step would not compute what the same
+        position computes inside a verify, nor what the same row computes in a call of another width. An older
+        graph counts every pad in the row. A pad repeats the row's last token, one position later: causal
+        attention keeps it out of every real token's result, and its KV lands past the row's length, where the
+        row's next call writes before anything reads."""
         packed = "query_seqlens" in self.inputs[key]
         real = [row for row in rows if row is not None]
         if packed:
             width = max(width, 2)
+
+        def counted(row: Row) -> int:  # a packed graph's rows: at least two (a one-token row's pad counts)
+            return max(row.width, 2)
+
         n = len(rows)
         positions = np.empty((n, width), np.int64)
         for b, row in enumerate(rows):
@@ -395,10 +402,10 @@ class OnnxBackend(Backend):
             elif name == "hidden":
                 feed[name] = hidden
             elif name == "seqlens_k":  # an idle slot: one position of past, no new token (query_seqlens 0)
-                ends = [0 if row is None else row.pos + (row.width if packed else width) - 1 for row in rows]
+                ends = [0 if row is None else row.pos + (counted(row) if packed else width) - 1 for row in rows]
                 feed[name] = np.array(ends, dtype=np.int32)
             elif name == "query_seqlens":
-                feed[name] = np.array([0 if row is None else row.width for row in rows], dtype=np.int32)
+                feed[name] = np.array([0 if row is None else counted(row) for row in rows], dtype=np.int32)
             elif name == "token_index":  # each place of the padded layout -> its token in the stream
                 index, start = np.zeros((n, width), np.int64), 0
                 for b, row in enumerate(rows):
