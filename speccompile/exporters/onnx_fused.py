@@ -148,17 +148,21 @@ class FusedGraph(GraphBuilder):
         tokens cost, not rows x the widest row; GroupQueryAttention, the one op that needs each sequence's rows
         together, gets them gathered before it and scattered back after (``to_rows`` / ``to_tokens``). With
         ``query_seqlens`` the kernel attends only to each row's own tokens and past, writes only those into the
-        cache at ``[P, P + Q)`` and spends next to nothing on the padding. It computes a row with one query row
-        (``Q = 1``) on another path than with several (its probabilities-by-V product, MLAS's SGEMM, takes a
-        one-row kernel, another summation order, and ``Q = 1`` in a wider call differs from both), so the
-        runtime counts a one-token row's first pad with it (``Q = 2``; the pad repeats the row's last token one
-        position later: causal attention keeps it out of the real token's result, and its KV lands where the
-        row's next call writes first), as the older graphs' padding row did. Then a row computes the same, to
-        the bit, in every call it can be in, a sequence alone included, and a one-token step what the same
-        position computes inside a verify (``tests/test_packed_rows.py``). The cache must have room for each
-        row's past and the call's padded width (``P + seq <= max_len``): the runtime makes sure it has.
-        Nothing of the pad reaches the stream: a pad place of the layout reads its row's last token, and no
-        token's output is read from it."""
+        cache at ``[P, P + Q)`` and spends next to nothing on the padding. It computes a sequence with one new
+        token (``Q = 1``) otherwise than one with several: in a call one place wide on MLAS's one-row kernel
+        (another summation order), in a wider call on yet another path. So the runtime makes the layout at least
+        two places wide, and a row computes the same, to the bit, in every call it can be in, a sequence alone
+        included (``tests/test_packed_rows.py``). A one-token step and the same position inside a verify then
+        still differ in the last bits (fp32: within the near-tie rule, as without packing). Where the export pads
+        attention rows (``pad_rows``, quantized targets, whose int8 activations turn the last bits into whole
+        quantization steps), the runtime also counts a one-token row's first pad as a query row (``Q = 2``; the
+        pad repeats the row's last token one position later: causal attention keeps it out of the real token's
+        result, and its KV lands where the row's next call writes first), as the older graphs' padding row did:
+        then a step computes what the same position computes inside a verify, to the bit. It costs the steps'
+        attention a second row (a few percent of a call of one-token rows at SmolLM2's shapes). The cache must
+        have room for each row's past and the call's padded width (``P + seq <= max_len``): the runtime makes
+        sure it has. Nothing of a pad reaches the stream: a pad place of the layout reads its row's last token,
+        and no token's output is read from it."""
         self.query_seqlens = self.add_input("query_seqlens", TensorProto.INT32, ["batch"])
         self.token_index = self.add_input("token_index", TensorProto.INT64, ["batch", "seq"])
         self.token_place = self.add_input("token_place", TensorProto.INT64, ["tokens"])

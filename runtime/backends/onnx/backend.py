@@ -372,20 +372,19 @@ class OnnxBackend(Backend):
         of a packed call), each padded to ``width`` tokens after its own.
 
         A packed graph (``query_seqlens``) gets each row's count of tokens and the layout of its token stream
-        (``FusedGraph.packed_layout``); a one-token row counts one pad with it, so that every row of every call
-        has at least two query rows: GroupQueryAttention's kernel computes a row with one query row on another
-        path (another summation order) than with several, so a one-token step would not compute what the same
-        position computes inside a verify, nor what the same row computes in a call of another width. An older
-        graph counts every pad in the row. A pad repeats the row's last token, one position later: causal
-        attention keeps it out of every real token's result, and its KV lands past the row's length, where the
-        row's next call writes before anything reads."""
+        (``FusedGraph.packed_layout``), at least two places wide, so that a one-token row computes the same in
+        every call; where the export pads attention rows (``padded_attention_rows``: quantized targets) a
+        one-token row counts one pad with it as a query row, so that it also computes what the same position
+        computes inside a verify. An older graph counts every pad in the row. A pad repeats the row's last
+        token, one position later: causal attention keeps it out of every real token's result, and its KV lands
+        past the row's length, where the row's next call writes before anything reads."""
         packed = "query_seqlens" in self.inputs[key]
         real = [row for row in rows if row is not None]
         if packed:
             width = max(width, 2)
 
-        def counted(row: Row) -> int:  # a packed graph's rows: at least two (a one-token row's pad counts)
-            return max(row.width, 2)
+        def counted(row: Row) -> int:  # a packed row's query rows: its pad too where one-token rows count one
+            return max(row.width, 2) if self.record.get("padded_attention_rows") else row.width
 
         n = len(rows)
         positions = np.empty((n, width), np.int64)
