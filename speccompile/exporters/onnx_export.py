@@ -192,35 +192,35 @@ def export_onnx_weights(
     arrays: dict[str, np.ndarray] | None = None,
 ) -> dict[str, Any]:
     """``export_onnx`` from an ``ArchConfig`` and canonical weights (name -> torch tensor or numpy array,
-        as in weights/model.safetensors; a tied lm_head may be absent). No torch needed for numpy weights.
+    as in weights/model.safetensors; a tied lm_head may be absent). No torch needed for numpy weights.
 
-        ``variant``: "standard" (ONNX ops only, passes ``onnx.checker``, runs on any execution provider) or "fused"
-        (ONNX Runtime contrib ops, KV cache updated in place; see ``onnx_fused``). ``quantize`` ("int8" / "int4", fused
-        only): weight-only ``MatMulNBits`` for every linear layer and the head, in blocks of ``block_size`` along the
-        input dimension; ``accuracy_level`` is MatMulNBits' (0: unset, 4: int8 activations, ONNX Runtime's fast CPU
-        path). ``pack`` (fused only): q/k/v and gate/up as one matmul each, on weights concatenated in the graph
-        (``FusedGraph.linear_cat``). ``pad_rows`` (fused only; default: with ``quantize``): attention always runs on one
-        more query row than the call has, so that a k-token verify computes exactly the 1-token steps it replaces
-        (``FusedGraph.padding``; in ``packed_rows`` graphs, the runtime counts a one-token row's pad as a query row,
+    ``variant``: "standard" (ONNX ops only, passes ``onnx.checker``, runs on any execution provider) or "fused"
+    (ONNX Runtime contrib ops, KV cache updated in place; see ``onnx_fused``). ``quantize`` ("int8" / "int4", fused
+    only): weight-only ``MatMulNBits`` for every linear layer and the head, in blocks of ``block_size`` along the
+    input dimension; ``accuracy_level`` is MatMulNBits' (0: unset, 4: int8 activations, ONNX Runtime's fast CPU
+    path). ``pack`` (fused only): q/k/v and gate/up as one matmul each, on weights concatenated in the graph
+    (``FusedGraph.linear_cat``). ``pad_rows`` (fused only; default: with ``quantize``): attention always runs on one
+    more query row than the call has, so that a k-token verify computes exactly the 1-token steps it replaces
+    (``FusedGraph.padding``; in ``packed_rows`` graphs, the runtime counts a one-token row's pad as a query row,
     ``FusedGraph.packed_layout``). Quantized graphs need it (int8 activations turn MLAS's one-row rounding into whole
-        quantization steps); fp32 graphs agree within the near-tie rule without it, and it slows their plain steps
-        (measured: docs/history.md, 'Figures behind the code's constants'). ``pad_products`` (quantized fused graphs;
-        default: measured here, ``Quantizer.one_row_path_differs``): every ``MatMulNBits`` runs on at least two rows,
-        where this CPU's one-row kernel rounds differently (on some CPUs, at a cost to the plain step: docs/history.md,
-        'Figures behind the code's constants'). ``packed_rows`` (fused only; default: without ``quantize``): rows of
-        several sequences, each of any width (steps, verifies, prompt chunks), share one call through
-        GroupQueryAttention's ``query_seqlens`` (``FusedGraph.packed_layout``; ONNX Runtime 1.32 or later runs these
-        graphs); quantized targets keep one call per wider row.
-        ``draft_heads`` maps plans' draft head files (exit adapters, reduced vocabularies) to where they are now.
+    quantization steps); fp32 graphs agree within the near-tie rule without it, and it slows their plain steps
+    (measured: docs/history.md, 'Figures behind the code's constants'). ``pad_products`` (quantized fused graphs;
+    default: measured here, ``Quantizer.one_row_path_differs``): every ``MatMulNBits`` runs on at least two rows,
+    where this CPU's one-row kernel rounds differently (on some CPUs, at a cost to the plain step: docs/history.md,
+    'Figures behind the code's constants'). ``packed_rows`` (fused only; default: without ``quantize``): rows of
+    several sequences, each of any width (steps, verifies, prompt chunks), share one call through
+    GroupQueryAttention's ``query_seqlens`` (``FusedGraph.packed_layout``; ONNX Runtime 1.32 or later runs these
+    graphs); quantized targets keep one call per wider row.
+    ``draft_heads`` maps plans' draft head files (exit adapters, reduced vocabularies) to where they are now.
 
-        Memory: float weights already in the export's dtype are read in place (numpy views of the torch tensors)
-        and written to ``weights.bin`` one tensor at a time, so an export holds no second copy of the model.
-        ``derived`` (a dict the caller keeps between exports, such as a tuning run's) holds the quantized copies
-        precision drafts use: each is made once, then reused, and kept as a map of the ``weights.bin`` it was first
-        written to (resident only while read: ONNX Runtime sessions read their own copy). ``arrays`` (a dict to
-        fill): every tensor the graphs use, by name, for a caller that hands them to ONNX Runtime from memory (``weights.bin`` is still
-        written: ONNX Runtime reads the inputs of the weight concatenations it folds, the packed projections, from
-        the file, whatever initializers it is given)."""
+    Memory: float weights already in the export's dtype are read in place (numpy views of the torch tensors)
+    and written to ``weights.bin`` one tensor at a time, so an export holds no second copy of the model.
+    ``derived`` (a dict the caller keeps between exports, such as a tuning run's) holds the quantized copies
+    precision drafts use: each is made once, then reused, and kept as a map of the ``weights.bin`` it was first
+    written to (resident only while read: ONNX Runtime sessions read their own copy). ``arrays`` (a dict to
+    fill): every tensor the graphs use, by name, for a caller that hands them to ONNX Runtime from memory (``weights.bin`` is still
+    written: ONNX Runtime reads the inputs of the weight concatenations it folds, the packed projections, from
+    the file, whatever initializers it is given)."""
     if dtype not in ("float32", "float16"):
         raise ValueError(f"ONNX export supports float32 and float16, not {dtype!r}")
     if variant not in VARIANTS:
