@@ -3,7 +3,8 @@
 Rows of one call differ in slot, position and width (a prompt chunk, one plain token, a k-token draft, a
 token tree), so a batch can hold sequences at any stage; each row's logits must be the ones the same row
 gives in a call of its own. Checked on ONNX Runtime's fused graphs (one call for the batch) and on the
-canonical torch decoder, on several families, against single-row calls on a backend of one slot."""
+canonical torch decoder, on several families, against single-row calls on a backend of one slot (bit for bit,
+and one call of each graph per batch, on packed graphs: tests/test_packed_rows.py)."""
 
 from __future__ import annotations
 
@@ -94,21 +95,18 @@ def test_onnx_rows_in_one_call_compute_what_they_compute_alone(family, onnx_arti
     print(f"{family}: largest difference of a batched row from the same row alone {worst:.3g}")
 
 
-def test_onnx_one_token_rows_share_one_call_where_the_kernel_takes_their_positions(onnx_artifacts):
-    """Rotary applied inside GroupQueryAttention: the one-token rows of consecutive slots are one call; wider
-    rows (GroupQueryAttention takes a batch only with one new token per sequence) and rows of models with
-    learned positions (GPT-2: positions computed outside the kernel) run alone."""
-    _, llama = onnx_artifacts("llama")
-    _, gpt2 = onnx_artifacts("gpt2")
-    assert ort_backend(llama).rows_share_a_call()
-    assert not ort_backend(gpt2).rows_share_a_call()
-    backend = ort_backend(llama)
-    backend.reserve(16, slots=5)
-    calls = backend.index.calls(full_model(backend.config.num_layers))
-    steps = [Row(2, 6, [4]), Row(0, 4, [5]), Row(1, 9, [8])]
-    assert backend._groups(calls, steps) == [[1, 2, 0]]  # slot order
-    mixed = [Row(0, 4, [5]), Row(1, 9, [8, 9]), Row(2, 6, [4]), Row(3, 3, [7]), Row(4, 0, [1, 2])]
-    assert backend._groups(calls, mixed) == [[0], [1], [2, 3], [4]]
+def test_onnx_every_row_shares_one_call(onnx_artifacts):
+    """Packed graphs (``query_seqlens``): every row of a call together in slot order, whatever its width and
+    whatever the model's positions (GPT-2's learned ones too); how older graphs group rows:
+    tests/test_packed_rows.py."""
+    for family in ("llama", "gpt2"):
+        _, root = onnx_artifacts(family)
+        backend = ort_backend(root)
+        assert backend.rows_share_a_call()
+        backend.reserve(16, slots=5)
+        calls = backend.index.calls(full_model(backend.config.num_layers))
+        mixed = [Row(2, 6, [4]), Row(0, 4, [5]), Row(1, 9, [8, 9]), Row(4, 0, [1, 2]), Row(3, 3, [7], parents=[])]
+        assert backend._groups(calls, mixed) == [[1, 2, 0, 4, 3]]
 
 
 def test_onnx_rows_keep_hidden_states_per_slot(onnx_artifacts):

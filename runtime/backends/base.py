@@ -85,8 +85,8 @@ class Backend(ABC):
 
     rows_in_one_call: bool = False
     """How a batched call prices its rows (``runtime/decoding/load.py``): True when every row shares one call whose
-    products run on all the rows' tokens (torch packs rows of different widths); False when one-token rows share
-    a call and wider rows run alone (ONNX Runtime's fused graphs)."""
+    products run on all the rows' tokens (torch packs rows of different widths; ONNX Runtime's packed graphs);
+    False when one-token rows share a call and wider rows run alone (ONNX Runtime's older graphs)."""
 
     def run_rows(self, segment: Segment, rows: Sequence[Row]) -> list[np.ndarray | None]:
         """``run`` on several sequences at once: each ``Row`` its own slot, position and tokens (or kept hidden

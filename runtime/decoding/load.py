@@ -17,10 +17,12 @@ choices, so, as far as the costs are right, a round is never slower than plain b
 choice only sets draft lengths: every committed token is still the verifier's, so it changes no output.
 
 Two call shapes (``Backend.rows_in_one_call``):
-- ONNX Runtime (``False``): one-token rows of all sequences share one call; a wider row (a verify) runs as
-  a call of its own (its fused graphs' GroupQueryAttention takes a batch only with one new token per sequence);
-- torch (``True``): every row is in one call, its products on all the rows' tokens packed, so a call costs what
-  a call of that many one-token rows costs, and each drafted token is priced on its own.
+- ONNX Runtime on graphs exported before ``packed_rows`` (``False``): one-token rows of all sequences share one
+  call; a wider row (a verify) runs as a call of its own (GroupQueryAttention takes a batch only with one new
+  token per sequence there);
+- torch, and ONNX Runtime on packed graphs (``True``): every row is in one call, its products on all the rows'
+  tokens packed, so a call costs what a call of that many one-token rows costs, and each drafted token is
+  priced on its own.
 """
 
 from __future__ import annotations

@@ -186,6 +186,7 @@ def export_onnx_weights(
     pack: bool = True,
     pad_rows: bool | None = None,
     pad_products: bool | None = None,
+    packed_rows: bool | None = None,
     draft_heads: dict[str, Path] | None = None,
     derived: dict[str, np.ndarray] | None = None,
     arrays: dict[str, np.ndarray] | None = None,
@@ -200,12 +201,16 @@ def export_onnx_weights(
     path). ``pack`` (fused only): q/k/v and gate/up as one matmul each, on weights concatenated in the graph
     (``FusedGraph.linear_cat``). ``pad_rows`` (fused only; default: with ``quantize``): attention always runs on one
     more query row than the call has, so that a k-token verify computes exactly the 1-token steps it replaces
-    (``FusedGraph.padding``). Quantized graphs need it (int8 activations turn MLAS's one-row rounding into whole
+    (``FusedGraph.padding``; in ``packed_rows`` graphs, the runtime counts a one-token row's pad as a query row,
+    ``FusedGraph.packed_layout``). Quantized graphs need it (int8 activations turn MLAS's one-row rounding into whole
     quantization steps); fp32 graphs agree within the near-tie rule without it, and it slows their plain steps
     (measured: docs/history.md, 'Figures behind the code's constants'). ``pad_products`` (quantized fused graphs;
     default: measured here, ``Quantizer.one_row_path_differs``): every ``MatMulNBits`` runs on at least two rows,
     where this CPU's one-row kernel rounds differently (on some CPUs, at a cost to the plain step: docs/history.md,
-    'Figures behind the code's constants').
+    'Figures behind the code's constants'). ``packed_rows`` (fused only; default: without ``quantize``): rows of
+    several sequences, each of any width (steps, verifies, prompt chunks), share one call through
+    GroupQueryAttention's ``query_seqlens`` (``FusedGraph.packed_layout``; ONNX Runtime 1.32 or later runs these
+    graphs); quantized targets keep one call per wider row.
     ``draft_heads`` maps plans' draft head files (exit adapters, reduced vocabularies) to where they are now.
 
     Memory: float weights already in the export's dtype are read in place (numpy views of the torch tensors)
@@ -223,6 +228,7 @@ def export_onnx_weights(
     variant, quantizer, pad_rows, pad_products = _resolve_options(
         config, dtype, variant, quantize, block_size, accuracy_level, pad_rows, pad_products
     )
+    packed_rows = variant == "fused" and (quantizer is None if packed_rows is None else packed_rows)
     np_dtype = np.dtype(dtype)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -233,7 +239,7 @@ def export_onnx_weights(
         weights.update(derived)
     reused = set(derived or ())
 
-    graph_class, graph_options = _graph_builder(variant, quantizer, pack, pad_rows, pad_products)
+    graph_class, graph_options = _graph_builder(variant, quantizer, pack, pad_rows, pad_products, packed_rows)
     lowering = _Lowering(config, np_dtype, weights, graph_class, graph_options, draft_heads)
     plan_records = _lower_plans(lowering, config.num_layers, plans)
 
@@ -251,10 +257,13 @@ def export_onnx_weights(
         "variant": variant,
         "quantization": quantizer.record() if quantizer is not None else None,
         "packed_projections": pack if variant == "fused" else False,
+        # packed graphs: the runtime counts a one-token row's pad as a query row (FusedGraph.packed_layout)
         "padded_attention_rows": pad_rows if variant == "fused" else False,
         "padded_product_rows": pad_products if variant == "fused" else False,  # measured at build, see above
         # several sequences' one-token steps in one call (no padding row at batch > 1; OnnxBackend.run_rows)
         "batched_steps": variant == "fused",
+        # rows of any width of several sequences in one call (query_seqlens: FusedGraph.packed_layout)
+        "packed_rows": packed_rows,
         "weights": rel(weights_path),
         "weights_bytes": total_bytes,
         "precision_draft_bytes": _precision_draft_bytes(lowering, tensors),
@@ -297,7 +306,7 @@ def _resolve_options(
 
 
 def _graph_builder(
-    variant: str, quantizer: Quantizer | None, pack: bool, pad_rows: bool, pad_products: bool
+    variant: str, quantizer: Quantizer | None, pack: bool, pad_rows: bool, pad_products: bool, packed_rows: bool
 ) -> tuple[type[GraphBuilder], dict[str, Any]]:
     """The graph builder class of ``variant`` and the options every graph of the export is built with."""
     if variant == "fused":
@@ -306,6 +315,7 @@ def _graph_builder(
             "pack": pack,
             "pad_rows": pad_rows,
             "pad_products": pad_products,
+            "packed": packed_rows,
         }
     return GraphBuilder, {}
 
@@ -430,6 +440,7 @@ def export_options(record: dict[str, Any] | None) -> dict[str, Any]:
         options["pack"] = record.get("packed_projections", True)
         options["pad_rows"] = record.get("padded_attention_rows", bool(record.get("quantization")))
         options["pad_products"] = record.get("padded_product_rows", False)
+        options["packed_rows"] = record.get("packed_rows", False)
     quant = record.get("quantization")
     if quant:
         options.update(quantize=quant["scheme"], block_size=quant["block_size"], accuracy_level=quant["accuracy_level"])

@@ -16,6 +16,10 @@
   has (``padding``), quantized products too where the CPU's one-row kernel rounds differently
   (``pad_products``), and a graph that starts from another graph's hidden state (an early exit's suffix, the
   head) norms it with the same fused kernel the full graph uses there (``residual_start``);
+- a ``packed`` graph runs rows of several sequences, each of its own width (one-token steps, verifies, token trees,
+  prompt chunks), in one call: their tokens come as one stream ``[1, tokens]`` on which the projections, norms
+  and MLPs run, and only GroupQueryAttention sees them laid out per sequence, right-padded to the widest row
+  (``query_seqlens``; ``packed_layout``);
 - a graph that starts from a hidden state ends at its last block's hidden state (``last_hidden``), and the runtime
   finishes it with the ``head`` graph the drafts use (``head_after_hidden``): ONNX Runtime pre-packs each session's
   matmul weights separately, so a head inside both graphs would be packed twice (a noticeable share of a small
@@ -43,7 +47,9 @@ def gqa_rotary_ok(config: ArchConfig) -> bool:
 
 class FusedGraph(GraphBuilder):
     """See the module docstring. ``pack``: q/k/v and gate/up as one matmul each (``linear_cat``);
-    ``pad_rows``: attention on one more query row than the call has (``padding``); ``pad_products``: every
+    ``pad_rows``: attention on one more query row than the call has (``padding``; not in a ``packed`` graph,
+    whose caller chooses the attention's width: ``packed_layout``); ``packed``: the rows of several sequences in
+    one call, whatever their widths (``packed_layout``); ``pad_products``: every
     ``MatMulNBits`` on one more row than the call has (a copy of its last, sliced off after), so that a one-token
     step never takes a one-row kernel where the build's CPU has one that rounds differently
     (``Quantizer.one_row_path_differs``)."""
@@ -59,10 +65,13 @@ class FusedGraph(GraphBuilder):
         pad_rows: bool = True,
         tree: bool = False,
         pad_products: bool = False,
+        packed: bool = False,
     ):
         super().__init__(*args)
-        self.quantizer, self.pack, self.pad_rows, self.tree = quantizer, pack, pad_rows, tree
+        self.quantizer, self.pack, self.tree, self.packed = quantizer, pack, tree, packed
+        self.pad_rows = pad_rows and not packed
         self.pad_products = pad_products
+        self.query_seqlens = self.token_index = self.token_place = None  # a packed graph's layout (packed_layout)
         self._seq_end: str | None = None
         self.position_ids = self.attention_bias = None  # a tree-capable graph's inputs (``declare_positions``)
         self._tree_args: tuple[str, str] | None = None
@@ -73,6 +82,20 @@ class FusedGraph(GraphBuilder):
     def past_shape(self) -> list:
         return ["batch", self.c.num_kv_heads, "max_len", self.c.head_dim]
 
+    def tokens_input(self) -> str:
+        if not self.packed:
+            return super().tokens_input()
+        ids = self.add_input("input_ids", TensorProto.INT64, [1, "tokens"])  # every row's tokens, one after another
+        self.bt_shape = self.op("Shape", ids)
+        return ids
+
+    def hidden_input(self) -> str:
+        if not self.packed:
+            return super().hidden_input()
+        hidden = self.add_input("hidden", self.onnx_dtype, [1, "tokens", self.c.hidden_size])
+        self.bt_shape = self.op("Shape", hidden, end=2)
+        return hidden
+
     def declare_positions(self, attn_layers: list[int], learned_from_tokens: bool) -> None:
         """``seqlens_k`` ([batch] int32: total length - 1) and ``total_sequence_length`` (int32 scalar), as
         GroupQueryAttention takes them; absolute positions only where the graph needs them itself (learned
@@ -82,11 +105,24 @@ class FusedGraph(GraphBuilder):
             self.seqlens_k = self.add_input("seqlens_k", TensorProto.INT32, ["batch"])
             self.total_len = self.add_input("total_sequence_length", TensorProto.INT32, [])
             self.gqa_rotary = gqa_rotary_ok(c)
+            if self.packed:
+                self.packed_layout()
             if self.tree:  # token trees (runtime/tree.py): positions and a mask over the call's rows come in
                 self.position_ids = self.add_input("position_ids", TensorProto.INT64, ["batch", "seq"])
                 self.attention_bias = self.add_input("attention_bias", self.onnx_dtype, ["batch", 1, "seq", "total"])
                 if c.positions == "learned" or not self.gqa_rotary:
-                    self.pos = self.op("Reshape", self.position_ids, self.ints(-1))
+                    if self.packed:
+                        self.pos = self.to_tokens(self.position_ids)
+                    else:
+                        self.pos = self.op("Reshape", self.position_ids, self.ints(-1))
+            elif self.packed and (c.positions == "learned" or not self.gqa_rotary):
+                # each row's positions from its own past length P = seqlens_k + 1 - query_seqlens
+                one = self.const(np.array(1, np.int32))
+                past = self.op("Sub", self.op("Add", self.seqlens_k, one), self.query_seqlens)
+                past = self.op("Unsqueeze", self.op("Cast", past, to=TensorProto.INT64), self.ints(-1))
+                width = self.op("Gather", self.op("Shape", self.token_index), self.const(1, np.int64), axis=0)
+                steps = self.op("Range", self.const(0, np.int64), width, self.const(1, np.int64))
+                self.pos = self.to_tokens(self.op("Add", past, steps))
             elif c.positions == "learned" or not self.gqa_rotary:
                 seq = self.op("Gather", self.bt_shape, self.const(1, np.int64), axis=0)
                 total = self.op("Cast", self.total_len, to=TensorProto.INT64)
@@ -99,8 +135,47 @@ class FusedGraph(GraphBuilder):
             else:
                 cos, sin = self.rope(
                     self.pos, table
-                )  # [seq, rot]; broadcast over heads of [batch, seq, heads, head_dim]
-                self.ropes[table] = self.op("Unsqueeze", cos, self.ints(1)), self.op("Unsqueeze", sin, self.ints(1))
+                )  # [seq, rot] ([1, tokens, rot] packed); broadcast over heads of [batch, seq, heads, head_dim]
+                self.ropes[table] = self.op("Unsqueeze", cos, self.ints(-2)), self.op("Unsqueeze", sin, self.ints(-2))
+
+    def packed_layout(self) -> None:
+        """A packed graph's inputs that place its token stream in GroupQueryAttention's per-sequence layout:
+        ``query_seqlens`` ([batch] int32: each sequence's count of new tokens, 0 for an idle slot), ``token_index``
+        ([batch, seq] int64: the stream index of each place of the padded layout, a row's padding repeating its
+        last token) and ``token_place`` ([tokens] int64: each token's place in the flattened layout).
+
+        Why: every product, norm and MLP of the graph runs on the real tokens only, so a call costs what its
+        tokens cost, not rows x the widest row; GroupQueryAttention, the one op that needs each sequence's rows
+        together, gets them gathered before it and scattered back after (``to_rows`` / ``to_tokens``). With
+        ``query_seqlens`` the kernel attends only to each row's own tokens and past, writes only those into the
+        cache at ``[P, P + Q)`` and spends next to nothing on the padding. It computes a sequence with one new
+        token (``Q = 1``) otherwise than one with several: in a call one place wide on MLAS's one-row kernel
+        (another summation order), in a wider call on yet another path. So the runtime makes the layout at least
+        two places wide, and a row computes the same, to the bit, in every call it can be in, a sequence alone
+        included (``tests/test_packed_rows.py``). A one-token step and the same position inside a verify then
+        still differ in the last bits (fp32: within the near-tie rule, as without packing). Where the export pads
+        attention rows (``pad_rows``, quantized targets, whose int8 activations turn the last bits into whole
+        quantization steps), the runtime also counts a one-token row's first pad as a query row (``Q = 2``; the
+        pad repeats the row's last token one position later: causal attention keeps it out of the real token's
+        result, and its KV lands where the row's next call writes first), as the older graphs' padding row did:
+        then a step computes what the same position computes inside a verify, to the bit. It costs the steps'
+        attention a second row (a few percent of a call of one-token rows at SmolLM2's shapes). The cache must
+        have room for each row's past and the call's padded width (``P + seq <= max_len``): the runtime makes
+        sure it has. Nothing of a pad reaches the stream: a pad place of the layout reads its row's last token,
+        and no token's output is read from it."""
+        self.query_seqlens = self.add_input("query_seqlens", TensorProto.INT32, ["batch"])
+        self.token_index = self.add_input("token_index", TensorProto.INT64, ["batch", "seq"])
+        self.token_place = self.add_input("token_place", TensorProto.INT64, ["tokens"])
+
+    def to_rows(self, x: str) -> str:
+        """[1, tokens, d] -> [batch, seq, d]: the token stream in GroupQueryAttention's padded layout."""
+        return self.op("Squeeze", self.op("Gather", x, self.token_index, axis=1), self.ints(0))
+
+    def to_tokens(self, x: str, size: int | None = None) -> str:
+        """[batch, seq] or [batch, seq, size] -> [1, tokens] or [1, tokens, size]: each token's place of the
+        padded layout, in stream order."""
+        flat = self.op("Reshape", x, self.ints(1, -1) if size is None else self.ints(1, -1, size))
+        return self.op("Gather", flat, self.token_place, axis=1)
 
     def residual_start(self, h: str) -> str:
         """The hidden state comes from another graph (an early exit's prefix or suffix), where the full graph
@@ -247,6 +322,10 @@ class FusedGraph(GraphBuilder):
             args += ["", ""] if not do_rotary else []
             args += list(self.tree_args(past_k))
         out_name = f"gqa_{i}"
+        if self.packed:  # the stream in per-sequence rows, each row's count of new tokens (packed_layout)
+            args[:3] = [self.to_rows(t) if t else "" for t in args[:3]]
+            args += [""] * (16 - len(args)) + [self.query_seqlens]
+            out_name = f"gqa_{i}_rows"
         if self.pad_rows:  # one more query row after the real ones (see padding())
             pads, seqlens_k, total_len, _ = self.padding(past_k)
             args[:3] = [self.op("Pad", t, pads, mode="edge") if t else "" for t in args[:3]]
@@ -270,6 +349,8 @@ class FusedGraph(GraphBuilder):
         )
         if self.pad_rows:
             out_name = self.op("Slice", out_name, self.ints(0), self.padding(past_k)[3], self.ints(1))
+        elif self.packed:
+            out_name = self.to_tokens(out_name, nh * hd)
         for name in present:
             self.declare_output(name, self.onnx_dtype, self.past_shape())
         return self.linear(out_name, f"{p}.o", c.hidden_size)

@@ -9,10 +9,13 @@ Mirrors ``runtime/backends/torch/backend.py`` call for call. The KV cache is one
 - ``fused`` graphs (GroupQueryAttention in its shared-buffer mode) take the whole buffer as past KV and
   write the new entries into it; the backend binds the layers' buffers over the call's slots, as
   ``OrtValue`` views, to both the past input and the present output with IOBinding (once per slot range
-  and ``reserve``). No call copies the past. One-token rows in consecutive slots (a batch of plain or
-  draft steps) run as one call, each row its own length (``seqlens_k``) and position, so the weights are
-  read once for the whole batch; GroupQueryAttention takes several sequences only with one new token
-  each, so wider rows (prompt chunks, verifies, trees) run one call each.
+  and ``reserve``). No call copies the past. A graph that takes ``query_seqlens`` (``packed_rows`` exports,
+  ONNX Runtime 1.32 or later) runs every row of a call together, whatever its width (one-token steps,
+  verifies, trees, prompt chunks), each row its own length and position: the products and MLPs on the rows'
+  tokens one after another, only the attention on the rows padded to the widest (``FusedGraph.packed_layout``),
+  so the weights are read once for the whole batch and a call costs what its tokens cost. Older graphs run one-token rows in consecutive slots (a
+  batch of plain or draft steps) as one call and wider rows one call each: without ``query_seqlens``
+  GroupQueryAttention takes several sequences only with one new token each.
 - ``standard`` graphs (ONNX ops only) concatenate past and new KV, so each call feeds one row's past slice
   ``[:, :, :pos]`` and writes the new entries of ``present`` back at ``pos .. pos+T-1``; rows run one by one.
 
@@ -30,6 +33,7 @@ This module must not import torch or transformers.
 from __future__ import annotations
 
 import copy
+import re
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -47,6 +51,21 @@ from .initializers import from_arrays, from_blob, read_weights, shared_tensors
 from .selfcheck import tree_refusal
 
 _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "uint8": np.uint8}
+PACKED_ROWS_ORT = (1, 32)  # the ONNX Runtime that first takes GroupQueryAttention's ``query_seqlens``
+
+
+def check_packed_rows_runtime(ort, graphs: dict[str, dict]) -> None:
+    """Refuse, in one line, graphs that take ``query_seqlens`` on an ONNX Runtime too old for them (it would fail
+    to load them with a message about the operator's inputs)."""
+    if not any(i["name"] == "query_seqlens" for g in graphs.values() for i in g.get("inputs", [])):
+        return
+    version = tuple(int(part) for part in re.findall(r"\d+", ort.__version__)[:2])
+    if version < PACKED_ROWS_ORT:
+        floor = ".".join(map(str, PACKED_ROWS_ORT))
+        raise BackendUnavailableError(
+            f"this artifact's ONNX graphs need onnxruntime>={floor} (installed: {ort.__version__}); "
+            f"pip install -U 'onnxruntime>={floor}'"
+        )
 
 
 def stop_spinning_after_runs() -> bool:
@@ -129,6 +148,8 @@ class OnnxBackend(Backend):
             ) from None
         self.prepack = prepack
         self.fused = {key for key, g in graphs.items() if g.get("variant") == "fused"} if kv_in_place else set()
+        # graphs whose rows of any width share a call (GroupQueryAttention's query_seqlens)
+        self.packed = {key for key in self.fused if any(i["name"] == "query_seqlens" for i in graphs[key]["inputs"])}
         L = config.num_layers
         self.index = GraphIndex(record, plans or {}, L)
         # No session for the whole-model graph when the other graphs compose the full model and none of them
@@ -153,6 +174,7 @@ class OnnxBackend(Backend):
         self.providers = providers
 
         opened = [key for key in graphs if roles is None or key in roles]
+        check_packed_rows_runtime(ort, {key: graphs[key] for key in opened})
         # -- the weights: shared ones read once, the rest read by their one session (initializers.py) ---------
         shared = shared_tensors(graphs, opened, tensors) if prepack else set(tensors)
         self._blob = read_weights(self.root, record, tensors, weights_rel)  # checked, mapped; read as needed
@@ -260,8 +282,11 @@ class OnnxBackend(Backend):
         c = self.config
         have_len = self.k[0].shape[2] if self.k else 0
         have_slots = self.k[0].shape[0] if self.k else 0
-        if have_len < max_len or have_slots < slots:
-            size, count = max(max_len, have_len), max(slots, have_slots)
+        # packed graphs: a one-token row at the last position may run with its attention on two rows, and
+        # GroupQueryAttention wants room for the padded width after each row's past (FusedGraph.packed_layout)
+        room = max_len + (1 if self.packed else 0)
+        if have_len < room or have_slots < slots:
+            size, count = max(room, have_len), max(slots, have_slots)
             shape = (count, c.num_kv_heads, size, c.head_dim)
             old_k, old_v, old_hidden = self.k, self.v, self.exit_hidden
             self.k = [np.zeros(shape, self.dtype) for _ in range(c.num_layers)]
@@ -313,45 +338,84 @@ class OnnxBackend(Backend):
         return io
 
     def rows_share_a_call(self, segment: Segment | None = None) -> bool:
-        """Whether one-token rows of several sequences can run in one call of the fused graphs, each computing
-        what it computes alone.
+        """Whether rows of several sequences can run in one call of the fused graphs, each computing what it
+        computes alone (rows of any width where the graphs take ``query_seqlens``, else one-token rows).
 
-        - GroupQueryAttention takes each row's length (``seqlens_k``) and applies the rotary itself from each
-          row's positions; graphs that compute positions outside the kernel from one call-wide range (learned
-          positions, a rotary the kernel cannot apply) run each row alone.
         - Quantized targets (int8 activations) run their single steps with a padding row (``FusedGraph.padding``)
           and a batch without it: the attention rounds differently there, and int8 activations turn that into
           logits about a quantization step apart (``tests/test_real_shapes.py``), so their verifier's rows run
           alone, exact and as slow as one sequence after another. A draft segment (a precision self-draft)
-          may batch: its tokens are proposals, and the verifier decides every committed token."""
+          may batch: its tokens are proposals, and the verifier decides every committed token.
+        - Packed graphs give every row its own positions (the kernel's rotary, or positions computed in the
+          graph from each row's length), so every architecture they cover batches.
+        - Older graphs: GroupQueryAttention takes each row's length (``seqlens_k``) and applies the rotary itself
+          from each row's positions; graphs that compute positions outside the kernel from one call-wide range
+          (learned positions, a rotary the kernel cannot apply) run each row alone."""
         c = self.config
-        kernel_rotary = c.positions == "rotary" and (c.rotary_dim // 2) % 8 == 0 and c.rotary_dim <= c.head_dim
-        if not kernel_rotary or c.local_rope:
-            return False
         drafting = segment is not None and segment.precision is not None
-        return drafting or not self.record.get("quantization")
+        if not drafting and self.record.get("quantization"):
+            return False
+        calls = self.index.calls(segment if segment is not None else full_model(c.num_layers))
+        if calls and self._packs(calls):
+            return True
+        kernel_rotary = c.positions == "rotary" and (c.rotary_dim // 2) % 8 == 0 and c.rotary_dim <= c.head_dim
+        return kernel_rotary and not c.local_rope
 
-    def _feeds(self, key: str, rows: Sequence[Row], width: int, ids, hidden) -> dict[str, np.ndarray]:
-        """The inputs of graph ``key`` other than the KV cache for ``rows``, each padded to ``width`` tokens
-        after its own (a pad repeats the row's last token, one position later each: causal attention keeps it
-        out of every real token's result, and its KV lands past the row's length, where the row's next call
-        writes before anything reads)."""
+    def _packs(self, calls: list[str]) -> bool:
+        """Whether the graphs ``calls`` (a segment's) run rows of any width together: all fused, and every one
+        that attends takes ``query_seqlens`` (a head graph has no cache)."""
+        attends = [key for key in calls if "seqlens_k" in self.inputs[key]]
+        return bool(attends) and all(key in self.fused for key in calls) and all(key in self.packed for key in attends)
+
+    def _feeds(self, key: str, rows: Sequence[Row | None], width: int, ids, hidden) -> dict[str, np.ndarray]:
+        """The inputs of graph ``key`` other than the KV cache for ``rows`` (None: an idle slot between two rows
+        of a packed call), each padded to ``width`` tokens after its own.
+
+        A packed graph (``query_seqlens``) gets each row's count of tokens and the layout of its token stream
+        (``FusedGraph.packed_layout``), at least two places wide, so that a one-token row computes the same in
+        every call; where the export pads attention rows (``padded_attention_rows``: quantized targets) a
+        one-token row counts one pad with it as a query row, so that it also computes what the same position
+        computes inside a verify. An older graph counts every pad in the row. A pad repeats the row's last
+        token, one position later: causal attention keeps it out of every real token's result, and its KV lands
+        past the row's length, where the row's next call writes before anything reads."""
+        packed = "query_seqlens" in self.inputs[key]
+        real = [row for row in rows if row is not None]
+        if packed:
+            width = max(width, 2)
+
+        def counted(row: Row) -> int:  # a packed row's query rows: its pad too where one-token rows count one
+            return max(row.width, 2) if self.record.get("padded_attention_rows") else row.width
+
         n = len(rows)
         positions = np.empty((n, width), np.int64)
         for b, row in enumerate(rows):
             depth = np.arange(width, dtype=np.int64)
-            if row.parents is not None:
+            if row is not None and row.parents is not None:
                 depth[: row.width] = [0] + tree_depths(row.parents)
-            positions[b] = row.pos + depth
-        total = max(row.pos for row in rows) + width
+            positions[b] = (row.pos if row is not None else 0) + depth
+        total = max(row.pos for row in real) + width
         feed: dict[str, np.ndarray] = {}
         for name in self.inputs[key]:
             if name == "input_ids":
                 feed[name] = ids
             elif name == "hidden":
                 feed[name] = hidden
-            elif name == "seqlens_k":
-                feed[name] = np.array([row.pos + width - 1 for row in rows], dtype=np.int32)
+            elif name == "seqlens_k":  # an idle slot: one position of past, no new token (query_seqlens 0)
+                ends = [0 if row is None else row.pos + (counted(row) if packed else width) - 1 for row in rows]
+                feed[name] = np.array(ends, dtype=np.int32)
+            elif name == "query_seqlens":
+                feed[name] = np.array([0 if row is None else counted(row) for row in rows], dtype=np.int32)
+            elif name == "token_index":  # each place of the padded layout -> its token in the stream
+                index, start = np.zeros((n, width), np.int64), 0
+                for b, row in enumerate(rows):
+                    if row is not None:
+                        index[b] = start + np.minimum(np.arange(width), row.width - 1)
+                        start += row.width
+                feed[name] = index
+            elif name == "token_place":  # each token of the stream -> its place in the flattened layout
+                feed[name] = np.concatenate(
+                    [b * width + np.arange(row.width) for b, row in enumerate(rows) if row is not None]
+                ).astype(np.int64)
             elif name == "total_sequence_length":
                 feed[name] = np.array(total, dtype=np.int32)
             elif name == "position_ids":
@@ -359,26 +423,29 @@ class OnnxBackend(Backend):
             elif name == "attention_bias":
                 bias = np.zeros((n, 1, width, total), self.dtype)
                 for b, row in enumerate(rows):
-                    if row.parents is not None:
+                    if row is not None and row.parents is not None:
                         rows_mask = tree_attention_rows(row.parents)
                         block = bias[b, 0, : row.width, row.pos : row.pos + row.width]
                         block[~rows_mask] = np.finfo(self.dtype).min
                 feed[name] = bias
         return feed
 
-    def _call(self, key: str, rows: Sequence[Row], width: int, ids, hidden) -> dict[str, np.ndarray]:
-        """Graph ``key`` on contiguous slots ``rows`` (one call; KV written in place); its outputs by name."""
+    def _call(self, key: str, rows: Sequence[Row | None], width: int, ids, hidden) -> dict[str, np.ndarray]:
+        """Graph ``key`` on the contiguous slots of ``rows`` (one call; KV written in place); its outputs by name:
+        ``[rows, width, size]``, or for a packed call (``rows`` may hold None: an idle slot) ``[1, tokens, size]``."""
         first, n = rows[0].slot, len(rows)
         io = self._binding(key, first, n)
         feed = self._feeds(key, rows, width, ids, hidden)
         for name, value in feed.items():
             io.bind_cpu_input(name, value)
+        source = ids if ids is not None else hidden
+        shape = source.shape[:2]  # [rows, width], or [1, tokens] packed
         outs: dict[str, np.ndarray] = {}
         for name in self.outputs[key]:
             if name.startswith("present."):
                 continue
             size = self.config.vocab_size if name == "logits" else self.config.hidden_size
-            value = np.empty((n, width, size), self.dtype)
+            value = np.empty((*shape, size), self.dtype)
             io.bind_output(name, "cpu", 0, self.dtype, list(value.shape), value.ctypes.data)
             outs[name] = value
         self.sessions[key].run_with_iobinding(io)
@@ -395,7 +462,7 @@ class OnnxBackend(Backend):
                 buf = self.k[int(layer)] if kind == "key" else self.v[int(layer)]
                 feed[name] = np.ascontiguousarray(buf[slot : slot + 1, :, :pos])
         if "attention_bias" in feed:  # the growing cache: keys are exactly the row's own past and tokens
-            feed["attention_bias"] = feed["attention_bias"][..., : pos + t]
+            feed["attention_bias"] = feed["attention_bias"][..., : int(feed["total_sequence_length"])]
         outs = dict(zip(self.outputs[key], self.sessions[key].run(self.outputs[key], feed)))
         for name, value in outs.items():
             if name.startswith("present."):
@@ -433,14 +500,20 @@ class OnnxBackend(Backend):
     batched = True
     slots_copy = True  # one KV buffer per layer with a slot dimension: move_slot copies
 
+    @property
+    def rows_in_one_call(self) -> bool:
+        """How the load policy prices a call: packed graphs run every row of a round in one call, its products on
+        the rows' tokens; older graphs run one-token rows together and each wider row alone."""
+        return bool(self.packed) and self.rows_share_a_call()
+
     def run(self, segment: Segment, pos: int, tokens: Sequence[int] | None = None, count: int = 0) -> np.ndarray | None:
         return self.run_rows(segment, [Row(0, pos, tokens, count)])[0]
 
     def run_rows(self, segment: Segment, rows: Sequence[Row]) -> list[np.ndarray | None]:
         """The segment's graphs in turn (``graph_index``: a blocks graph, then a head graph on its hidden
-        state) on every row at once: rows in consecutive slots are one call of each graph, which reads the
-        weights once for all of them. Hidden states the segment keeps go into each row's slot of the hidden
-        buffer, where segments that start from them read them."""
+        state) on every row at once: the rows that share a call (``_groups``) are one call of each graph, which
+        reads the weights once for all of them. Hidden states the segment keeps go into each row's slot of the
+        hidden buffer, where segments that start from them read them."""
         calls = self.index.calls(segment)
         if calls is None:
             raise ArtifactError(
@@ -452,21 +525,26 @@ class OnnxBackend(Backend):
             )
         results: list[np.ndarray | None] = [None] * len(rows)
         for group in self._groups(calls, rows, segment):
-            width = max(rows[i].width for i in group)
             members = [rows[i] for i in group]
-            logits = self._run_group(segment, calls, members, width)
+            logits = self._run_group(segment, calls, members, max(row.width for row in members))
             if logits is not None:
-                for i, b in zip(group, range(len(group))):
-                    results[i] = logits[b, : rows[i].width]
+                for i, row_logits in zip(group, logits):
+                    results[i] = row_logits[: rows[i].width]
         return results
 
     def _groups(self, calls: list[str], rows: Sequence[Row], segment: Segment | None = None) -> list[list[int]]:
-        """Indices of ``rows`` that run in one call: one-token rows (plain steps, draft steps) in consecutive
-        slots when every graph of the segment is fused and rows may share a call; every other row alone.
+        """Indices of ``rows`` that run in one call, each group in slot order.
 
-        Why only one-token rows: GroupQueryAttention's CPU kernel refuses a batch of several sequences with
-        more than one new token each and a past ("batch_size must be 1 when sequence_length > 1"), so a
-        prompt chunk, a k-token verify or a tree runs as a call of its own."""
+        - Graphs that take ``query_seqlens``: every row in one call, whatever its width (idle slots between rows
+          ride along with no tokens), except a row whose past leaves no room in the cache for the call's padded
+          width (``FusedGraph.packed_layout``: ``P + S <= max_len``), which runs alone: a row computes the same
+          in either call.
+        - Older graphs: one-token rows (plain steps, draft steps) in consecutive slots. GroupQueryAttention's CPU
+          kernel refuses a batch of several sequences with more than one new token each and a past without
+          ``query_seqlens`` ("batch_size must be 1 when sequence_length > 1"), so a prompt chunk, a k-token
+          verify or a tree runs as a call of its own.
+
+        Only when every graph of the segment is fused and rows may share a call; otherwise every row alone."""
         order = sorted(range(len(rows)), key=lambda i: rows[i].slot)
         together = (
             len(rows) > 1
@@ -474,6 +552,17 @@ class OnnxBackend(Backend):
             and all(key in self.fused for key in calls)
             and self.rows_share_a_call(segment)
         )
+        if together and self._packs(calls):
+            capacity, alone = self.k[0].shape[2], []
+            while order:  # the widest row sets the call's width; rows without room for it leave the call
+                width = max(rows[i].width for i in order)
+                padded = width + 1 if width == 1 else width  # a one-token call's attention may run on two rows
+                misfits = [i for i in order if rows[i].pos + padded > capacity]
+                if not misfits:
+                    break
+                order = [i for i in order if i not in misfits]
+                alone += misfits
+            return ([order] if order else []) + [[i] for i in alone]
         groups: list[list[int]] = []
         for i in order:
             row = rows[i]
@@ -486,7 +575,11 @@ class OnnxBackend(Backend):
             groups.append([i])
         return groups
 
-    def _run_group(self, segment: Segment, calls: list[str], rows: list[Row], width: int) -> np.ndarray | None:
+    def _run_group(self, segment: Segment, calls: list[str], rows: list[Row], width: int) -> list[np.ndarray] | None:
+        """One call of each of the segment's graphs on ``rows`` (in slot order, each padded to ``width``); each
+        row's logits in the order of ``rows`` (None: the segment has no head)."""
+        if self._packs(calls):
+            return self._run_packed(segment, calls, rows)
         n, d = len(rows), self.config.hidden_size
         ids = hidden = None
         if segment.from_tokens:
@@ -509,9 +602,40 @@ class OnnxBackend(Backend):
                 for b, row in enumerate(rows):
                     self.exit_hidden[row.slot, row.pos : row.pos + row.width] = outs["hidden"][b, : row.width]
             ids, hidden = None, outs.get("hidden", outs.get("last_hidden"))
+        return None if segment.head is None else list(self._logits(segment, outs["logits"]))
+
+    def _run_packed(self, segment: Segment, calls: list[str], rows: list[Row]) -> list[np.ndarray] | None:
+        """``_run_group`` on packed graphs: the rows' tokens (or kept hidden states) as one stream, in slot order;
+        the call spans the slots from the first row's to the last's, and the slots between without a row are idle
+        entries (``query_seqlens`` 0)."""
+        first = rows[0].slot
+        entries: list[Row | None] = [None] * (rows[-1].slot - first + 1)
+        for row in rows:
+            entries[row.slot - first] = row
+        width = max(row.width for row in rows)
+        starts = np.cumsum([0] + [row.width for row in rows])
+        ids = hidden = None
+        if segment.from_tokens:
+            ids = np.array([[token for row in rows for token in row.tokens]], np.int64)
+        else:
+            hidden = np.concatenate([self.exit_hidden[row.slot, row.pos : row.pos + row.width] for row in rows])[None]
+        outs: dict[str, np.ndarray] = {}
+        for i, key in enumerate(calls):
+            outs = self._call(key, entries, width, ids, hidden)
+            if segment.keep_hidden and i == 0:
+                for row, start in zip(rows, starts):
+                    self.exit_hidden[row.slot, row.pos : row.pos + row.width] = outs["hidden"][
+                        0, start : start + row.width
+                    ]
+            ids, hidden = None, outs.get("hidden", outs.get("last_hidden"))
         if segment.head is None:
             return None
-        logits = outs["logits"].astype(np.float32, copy=False)
+        logits = self._logits(segment, outs["logits"])[0]
+        return [logits[start : start + row.width] for row, start in zip(rows, starts)]
+
+    def _logits(self, segment: Segment, logits: np.ndarray) -> np.ndarray:
+        """A head graph's output as float32 logits over the whole vocabulary."""
+        logits = logits.astype(np.float32, copy=False)
         if segment.head in self.draft_heads:  # a reduced draft vocabulary: back to token ids
             vocab = self.draft_heads[segment.head].vocab
             logits = np.stack([expand_logits(x, vocab, self.config.vocab_size) for x in logits])
