@@ -303,7 +303,10 @@ def onnx_export_options(options: BuildOptions) -> dict:
     elsewhere), weight-only quantized with ``--quantize``."""
     portable = options.device != "cpu" or "tensorrt" in options.backends  # TensorRT parses standard ONNX only
     variant = "standard" if portable and not options.quantize else "fused"
-    return {"variant": variant, **({"quantize": options.quantize} if options.quantize else {})}
+    # packed rows only when asked: they make a round of many sequences one call, but a lone sequence's calls
+    # dearer (docs/batching.md), and single-stream decoding is what the build tunes and confirms
+    packed = {"packed_rows": True} if getattr(options, "packed_rows", False) and variant == "fused" else {}
+    return {"variant": variant, **({"quantize": options.quantize} if options.quantize else {}), **packed}
 
 
 def onnx_export_of(manifest) -> dict:

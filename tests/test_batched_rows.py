@@ -79,7 +79,8 @@ def onnx_artifacts(tiny_decoder, tmp_path_factory):
     def get(family: str, variant: str = "fused"):
         if (family, variant) not in made:
             _, decoder = tiny_decoder(family)
-            root = make_artifact(decoder, PLANS, tmp_path_factory.mktemp("rows") / family, variant=variant)
+            packed = {"packed_rows": True} if variant == "fused" else {}  # one call for every row (--packed-rows)
+            root = make_artifact(decoder, PLANS, tmp_path_factory.mktemp("rows") / family, variant=variant, **packed)
             made[family, variant] = (decoder, root)
         return made[family, variant]
 

@@ -235,6 +235,24 @@ def test_build_quantize_cli(tiny_model_dir, tmp_path):
     assert refused.exit_code == 1 and "--backend onnx" in refused.output
 
 
+def test_build_packed_rows_cli(tiny_model_dir, tmp_path):
+    """build --packed-rows writes fused graphs that take several sequences' rows of any width in one call (and
+    say so in the manifest); a build without it keeps the older graphs."""
+    from click.testing import CliRunner
+
+    from speccompile.cli import main
+
+    common = ["--method", "lookup", "--backend", "onnx", "--calibration-tokens", "8", "--quiet"]
+    for flag, packed in (["--packed-rows"], True), ([], False):
+        out = tmp_path / f"packed{int(packed)}"
+        result = CliRunner().invoke(main, ["build", str(tiny_model_dir("llama")), "-o", str(out), *common, *flag])
+        assert result.exit_code == 0, result.output
+        record = read_manifest(out).backends["onnx"]
+        assert bool(record.get("packed_rows")) is packed
+        inputs = {i["name"] for graph in record["graphs"].values() for i in graph["inputs"]}
+        assert ("query_seqlens" in inputs) is packed
+
+
 def test_fused_early_exit_memory_with_prepacking(tmp_path):
     """With pre-packing on (the default), plain decoding holds the fused graphs' weights once, packed, and
     speculative decoding (prefix, suffix and head sessions) each weight packed once (``split_memory_bounds``)."""

@@ -96,6 +96,7 @@ def artifacts(tiny_decoder, tmp_path_factory):
         if key not in made:
             _, decoder = tiny_decoder(family)
             folder = tmp_path_factory.mktemp("packed") / family
+            options = {"packed_rows": True, **options}  # build --packed-rows, unless a test asks for older graphs
             made[key] = decoder, make_artifact(decoder, PLANS, folder, variant="fused", **options)
         return made[key]
 
@@ -146,7 +147,7 @@ def test_batched_decoding_packs_each_round_and_every_sequence_decodes_its_own_ou
     the near-tie rule (a step and a verify row may differ in the last bits)."""
     _, decoder = tiny_decoder(family)
     plans = {p.name: p for p in (LOOKUP, TREE, EXIT, SKIP)}
-    root = make_artifact(decoder, plans, tmp_path / family, variant="fused", pad_rows=pad_rows)
+    root = make_artifact(decoder, plans, tmp_path / family, variant="fused", pad_rows=pad_rows, packed_rows=True)
     backend = ort_backend(root)
     full = full_model(decoder.config.num_layers)
     graphs = backend.index.calls(full)
@@ -233,6 +234,7 @@ def smollm2(tmp_path_factory):
                 folder / "tokenizer.json",
                 variant="fused",
                 pad_rows=pad_rows,
+                packed_rows=True,
             )
         return made[pad_rows]
 

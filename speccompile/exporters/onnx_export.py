@@ -186,7 +186,7 @@ def export_onnx_weights(
     pack: bool = True,
     pad_rows: bool | None = None,
     pad_products: bool | None = None,
-    packed_rows: bool | None = None,
+    packed_rows: bool = False,
     draft_heads: dict[str, Path] | None = None,
     derived: dict[str, np.ndarray] | None = None,
     arrays: dict[str, np.ndarray] | None = None,
@@ -207,10 +207,12 @@ def export_onnx_weights(
     (measured: docs/history.md, 'Figures behind the code's constants'). ``pad_products`` (quantized fused graphs;
     default: measured here, ``Quantizer.one_row_path_differs``): every ``MatMulNBits`` runs on at least two rows,
     where this CPU's one-row kernel rounds differently (on some CPUs, at a cost to the plain step: docs/history.md,
-    'Figures behind the code's constants'). ``packed_rows`` (fused only; default: without ``quantize``): rows of
-    several sequences, each of any width (steps, verifies, prompt chunks), share one call through
+    'Figures behind the code's constants'). ``packed_rows`` (fused only; off unless asked: ``build --packed-rows``): rows
+    of several sequences, each of any width (steps, verifies, prompt chunks), share one call through
     GroupQueryAttention's ``query_seqlens`` (``FusedGraph.packed_layout``; ONNX Runtime 1.32 or later runs these
-    graphs); quantized targets keep one call per wider row.
+    graphs). Off by default because the layout's gathers and the kernel's multi-row path make a lone
+    sequence's calls dearer (docs/history.md, 'Figures behind the code's constants'); a server under load is
+    where they pay.
     ``draft_heads`` maps plans' draft head files (exit adapters, reduced vocabularies) to where they are now.
 
     Memory: float weights already in the export's dtype are read in place (numpy views of the torch tensors)
@@ -228,7 +230,7 @@ def export_onnx_weights(
     variant, quantizer, pad_rows, pad_products = _resolve_options(
         config, dtype, variant, quantize, block_size, accuracy_level, pad_rows, pad_products
     )
-    packed_rows = variant == "fused" and (quantizer is None if packed_rows is None else packed_rows)
+    packed_rows = variant == "fused" and bool(packed_rows)
     np_dtype = np.dtype(dtype)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
