@@ -95,7 +95,9 @@ def test_expected_speedups_from_measured_acceptance(smoke):
     for row in expected:
         assert row["label"].startswith("costs measured on the GPU, acceptance from a real model")
         assert (row["expected_speedup"] or 0) > 0 or row.get("reason"), row
-    assert "costs measured on the GPU, acceptance from a real model (SmolLM2-135M on CPU)" in stdout
+    assert (
+        "costs measured on the GPU, acceptance from a real model (SmolLM2-135M on CPU; its fp32 weights sit" in stdout
+    )
 
 
 def test_budget_skips_and_says_so(tmp_path):
