@@ -103,7 +103,7 @@ class LookaheadDrafter(LookupSource):
         """A chain: the most recent pooled n-gram of the input token, else the window."""
         found = self.continuations(ctx.history, ctx.limit, 2)
         tokens = found[0] if found else []
-        return Draft(tokens=list(tokens), q=[None] * len(tokens), sources=[self.name] * len(tokens))
+        return self.draft_of(tokens)
 
     # -- what a round teaches it -------------------------------------------------------------------
     def observe(

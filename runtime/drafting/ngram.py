@@ -218,7 +218,7 @@ class NgramDrafter(LookupSource):
 
     def propose(self, ctx: RoundContext) -> Draft:
         tokens = self.lookup(ctx.history, ctx.history, ctx.limit)
-        return Draft(tokens=list(tokens), q=[None] * len(tokens), sources=[self.name] * len(tokens))
+        return self.draft_of(tokens)
 
     def feedback(self, draft: Draft, accepted: int) -> None:
         pass

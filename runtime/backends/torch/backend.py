@@ -239,12 +239,18 @@ class TorchBackend(Backend):
         ):
             out = self.static.run(segment, pos, ids, t)
         else:
-            decoder = int8_twin(self.decoder) if segment.precision else self.decoder  # made once per decoder
-            head = decoder.head if segment.head in (None, FINAL_HEAD) else self._draft_head(segment.head)[1].full_logits
+            decoder, head = self.decoder_and_head(segment)
             out = run_segment(
                 decoder, segment, None if ids is None else ids.view(1, -1), pos, self.cache, self.hidden, head, count
             )
         return None if out is None else out[0]
+
+    def decoder_and_head(self, segment: Segment):
+        """The decoder ``segment`` runs on (the int8 twin for a precision segment, made once per decoder) and the
+        head that ends it (the shared one, or its draft head over the whole vocabulary)."""
+        decoder = int8_twin(self.decoder) if segment.precision else self.decoder
+        head = decoder.head if segment.head in (None, FINAL_HEAD) else self._draft_head(segment.head)[1].full_logits
+        return decoder, head
 
     rows_in_one_call = True  # rows of a batched call share it, packed (Positions.packed_rows; trees pad)
 
@@ -300,9 +306,9 @@ class TorchBackend(Backend):
             logits = out[:n].float().cpu().numpy()
             return [logits[b, : row.width] for b, row in enumerate(rows)]
         cache = self.slot_cache.view(first, n)
-        decoder = int8_twin(self.decoder) if segment.precision else self.decoder
+        decoder, head = self.decoder_and_head(segment)
         if any(row.width != width for row in rows) and all(row.parents is None for row in rows):
-            return self._run_packed(segment, rows, decoder, cache)
+            return self._run_packed(segment, rows, decoder, head, cache)
         where = Positions.rows([row.pos for row in rows], [row.parents for row in rows], width, self.device)
         if segment.from_tokens:
             ids = torch.empty(n, width, dtype=torch.long)
@@ -323,11 +329,10 @@ class TorchBackend(Backend):
                 self.slot_hidden[row.slot, row.pos : row.pos + row.width] = h[b, : row.width]
         if segment.head is None:
             return [None] * n
-        head = decoder.head if segment.head in (None, FINAL_HEAD) else self._draft_head(segment.head)[1].full_logits
         logits = head(h).float().cpu().numpy()
         return [logits[b, : row.width] for b, row in enumerate(rows)]
 
-    def _run_packed(self, segment: Segment, rows: list[Row], decoder, cache) -> list[np.ndarray | None]:
+    def _run_packed(self, segment: Segment, rows: list[Row], decoder, head, cache) -> list[np.ndarray | None]:
         """Chains of different widths in one call with their tokens packed (``Positions.packed_rows``): a k-token
         verify or a prompt chunk beside one-token steps widens only attention, not every row's products."""
         where = Positions.packed_rows([row.pos for row in rows], [row.width for row in rows], self.device)
@@ -345,7 +350,6 @@ class TorchBackend(Backend):
                 self.slot_hidden[row.slot, row.pos : row.pos + row.width] = h[0, end - row.width : end]
         if segment.head is None:
             return [None] * len(rows)
-        head = decoder.head if segment.head in (None, FINAL_HEAD) else self._draft_head(segment.head)[1].full_logits
         logits = head(h)[0].float().cpu().numpy()
         return [logits[end - row.width : end] for row, end in zip(rows, ends)]
 

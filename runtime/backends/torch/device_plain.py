@@ -90,9 +90,8 @@ class DevicePlain:
             self.log = torch.zeros(self.block, dtype=torch.long, device=self.device)
             self.step_u = torch.zeros(self.block, dtype=torch.float64, device=self.device)
             self.index = torch.zeros((), dtype=torch.long, device=self.device)
-        ids, positions = static._inputs(token, 1, pos)  # checks that the block's first position fits
-        static._inputs(None, 1, pos + n - 1)  # ... and its last (the replays advance the positions themselves)
-        positions.fill_(pos)
+        static.check_room(pos, n)  # the replays advance the positions themselves: the whole block must fit
+        ids, positions = static._inputs(token, 1, pos)
         self.index.zero_()
         if u is not None:
             self.step_u[:n].copy_(u)

@@ -46,11 +46,10 @@ from torch import Tensor
 
 from ...acceptance import accept_chain
 from ...sampling import probabilities, sample_at
-from ...segments import FINAL_HEAD, Segment, full_model
+from ...segments import Segment, full_model
 from .decoder import run_segment
 from .device_lookup import ngram_continuation
 from .device_plain import device_generator, params_key
-from .int8_twin import int8_twin
 
 
 class TensorCalls:
@@ -77,8 +76,7 @@ class TensorCalls:
         backend, static = self.backend, self.backend.static
         t = ids.shape[0] if ids is not None else count
         positions = pos + torch.arange(t, device=pos.device)
-        decoder = int8_twin(backend.decoder) if segment.precision else backend.decoder
-        head = decoder.head if segment.head in (None, FINAL_HEAD) else backend._draft_head(segment.head)[1].full_logits
+        decoder, head = backend.decoder_and_head(segment)
         ids = None if ids is None else ids.view(1, -1)
         out = run_segment(decoder, segment, ids, positions, static.cache, static.hidden, head, count)
         return None if out is None else out[0]
@@ -222,8 +220,7 @@ class DeviceRound:
         static = self.backend.static
         if static is None:
             return self._body(mode, n, params, pos)
-        if pos + n + 1 > static.max_len:
-            raise ValueError(f"positions {pos}..{pos + n} are outside the static cache (0..{static.max_len - 1})")
+        static.check_room(pos, n + 1)
         if static is not self.static:  # a new static cache (the backend grew it): new graphs
             self.static, self.graphs = static, {}
         key = (mode, n, params_key(params))

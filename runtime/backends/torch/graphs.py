@@ -106,11 +106,7 @@ class StaticSteps:
         """Write ``tokens`` (when the segment embeds tokens: host ints, or ids ``[T]`` already on the device,
         copied there without a host round trip) and their positions (computed on the device from ``pos``)
         into the buffers for T."""
-        if pos < 0 or pos + t > self.max_len:
-            raise ValueError(
-                f"positions {pos}..{pos + t - 1} are outside the static cache (0..{self.max_len - 1}); "
-                "reserve() a longer cache first"
-            )
+        self.check_room(pos, t)
         if t not in self.buffers:
             device = self.cache.k.device
             self.buffers[t] = (
@@ -126,6 +122,14 @@ class StaticSteps:
             self.offsets = torch.arange(t, dtype=torch.long, device=positions.device)
         torch.add(self.offsets[:t], pos, out=positions)
         return ids, positions
+
+    def check_room(self, pos: int, t: int) -> None:
+        """A ``ValueError`` unless positions ``pos .. pos + t - 1`` lie in the static cache (a replay writes there)."""
+        if pos < 0 or pos + t > self.max_len:
+            raise ValueError(
+                f"positions {pos}..{pos + t - 1} are outside the static cache (0..{self.max_len - 1}); "
+                "reserve() a longer cache first"
+            )
 
     def fits(self, t: int) -> bool:
         """Whether a step of ``t`` tokens is graphed (longer ones, prompts, run eagerly)."""
