@@ -18,7 +18,8 @@ prefix caching on (``--peer-prefix-caching off`` turns it off), as ours keeps th
 repeat some: with prompts kept across the runs, both engines read most prompts from their caches.
 
 Prints one table: engine, N, aggregate tokens/s, ratio to the artifact's single-stream plain throughput,
-p50 / p95 request latency, p50 time to first token, and how many answers equal their batch-1 greedy output.
+p50 / p95 request latency, time to first token and inter-token latency (each request's mean gap between
+tokens after its first), and how many answers equal their batch-1 greedy output.
 ``--cost-curve ROWS`` first prints what the load policy prices drafts with: the time of one call of n
 one-token rows (n up to ROWS) and of one row of w tokens.
 """
@@ -84,8 +85,15 @@ def closed_loop(scheduler, prompts: list[list[int]], streams: int, requests: int
         "tokens_per_s": tokens / seconds,
         "latencies": [o.seconds for o in outcomes],
         "ttfts": [o.ttft for o in outcomes if o.ttft is not None],
+        "itls": inter_token_latencies([(o.seconds, o.ttft, len(o.token_ids)) for o in outcomes]),
         "outputs": [list(o.token_ids) for o in outcomes],
     }
+
+
+def inter_token_latencies(requests: list[tuple[float, float | None, int]]) -> list[float]:
+    """Each request's mean seconds between tokens after its first, from (latency, time to first token, tokens):
+    what a streaming user waits per token once the answer has begun (requests of one token have none)."""
+    return [(latency - ttft) / (tokens - 1) for latency, ttft, tokens in requests if ttft is not None and tokens > 1]
 
 
 def prompt_sets(base: list[list[int]], counts: list[int], requests: int, marker=None) -> dict[str, list[list[int]]]:
@@ -208,6 +216,9 @@ def openvino_rows(args, sets: dict[str, list[list[int]]], reference: dict) -> li
                         "tokens_per_s": run["tokens_per_s"],
                         "latencies": [r["latency"] for r in run["requests"]],
                         "ttfts": [r["ttft"] for r in run["requests"]],
+                        "itls": inter_token_latencies(
+                            [(r["latency"], r["ttft"], len(r["ids"])) for r in run["requests"]]
+                        ),
                         "identical": identical(outputs, sets[streams], reference),
                         "outputs": outputs,
                     }
@@ -240,16 +251,22 @@ def print_table(rows: list[dict]) -> None:
         (r["tokens_per_s"] for r in rows if r["engine"] == "speccompile plain batched" and r["streams"] == 1), None
     )
     print(
-        "| engine | streams | tokens/s | vs 1-stream plain | p50 latency s | p95 latency s | p50 TTFT s | = batch-1 greedy |"
+        "| engine | streams | tokens/s | vs 1-stream plain | p50 / p95 latency s | p50 / p95 TTFT s "
+        "| p50 / p95 inter-token ms | = batch-1 greedy |"
     )
     print("|---|---|---|---|---|---|---|---|")
+
+    def p50_p95(values: list[float], scale: float = 1.0, digits: int = 2) -> str:
+        if not values:
+            return "-"
+        low, high = np.percentile(values, [50, 95]) * scale
+        return f"{low:.{digits}f} / {high:.{digits}f}"
+
     for r in rows:
         versus = f"{r['tokens_per_s'] / single:.2f}x" if single else "-"
-        lat = np.percentile(r["latencies"], [50, 95])
-        ttft = np.percentile(r["ttfts"], 50) if r["ttfts"] else float("nan")
         print(
-            f"| {r['engine']} | {r['streams']} | {r['tokens_per_s']:.1f} | {versus} | {lat[0]:.2f} | {lat[1]:.2f} | "
-            f"{ttft:.2f} | {r['identical']}/{len(r['outputs'])} |"
+            f"| {r['engine']} | {r['streams']} | {r['tokens_per_s']:.1f} | {versus} | {p50_p95(r['latencies'])} | "
+            f"{p50_p95(r['ttfts'])} | {p50_p95(r.get('itls', []), 1e3, 1)} | {r['identical']}/{len(r['outputs'])} |"
         )
 
 

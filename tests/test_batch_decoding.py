@@ -510,3 +510,65 @@ def test_one_call_costs_price_each_drafted_token_and_read_older_manifests():
     assert stored["one_call"] is True
     legacy = {key: value for key, value in stored.items() if key != "one_call"} | {"pad_to_widest": True}
     assert CallCosts.from_dict(legacy).one_call and not CallCosts.from_dict(stored | {"one_call": False}).one_call
+
+
+def test_model_draft_steps_are_priced_as_one_shared_call():
+    """One batched draft step serves every sequence that drafts with the model, so each pays its share of that
+    step (``CallCosts.draft``): with a cheap draft curve, four sequences draft where pricing each sequence's
+    steps as full-model steps would keep them all plain (the control: no draft curve, where a draft step is
+    priced as a plain step of as many rows)."""
+    from speccompile.runtime.decoding.load import draft_pays
+
+    flat = {1: 1.0, 16: 1.0, 64: 4.0}  # a verify call costs one step up to 16 tokens
+    cheap = CallCosts(flat, {1: 1.0}, one_call=True, draft={1: 0.2, 4: 0.25}, draft_segment="blocks")
+    assert cheap.draft_step(4) == pytest.approx(0.25) and cheap.draft_step(2) == pytest.approx(0.2 + 0.05 / 3 * 1)
+    assert draft_pays(cheap, 0.6, 3, cheap.draft_step(4) / 4, 4)
+    assert not draft_pays(cheap, 0.6, 3, cheap.round_cost([1]), 4)  # a full step per drafted token: never
+    bare = CallCosts(flat, {1: 1.0}, one_call=True)
+    assert bare.draft_step(4) == bare.round_cost([1] * 4)
+    restored = CallCosts.from_dict(cheap.as_dict())
+    assert restored.draft == cheap.draft and restored.draft_segment == "blocks"
+    assert CallCosts.from_dict(bare.as_dict()).draft == {}
+
+
+def test_a_batch_runs_model_drafts_when_their_shared_step_pays(tiny_decoder):
+    """Four sequences with a model draft in one batch: they draft with the model when the draft curve says one
+    shared step is cheap, and step plainly when a draft step is priced as a plain step; outputs equal plain
+    either way."""
+    _, decoder = tiny_decoder("llama")
+    flat = {1: 1.0, 16: 1.0, 64: 4.0}
+    requests = _requests(decoder, [SKIP], lengths=(8, 8, 8, 8))
+
+    def first_round(costs) -> list[int]:
+        engine = BatchDecoder(TorchBackend(decoder), max_batch=4, costs=costs)
+        for request, plan in requests:
+            engine.add(request, plan)
+        while True:
+            engine.step()
+            if engine.last_round and engine.last_round["sequences"] == 4 and not engine.last_round["prompt_tokens"]:
+                return engine.last_round["drafted"]
+
+    cheap = CallCosts(flat, {1: 1.0}, one_call=True, draft={1: 0.2, 4: 0.25}, draft_segment="blocks")
+    assert all(d > 0 for d in first_round(cheap))
+    assert first_round(CallCosts(flat, {1: 1.0}, one_call=True)) == [0, 0, 0, 0]
+    outputs = _decode_batch(TorchBackend(decoder), requests, max_batch=4, costs=cheap)
+    _check(decoder, TorchBackend(decoder), requests, outputs)
+
+
+def test_the_draft_step_curve_is_timed_on_the_plans_segment(tiny_decoder, onnx_family):
+    """``call_costs`` times the plan's draft step at the batch's row counts beside the stored curves, and times it
+    again for a plan that drafts with another segment."""
+    from speccompile.runtime.decoding.load import call_costs
+    from speccompile.runtime.drafting.plan import read_plan
+
+    _, decoder = tiny_decoder("llama")
+    backend = TorchBackend(decoder)
+    layers = decoder.config.num_layers
+    skip = read_plan(SKIP, layers).kind.draft_segment
+    costs = CallCosts.measure(backend, max_rows=4, max_width=3, context=8, repeats=1, draft=skip)
+    assert sorted(costs.draft) == [1, 2, 4] and costs.has_draft(skip)
+    stored = costs.as_dict()
+    assert call_costs(backend, stored, max_rows=4, max_width=3, draft=skip).draft == CallCosts.from_dict(stored).draft
+    exit_segment = read_plan(EXIT, layers).kind.draft_segment
+    again = call_costs(backend, stored, max_rows=4, max_width=3, draft=exit_segment)
+    assert again.has_draft(exit_segment) and not again.has_draft(skip)

@@ -69,7 +69,7 @@ def check_measured(measured: Any, where: str) -> dict[str, Any]:
 def check_call_costs(data: Any, where: str = "the manifest's tuning.call_costs") -> dict[str, Any]:
     """The batched call costs a build stored (``passes/call_costs.py``) as typed parts: ``batched`` and ``alone``
     ({rows or tokens: seconds}, every count >= 1, every time finite and positive), ``one_call`` (stored as
-    ``pad_to_widest`` by earlier builds) and ``machine``; a one-line ``ArtifactError`` naming ``where`` otherwise (``runtime/decoding/load.CallCosts``)."""
+    ``pad_to_widest`` by earlier builds), ``machine`` and the optional draft-step curve (``draft``, ``draft_segment``); a one-line ``ArtifactError`` naming ``where`` otherwise (``runtime/decoding/load.CallCosts``)."""
     shape = 'need {"batched": {rows: seconds}, "alone": {tokens: seconds}}'
     if not isinstance(data, dict):
         raise ArtifactError(f"{where} are malformed ({shape}, got {type(data).__name__}); rebuild the artifact")
@@ -86,7 +86,29 @@ def check_call_costs(data: Any, where: str = "the manifest's tuning.call_costs")
             raise ArtifactError(f"{where}.{name} need positive times for counts >= 1; rebuild the artifact")
     parts["one_call"] = bool(data.get("one_call", data.get("pad_to_widest", False)))
     parts["machine"] = str(data.get("machine", ""))
+    parts["draft"], parts["draft_segment"] = _draft_curve(data.get("draft"), where)
     return parts
+
+
+def _draft_curve(data: Any, where: str) -> tuple[dict[int, float], str]:
+    """The optional ``draft`` part: ``{"segment": str, "batched": {rows: seconds}}`` (the plan's draft step timed
+    at n one-token rows); absent in builds that did not time it."""
+    if data is None:
+        return {}, ""
+    shape = 'need draft = {"segment": str, "batched": {rows: seconds}}'
+    if (
+        not isinstance(data, dict)
+        or not isinstance(data.get("segment"), str)
+        or not isinstance(data.get("batched"), dict)
+    ):
+        raise ArtifactError(f"{where}.draft is malformed ({shape}); rebuild the artifact")
+    try:
+        points = {int(k): float(v) for k, v in data["batched"].items()}
+    except (TypeError, ValueError):
+        raise ArtifactError(f"{where}.draft is malformed ({shape}); rebuild the artifact") from None
+    if not points or any(k < 1 or not math.isfinite(v) or v <= 0 for k, v in points.items()):
+        raise ArtifactError(f"{where}.draft needs positive times for counts >= 1; rebuild the artifact")
+    return points, data["segment"]
 
 
 __all__ = ["MEASURED_FIELDS", "check_call_costs", "check_measured"]

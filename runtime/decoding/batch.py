@@ -101,7 +101,6 @@ class BatchDecoder:
         costs: CallCosts | None = None,
         prefill_chunk: int | None = None,
         root: Path | None = None,
-        draft_step_seconds: float | None = None,
         keep_prompts: int | None = None,
         token_budget: int | None = None,
     ):
@@ -114,7 +113,6 @@ class BatchDecoder:
         self.backend = batch_of(backend) if max_batch > 1 else backend
         self.max_batch, self.costs, self.prefill_chunk, self.root = max_batch, costs, prefill_chunk, root
         self.token_budget = token_budget
-        self.draft_step_seconds = draft_step_seconds
         self.full = full_model(backend.config.num_layers)
         self.sequences: list[Sequence] = []  # sequence i sits in slot i
         # prompts read, kept in spare slots for later prompts that begin alike: in a decoder that serves one
@@ -312,22 +310,18 @@ class BatchDecoder:
         batch = len(live) + joining
         drafts: list[Draft | None] = [None] * len(live)
         stepping: dict[int, tuple] = {}  # index -> (its drafting generator, (token, pos) asked, ctx)
-        for i, (s, budget) in enumerate(live):
-            if s.drafter is None or budget == 1:
-                continue  # a plain step
-            if self.costs is not None and batch > 1 and s.longest_draft:
-                # the most this sequence's draft could bring, against its share of the batch's plain step: when
-                # even that does not pay, it does not propose at all (its lookups cost host time too)
-                best = min(s.longest_draft, budget - 1)
-                if not draft_pays(self.costs, s.acceptance, best, 0.0, batch):
-                    continue
-            allowed = True
-            model = s.drafter.model_part
-            if model is not None and self.costs is not None and batch > 1:
-                length = min(model.policy.max_draft, budget - 1)
-                step = self.draft_step_seconds or self.costs.round_cost([1])
-                allowed = draft_pays(self.costs, s.acceptance, length, step, batch)
-            ctx = RoundContext(s.history, s.pos, budget - 1, s.request.params, s.rng, model_allowed=allowed)
+        proposing = [i for i, (s, budget) in enumerate(live) if self._proposes(s, budget, batch)]
+        models = {
+            i: (live[i][0].acceptance, min(live[i][0].drafter.model_part.policy.max_draft, live[i][1] - 1))
+            for i in proposing
+            if live[i][0].drafter.model_part is not None
+        }
+        allowed = self._models_allowed(models, batch)
+        for i in proposing:
+            s, budget = live[i]
+            ctx = RoundContext(
+                s.history, s.pos, budget - 1, s.request.params, s.rng, model_allowed=i in allowed or i not in models
+            )
             drafting = s.drafter.drafting(ctx)
             try:
                 stepping[i] = (drafting, next(drafting), ctx)
@@ -357,6 +351,33 @@ class BatchDecoder:
         choices = [Choice(s.acceptance, n) for (s, _), n in zip(live, available)]
         lengths = choose_lengths(self.costs, choices + [Choice(0.0, 0)] * joining)[: len(live)]
         return [d if d is None or k == len(d.tokens) else _cut(d, k) for d, k in zip(drafts, lengths)]
+
+    def _proposes(self, s: Sequence, budget: int, batch: int) -> bool:
+        """Whether ``s`` drafts at all this round: not when it has no drafter or room for one token only, nor when
+        even its longest draft would not pay against its share of the batch's plain step (its lookups cost host
+        time too)."""
+        if s.drafter is None or budget == 1:
+            return False
+        if self.costs is not None and batch > 1 and s.longest_draft:
+            best = min(s.longest_draft, budget - 1)
+            return draft_pays(self.costs, s.acceptance, best, 0.0, batch)
+        return True
+
+    def _models_allowed(self, models: dict[int, tuple[float, int]], batch: int) -> set[int]:
+        """Which sequences may run their model draft this round (``models``: index -> (acceptance, draft
+        length)). One batched draft step serves every sequence that drafts, so each is charged its share of
+        that step (``CallCosts.draft_step``); a sequence that does not pay at its share leaves the group, which
+        raises the others' shares, until the group is stable."""
+        if self.costs is None or batch == 1:
+            return set(models)
+        group = set(models)
+        while group:
+            share = self.costs.draft_step(len(group)) / len(group)
+            paying = {i for i in group if draft_pays(self.costs, models[i][0], models[i][1], share, batch)}
+            if paying == group:
+                break
+            group = paying
+        return group
 
     def _finish_round(self, s: Sequence, draft: Draft, logits, committed: list[int], path) -> None:
         """The round's statistics, the drafter's feedback and, for drafters that learn from the verifier's

@@ -12,7 +12,10 @@ Here each round chooses, from
 - each sequence's expected accepted tokens for a draft of length k, from its own running acceptance
   (``expected_tokens``),
 
-the drafts that maximise tokens per second over the whole batch. Doing nothing is always one of the
+the drafts that maximise tokens per second over the whole batch. A model draft's steps are priced from their own
+curve (``CallCosts.draft``: a call of n one-token rows of the plan's draft segment), shared among the sequences
+that draft together: one batched draft step serves them all, so charging each the cost of a full-model step
+(what the policy did without the curve) kept cheap int8 drafts out of every batch. Doing nothing is always one of the
 choices, so, as far as the costs are right, a round is never slower than plain batched decoding. The
 choice only sets draft lengths: every committed token is still the verifier's, so it changes no output.
 
@@ -60,6 +63,18 @@ class CallCosts:
     measured: dict = field(default_factory=dict)
     machine: str = ""
     source: str = "timed"
+    draft: dict[int, float] = field(default_factory=dict)
+    draft_segment: str = ""  # the segment ``draft`` timed (``Segment.describe()``): a plan drafting with another
+    # segment times its own
+
+    def draft_step(self, rows: int) -> float:
+        """Seconds of one model-draft step of ``rows`` sequences in one call. Without a timed curve: a plain
+        step of as many rows (a draft runs a part of the model, so never more)."""
+        return self._curve(self.draft or self.batched, max(rows, 1))
+
+    def has_draft(self, segment) -> bool:
+        """Whether ``draft`` was timed on ``segment`` (a ``Segment``)."""
+        return bool(self.draft) and self.draft_segment == segment.describe()
 
     @staticmethod
     def _curve(points: dict[int, float], x: float) -> float:
@@ -90,18 +105,32 @@ class CallCosts:
         return max(self.batched) >= max_rows and max(self.alone) >= max_width
 
     def as_dict(self) -> dict:
-        return {
-            "batched": {str(k): float(f"{v:.6g}") for k, v in sorted(self.batched.items())},
-            "alone": {str(k): float(f"{v:.6g}") for k, v in sorted(self.alone.items())},
+        def points(curve: dict[int, float]) -> dict[str, float]:
+            return {str(k): float(f"{v:.6g}") for k, v in sorted(curve.items())}
+
+        data = {
+            "batched": points(self.batched),
+            "alone": points(self.alone),
             "one_call": self.one_call,
             "machine": self.machine,
         }
+        if self.draft:
+            data["draft"] = {"segment": self.draft_segment, "batched": points(self.draft)}
+        return data
 
     @classmethod
     def from_dict(cls, data, where: str = "call costs") -> "CallCosts":
         """The costs ``as_dict`` wrote; a one-line ``ArtifactError`` naming ``where`` when they are malformed."""
         parts = check_call_costs(data, where)
-        return cls(parts["batched"], parts["alone"], parts["one_call"], machine=parts["machine"], source="manifest")
+        return cls(
+            parts["batched"],
+            parts["alone"],
+            parts["one_call"],
+            machine=parts["machine"],
+            source="manifest",
+            draft=parts["draft"],
+            draft_segment=parts["draft_segment"],
+        )
 
     @staticmethod
     def row_counts(max_rows: int) -> list[int]:
@@ -109,41 +138,70 @@ class CallCosts:
         return sorted({1, max_rows} | {2**i for i in range(1, 8) if 2**i < max_rows})
 
     @classmethod
-    def measure(cls, backend, max_rows: int, max_width: int, context: int = 64, repeats: int = 3) -> "CallCosts":
+    def measure(
+        cls, backend, max_rows: int, max_width: int, context: int = 64, repeats: int = 3, draft=None
+    ) -> "CallCosts":
         """Time the backend's calls on its own slots: n one-token rows for n = 1, 2, 4, .. ``max_rows`` and one
         row of w = 2 .. ``max_width`` tokens, at ``context`` positions of past, each the best of ``repeats``
-        after a warm-up. Seconds, on the machine and threads that will decode. The past is computed once, in
-        slot 0, and copied to the other slots (a prefill of every slot would cost ``max_rows`` times more)."""
+        after a warm-up; with ``draft`` (a ``Segment``: the plan's draft step), n one-token rows of it too.
+        Seconds, on the machine and threads that will decode. The past is computed once, in slot 0, and copied
+        to the other slots (a prefill of every slot would cost ``max_rows`` times more)."""
         full = full_model(backend.config.num_layers)
-        backend.reserve(context + max_width + 2, slots=max(max_rows, 1))
-        backend.run_rows(full, [Row(0, 0, [1] * context)])  # a past to attend to
-        for slot in range(1, max_rows):
-            backend.move_slot(0, slot, context)
-
-        def best(rows: list[Row]) -> float:
-            backend.run_rows(full, rows)
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                backend.run_rows(full, rows)
-                times.append(time.perf_counter() - start)
-            return min(times)
-
-        batched = {n: best([Row(s, context, [1]) for s in range(n)]) for n in cls.row_counts(max_rows)}
+        _past(backend, max_rows, context + max_width + 2, context)
+        batched = {
+            n: _best(backend, full, [Row(s, context, [1]) for s in range(n)], repeats) for n in cls.row_counts(max_rows)
+        }
         alone = {1: batched[1]}
-        alone.update({w: best([Row(0, context, [1] * w)]) for w in range(2, max_width + 1)})
-        return cls(batched, alone, backend.rows_in_one_call, machine=machine_key(backend))
+        alone.update({w: _best(backend, full, [Row(0, context, [1] * w)], repeats) for w in range(2, max_width + 1)})
+        costs = cls(batched, alone, backend.rows_in_one_call, machine=machine_key(backend))
+        if draft is not None:
+            costs.time_draft(backend, draft, max_rows, context, repeats, past_ready=True)
+        return costs
+
+    def time_draft(self, backend, segment, max_rows: int, context: int = 64, repeats: int = 3, past_ready=False):
+        """Time n one-token rows of the draft ``segment`` (n as ``measure``'s rows) into ``draft``. The draft
+        steps read the verifier's KV of the past and write their own one position after it, as in a round."""
+        if not past_ready:
+            _past(backend, max_rows, context + 2, context)
+        self.draft = {
+            n: _best(backend, segment, [Row(s, context, [1]) for s in range(n)], repeats)
+            for n in self.row_counts(max_rows)
+        }
+        self.draft_segment = segment.describe()
 
 
-def call_costs(backend, stored, max_rows: int, max_width: int) -> CallCosts:
-    """What a batch of up to ``max_rows`` sequences drafting up to ``max_width - 1`` tokens prices its drafts with:
-    the build's costs (``stored``: a manifest's ``tuning["call_costs"]``, or None) when they were timed on this
-    machine and backend and reach those sizes; otherwise timed now on ``backend`` (a few seconds)."""
+def _past(backend, slots: int, room: int, context: int) -> None:
+    """Slots ``0..slots-1`` holding ``context`` positions of one past (computed once, copied) to attend to."""
+    backend.reserve(room, slots=max(slots, 1))
+    backend.run_rows(full_model(backend.config.num_layers), [Row(0, 0, [1] * context)])
+    for slot in range(1, slots):
+        backend.move_slot(0, slot, context)
+
+
+def _best(backend, segment, rows: list[Row], repeats: int) -> float:
+    """The fastest of ``repeats`` calls of ``rows`` on ``segment``, after a warm-up call."""
+    backend.run_rows(segment, rows)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        backend.run_rows(segment, rows)
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def call_costs(backend, stored, max_rows: int, max_width: int, draft=None) -> CallCosts:
+    """What a batch of up to ``max_rows`` sequences drafting up to ``max_width - 1`` tokens prices its drafts with
+    (``draft``: the plan's draft step segment, None for lookup-only plans): the build's costs (``stored``: a
+    manifest's ``tuning["call_costs"]``, or None) when they were timed on this machine and backend and reach those
+    sizes; otherwise timed now on ``backend`` (a few seconds). A stored curve of another draft segment (a server
+    started with ``--plan``) is timed again alone."""
     if stored is not None:
         costs = CallCosts.from_dict(stored, "the manifest's tuning.call_costs")
         if costs.machine == machine_key(backend) and costs.covers(max_rows, max_width):
+            if draft is not None and not (costs.has_draft(draft) and max(costs.draft) >= max_rows):
+                costs.time_draft(backend, draft, max_rows)
             return costs
-    return CallCosts.measure(backend, max_rows=max_rows, max_width=max_width)
+    return CallCosts.measure(backend, max_rows=max_rows, max_width=max_width, draft=draft)
 
 
 @dataclass
@@ -204,6 +262,12 @@ def draft_pays(costs: CallCosts, acceptance: float, length: int, draft_step: flo
     return (batch - 1 + expected_tokens(acceptance, length)) / max(spent, 1e-12) > plain
 
 
+def draft_step_segment(plan):
+    """The segment one model draft step of ``plan`` (a plan read for the model's layer count) runs: what
+    ``CallCosts.draft`` times; None for a plan without a model part."""
+    return plan.kind.draft_segment if plan.has_model_part else None
+
+
 def longest_draft(plan) -> int:
     """The longest chain a round of ``plan`` verifies besides its input token (what ``CallCosts`` should time)."""
     from ..drafting.plan import read_plan
@@ -220,4 +284,5 @@ __all__ = [
     "expected_tokens",
     "longest_draft",
     "draft_pays",
+    "draft_step_segment",
 ]

@@ -28,7 +28,7 @@ from typing import Callable
 
 from speccompile.runtime import SpeculativeModel
 from speccompile.runtime.decoding.batch import BatchDecoder
-from speccompile.runtime.decoding.load import call_costs, longest_draft
+from speccompile.runtime.decoding.load import call_costs, draft_step_segment, longest_draft
 from speccompile.runtime.decoding.speculative import DecodeRequest, cache_length
 from speccompile.runtime.errors import InputError
 from speccompile.runtime.sampling import SamplingParams
@@ -96,7 +96,9 @@ class Scheduler:
             # what the load policy prices drafts with: the build's timings on this machine, or timed now (seconds)
             width = longest_draft(self.plan) + 1
             stored = model.manifest.tuning.get("call_costs")
-            self.decoder.costs = call_costs(self.decoder.backend, stored, max_rows=max_batch, max_width=width)
+            self.decoder.costs = call_costs(
+                self.decoder.backend, stored, max_rows=max_batch, max_width=width, draft=draft_step_segment(self.plan)
+            )
         self.costs = self.decoder.costs
         self.waiting: collections.deque[Job] = collections.deque()
         self.running: list[Job] = []
