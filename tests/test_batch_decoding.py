@@ -526,6 +526,13 @@ def test_model_draft_steps_are_priced_as_one_shared_call():
     assert not draft_pays(cheap, 0.6, 3, cheap.round_cost([1]), 4)  # a full step per drafted token: never
     bare = CallCosts(flat, {1: 1.0}, one_call=True)
     assert bare.draft_step(4) == bare.round_cost([1] * 4)
+    # a long model draft that does not pay where a short one does: the policy drafts the short one
+    from speccompile.runtime.decoding.load import best_draft_length
+
+    rising = CallCosts({1: 1.0, 8: 1.0, 64: 8.0}, {1: 1.0}, one_call=True)  # flat to 8 tokens, then rising
+    assert best_draft_length(rising, 0.9, 8, 0.1, 4) == 4  # 4 + 4 tokens: the last free call
+    assert best_draft_length(rising, 0.6, 8, 0.1, 4) == 1
+    assert best_draft_length(rising, 0.05, 8, 0.1, 4) == 0 and not draft_pays(rising, 0.05, 8, 0.1, 4)
     restored = CallCosts.from_dict(cheap.as_dict())
     assert restored.draft == cheap.draft and restored.draft_segment == "blocks"
     assert CallCosts.from_dict(bare.as_dict()).draft == {}
@@ -550,6 +557,10 @@ def test_a_batch_runs_model_drafts_when_their_shared_step_pays(tiny_decoder):
 
     cheap = CallCosts(flat, {1: 1.0}, one_call=True, draft={1: 0.2, 4: 0.25}, draft_segment="blocks")
     assert all(d > 0 for d in first_round(cheap))
+    # a verify call that grows past 5 tokens: at the prior acceptance each sequence runs one model draft step,
+    # not its plan's 3
+    short = CallCosts({1: 1.0, 5: 1.0, 64: 8.0}, {1: 1.0}, one_call=True, draft={1: 0.05, 4: 0.06}, draft_segment="b")
+    assert max(first_round(short)) == 1
     assert first_round(CallCosts(flat, {1: 1.0}, one_call=True)) == [0, 0, 0, 0]
     outputs = _decode_batch(TorchBackend(decoder), requests, max_batch=4, costs=cheap)
     _check(decoder, TorchBackend(decoder), requests, outputs)

@@ -43,7 +43,7 @@ from ..drafting.plan import ReadPlan, read_plan
 from ..errors import InputError
 from ..segments import Row, full_model
 from ..tree import kv_moves
-from .load import PRIOR_ACCEPTANCE, CallCosts, Choice, choose_lengths, draft_pays
+from .load import PRIOR_ACCEPTANCE, CallCosts, Choice, best_draft_length, choose_lengths, draft_pays
 from .prompt_cache import PromptCache
 from .request import DecodeRequest, Stats, backend_drafter, cache_length
 
@@ -316,12 +316,10 @@ class BatchDecoder:
             for i in proposing
             if live[i][0].drafter.model_part is not None
         }
-        allowed = self._models_allowed(models, batch)
+        steps = self._model_steps(models, batch)
         for i in proposing:
             s, budget = live[i]
-            ctx = RoundContext(
-                s.history, s.pos, budget - 1, s.request.params, s.rng, model_allowed=i in allowed or i not in models
-            )
+            ctx = RoundContext(s.history, s.pos, budget - 1, s.request.params, s.rng, model_steps=steps.get(i))
             drafting = s.drafter.drafting(ctx)
             try:
                 stepping[i] = (drafting, next(drafting), ctx)
@@ -363,21 +361,25 @@ class BatchDecoder:
             return draft_pays(self.costs, s.acceptance, best, 0.0, batch)
         return True
 
-    def _models_allowed(self, models: dict[int, tuple[float, int]], batch: int) -> set[int]:
-        """Which sequences may run their model draft this round (``models``: index -> (acceptance, draft
-        length)). One batched draft step serves every sequence that drafts, so each is charged its share of
-        that step (``CallCosts.draft_step``); a sequence that does not pay at its share leaves the group, which
-        raises the others' shares, until the group is stable."""
+    def _model_steps(self, models: dict[int, tuple[float, int]], batch: int) -> dict[int, int]:
+        """How many model draft steps each sequence may run this round (``models``: index -> (acceptance, the
+        most its drafter would draft); 0: none). One batched draft step serves every sequence that drafts, so
+        each is charged its share of that step (``CallCosts.draft_step``) and drafts the length that pays best
+        at that share; a sequence for which none pays leaves the group, which raises the others' shares, until
+        the group is stable."""
         if self.costs is None or batch == 1:
-            return set(models)
-        group = set(models)
-        while group:
+            return {i: length for i, (_, length) in models.items()}
+        steps = {i: length for i, (_, length) in models.items()}
+        while True:
+            group = [i for i, k in steps.items() if k > 0]
+            if not group:
+                return steps
             share = self.costs.draft_step(len(group)) / len(group)
-            paying = {i for i in group if draft_pays(self.costs, models[i][0], models[i][1], share, batch)}
-            if paying == group:
-                break
-            group = paying
-        return group
+            fresh = {i: best_draft_length(self.costs, models[i][0], models[i][1], share, batch) for i in group}
+            if all(fresh[i] > 0 for i in group):
+                steps.update(fresh)
+                return steps
+            steps.update(fresh)
 
     def _finish_round(self, s: Sequence, draft: Draft, logits, committed: list[int], path) -> None:
         """The round's statistics, the drafter's feedback and, for drafters that learn from the verifier's

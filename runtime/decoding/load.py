@@ -255,11 +255,22 @@ def draft_pays(costs: CallCosts, acceptance: float, length: int, draft_step: flo
     steps, 0 for a lookup) and its verify make a batch of ``batch`` sequences produce more tokens per second
     than leaving it in the plain step. Decided before drafting: a model draft's steps are its price, and a
     lookup's host time is saved when even the longest draft would not pay."""
+    return best_draft_length(costs, acceptance, length, draft_step, batch) > 0 if batch > 1 else True
+
+
+def best_draft_length(costs: CallCosts, acceptance: float, length: int, draft_step: float, batch: int) -> int:
+    """The draft length k <= ``length`` that makes a batch of ``batch`` sequences produce the most tokens per
+    second when one of them drafts k tokens (``draft_step`` seconds each) and the others step plainly; 0 when
+    no k beats the plain step. A long model draft may not pay under load where a short one does."""
     if batch <= 1:
-        return True
-    plain = batch / max(costs.round_cost([1] * batch), 1e-12)
-    spent = length * draft_step + costs.round_cost([1] * (batch - 1) + [length + 1])
-    return (batch - 1 + expected_tokens(acceptance, length)) / max(spent, 1e-12) > plain
+        return length
+    best, best_rate = 0, batch / max(costs.round_cost([1] * batch), 1e-12)
+    for k in range(1, length + 1):
+        spent = k * draft_step + costs.round_cost([1] * (batch - 1) + [k + 1])
+        rate = (batch - 1 + expected_tokens(acceptance, k)) / max(spent, 1e-12)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best
 
 
 def draft_step_segment(plan):
@@ -284,5 +295,6 @@ __all__ = [
     "expected_tokens",
     "longest_draft",
     "draft_pays",
+    "best_draft_length",
     "draft_step_segment",
 ]

@@ -108,7 +108,7 @@ class Draft:
 @dataclass
 class RoundContext:
     """What a drafter may look at: the committed tokens (``history[-1]`` is the round's input token,
-    at position ``pos``, whose KV is not written yet), how many tokens it may draft, and whether its model
+    at position ``pos``, whose KV is not written yet), how many tokens it may draft, and how many steps its model
     part may run this round (``runtime/decoding/load.py`` decides under load; lookups are always free)."""
 
     history: Sequence[int]
@@ -116,7 +116,12 @@ class RoundContext:
     limit: int
     params: SamplingParams
     rng: np.random.Generator
-    model_allowed: bool = True  # False: a batch under load has no time for this round's model draft steps
+    model_steps: int | None = None  # most model draft steps this round (None: the drafter's own limit; 0: none,
+    # a batch under load has no time for them)
+
+    @property
+    def model_allowed(self) -> bool:
+        return self.model_steps != 0
 
 
 class Drafter:

@@ -166,7 +166,7 @@ class ModelDrafter(Drafter):
             return draft
         leaves: list[tuple[int, int]] = []  # (parent node, token)
         current = ctx.history[-1]
-        most = min(self.policy.max_draft, ctx.limit)
+        most = min(self.policy.max_draft, ctx.limit, ctx.model_steps if ctx.model_steps is not None else ctx.limit)
         branches = self.options.branches - 1 if ctx.params.greedy else 0
         for j in range(most):
             current, confidence, q = yield current, ctx.pos + j
