@@ -2,7 +2,7 @@
 
     python benchmarks/streams.py ARTIFACT [--backend onnx] [--streams 1,4,8,16] [--requests 16]
         [--max-new-tokens 64] [--prompts benchmarks/data/smollm2_prompts.jsonl]
-        [--peers openvino --source MODEL_DIR] [--peer-kv-cache default,f32] [--json OUT.json] [--cost-curve 64]
+        [--peers openvino --source MODEL_DIR] [--peer-weights fp32|int8|int4] [--peer-kv-cache default,f32] [--json OUT.json] [--cost-curve 64]
 
 For each stream count N, a closed loop keeps N requests in flight through ``speccompile.server.scheduler``
 (what ``speccompile serve --max-batch N`` runs; no HTTP), after an untimed warm-up of both at the largest N,
@@ -176,7 +176,7 @@ def openvino_rows(args, sets: dict[str, list[list[int]]], reference: dict) -> li
 
     venvs = Path(args.venvs)
     python = venv(venvs, "openvino", ["optimum-intel[openvino]", "openvino-genai"])
-    folder = openvino_model(venvs, Path(args.source), "fp32")
+    folder = openvino_model(venvs, Path(args.source), args.peer_weights)
     ids_file = venvs / "streams_ids.json"
     ids_file.write_text(json.dumps(sets))
     rows = []
@@ -209,7 +209,8 @@ def openvino_rows(args, sets: dict[str, list[list[int]]], reference: dict) -> li
                 outputs = [r["ids"] for r in sorted(run["requests"], key=lambda r: r["id"])]
                 rows.append(
                     {
-                        "engine": f"OpenVINO GenAI CB {mode.replace('_', ' ')}{caching}, {precision} KV cache",
+                        "engine": f"OpenVINO GenAI CB {mode.replace('_', ' ')}{caching}, {args.peer_weights} weights, "
+                        f"{precision} KV cache",
                         "streams": int(streams),
                         "tokens": run["tokens"],
                         "seconds": run["seconds"],
@@ -287,6 +288,13 @@ def main() -> int:
         choices=("on", "off"),
         default="on",
         help="OpenVINO GenAI's prefix caching (on: as ours, which keeps the prompts a batch has read)",
+    )
+    parser.add_argument(
+        "--peer-weights",
+        choices=("fp32", "int8", "int4"),
+        default="fp32",
+        help="the weight format of OpenVINO's export (optimum-cli --weight-format; int4 in groups of 32): the "
+        "artifact's own (an artifact built with --quantize int8 compares with int8)",
     )
     parser.add_argument(
         "--peer-kv-cache",
