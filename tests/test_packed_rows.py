@@ -8,7 +8,13 @@ SmolLM2-135M's shapes (all 30 blocks: kernels pick their paths by shape, and tin
 one-token rows counting their pad as a query row (``pad_rows``: then a step also computes, to the bit, what the same
 position computes inside a verify). Then batched decoding (sequences joining with prompt chunks beside others'
 verifies, and leaving): every sequence decodes its own plain output, every run of the full model one call. Graphs exported before ``packed_rows`` keep today's
-path, and an ONNX Runtime older than the graphs need is refused in one line."""
+path, and an ONNX Runtime older than the graphs need is refused in one line.
+
+Quantized targets (``--quantize int8`` / ``int4``: int8 activations, which turn a last-bit difference into a whole
+quantization step) batch only on packed graphs: at SmolLM2's shapes every row, a step or a k-token verify, computes
+to the bit alone what it computes beside 1, 3 and 7 rows of other widths in any slot; batched decoding gives every
+sequence its own plain output to the token, in shared calls; their older graphs still run the verifier's rows
+alone."""
 
 from __future__ import annotations
 
@@ -20,11 +26,12 @@ import torch
 from lossless import assert_same_greedy, run
 from onnx_helpers import make_artifact, ort_backend
 from test_batch_decoding import EXIT, LOOKUP, SKIP, _decode_batch, _requests
-from test_real_shapes import ROUNDING, SMOLLM2
+from test_real_shapes import LAYERS, ROUNDING, SMOLLM2
 from test_tree import TREE
 from tiny_models import make_model
 
 from speccompile.runtime.artifact.manifest import DraftPlan
+from speccompile.runtime.backends.slots import batch_of
 from speccompile.runtime.errors import BackendUnavailableError
 from speccompile.runtime.segments import Row, full_model
 
@@ -263,3 +270,187 @@ def test_at_smollm2_shapes_a_row_computes_in_every_batch_what_it_computes_alone(
     rounding = float(np.abs(verify - steps).max())
     limit = 0.0 if pad_rows else ROUNDING
     assert rounding <= limit, f"a verify and its steps give logits {rounding:.2e} apart (allowed {limit:.0e})"
+
+
+# -- quantized targets (int8 activations): batched only on packed graphs -------------------------------------------
+
+SCHEMES = ["int8", "int4"]
+ORDER = (3, 1, 8, 5, 2, 7, 4, 6)  # the other rows' widths, in the order they join a call
+
+
+@pytest.fixture(scope="module")
+def quantized_smollm2(tmp_path_factory):
+    """scheme -> a random-weight Llama with SmolLM2-135M's shapes and ``test_real_shapes.LAYERS`` blocks (kernels
+    pick their paths by shape, not by depth), exported quantized and packed, built once each."""
+    from transformers import AutoModelForCausalLM
+
+    from speccompile.convert import arch_config, canonical_weights
+    from speccompile.runtime.backends.torch.decoder import build_decoder
+
+    base = tmp_path_factory.mktemp("smollm2_quantized")
+    folder = make_model("llama", base / "model", seed=7, num_hidden_layers=LAYERS, **SMOLLM2)
+    hf = AutoModelForCausalLM.from_pretrained(folder).eval()
+    config = arch_config(hf)
+    decoder = build_decoder(config, canonical_weights(hf, config))
+    del hf
+    made = {}
+
+    def get(scheme: str):
+        if scheme not in made:
+            made[scheme] = make_artifact(
+                decoder,
+                {"lookup": LOOKUP},
+                base / scheme,
+                folder / "tokenizer.json",
+                variant="fused",
+                quantize=scheme,
+                packed_rows=True,
+            )
+        return made[scheme]
+
+    return get
+
+
+def compositions(vocab: int, width: int, pos: list[int]) -> list[list[Row]]:
+    """Calls that hold one row of ``width`` tokens: alone (slot 2), beside one row (slot 5, the call's last, an
+    idle slot between), beside three (slot 0, the call's first, idle slots between) and beside seven (slot 4, the
+    middle of a full call), the others of the other widths of ``ORDER``; slot ``s``'s rows start at ``pos[s]``."""
+    others = [w for w in ORDER if w != width]
+    tokens = _tokens(vocab, [8] * 8, seed=20 + width)
+
+    def call(target: int, slots: list[int]) -> list[Row]:
+        widths = iter(others)
+        return [Row(s, pos[s], tokens[s][: width if s == target else next(widths)]) for s in slots]
+
+    return [call(2, [2]), call(5, [1, 5]), call(0, [0, 2, 3, 6]), call(4, list(range(8)))]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_at_smollm2_shapes_a_quantized_row_computes_in_every_batch_what_it_computes_alone(scheme, quantized_smollm2):
+    """Packed int8 / int4 graphs at SmolLM2's shapes: a one-token step and k-token verifies (k = 2..8), each alone,
+    beside 1, 3 and 7 rows of other widths, first, last or in the middle of a call with idle slots: the logits and
+    the cache to the bit what the row computes alone (no tolerance: int8 activations make any other rounding a
+    quantization step). So the backend lets them share calls, and the load policy prices a round as one call.
+    Laid out one place wide when alone, without its pad, a one-token row moved by 1e-6 beside wider rows here, and
+    by up to 0.036 where an int8 activation crossed a rounding step."""
+    from onnx_helpers import open_onnx
+
+    root = quantized_smollm2(scheme)
+    batch, alone = open_onnx(root), open_onnx(root)
+    assert batch.record["quantization"]["scheme"] == scheme and batch.record["padded_attention_rows"]
+    assert batch.rows_share_a_call() and batch.rows_in_one_call
+    vocab = batch.config.vocab_size
+    for backend in (batch, alone):
+        backend.reserve(48, slots=8)
+    prompts = _tokens(vocab, (20, 13, 9, 6, 17, 11, 5, 15), seed=6)
+    lockstep(batch, alone, [[Row(s, 0, p) for s, p in enumerate(prompts)]])
+    pos = [len(p) for p in prompts]
+    for width in range(1, 9):  # each call rewrites its rows' positions, as a verify after a rejected one does
+        lockstep(batch, alone, compositions(vocab, width, pos))
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantized_packed_targets_batch_and_every_sequence_decodes_its_own_plain_output(scheme, tiny_decoder, tmp_path):
+    """A tiny int8 / int4 packed artifact in a batch (sequences joining with prompt chunks beside others' verifies,
+    and leaving; plain steps, lookup chains and trees (chains where this CPU's self-check refuses a quantized
+    target's trees), an early exit and a layer skip): on the batched backend itself (no replicas), every run of the
+    full model one call of each graph, some with several rows and a verify or a chunk, drafts accepted, and every
+    output the sequence's own batch-1 plain output, to the token."""
+    _, decoder = tiny_decoder("llama")
+    plans = {p.name: p for p in (LOOKUP, TREE, EXIT, SKIP)}
+    root = make_artifact(decoder, plans, tmp_path / scheme, variant="fused", quantize=scheme, packed_rows=True)
+    backend = ort_backend(root)
+    assert backend.rows_share_a_call() and backend.rows_in_one_call and batch_of(backend) is backend
+    backend.tree_unsupported()  # its load-time self-check runs on a replica, before the calls are counted
+    full = full_model(decoder.config.num_layers)
+    graphs = backend.index.calls(full)
+    widths: list[list[int]] = []
+    run_rows = backend.run_rows
+
+    def recorded(segment, rows):
+        if segment == full:
+            widths.append([row.width for row in rows])
+        return run_rows(segment, rows)
+
+    backend.run_rows = recorded
+    counts = count_calls(backend)
+    requests = _requests(decoder, [None, LOOKUP, TREE, EXIT, SKIP, LOOKUP])
+    sequences: list = []
+    outputs = _decode_batch(
+        backend, requests, max_batch=4, joins=(0, 0, 1, 1, 4, 6), prefill_chunk=5, sequences=sequences
+    )
+    assert any(len(w) > 1 and max(w) > 1 for w in widths), "no call had several rows with a verify or a chunk"
+    assert all(counts[key] == len(widths) for key in graphs), (counts, len(widths))
+    assert sum(s.stats.accepted for s in sequences) > 0, "no draft was accepted: nothing speculative was checked"
+    alone = ort_backend(root)
+    for (request, _), got in zip(requests, outputs):
+        assert got == run(alone, request.prompt_ids, request.max_new_tokens)[0]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_quantized_targets_on_older_graphs_keep_their_verifier_rows_apart(scheme, tiny_decoder, tmp_path):
+    """Without ``query_seqlens`` a quantized target's single steps run with a padding row and a batch without it
+    (``FusedGraph.padding``): its verifier's rows still run one call each."""
+    _, decoder = tiny_decoder("llama")
+    backend = ort_backend(make_artifact(decoder, PLANS, tmp_path / scheme, variant="fused", quantize=scheme))
+    assert not backend.packed and not backend.rows_share_a_call() and not backend.rows_in_one_call
+    backend.reserve(16, slots=3)
+    full = full_model(backend.config.num_layers)
+    steps = [Row(0, 4, [5]), Row(1, 9, [8]), Row(2, 6, [4])]
+    assert backend._groups(backend.index.calls(full), steps, full) == [[0], [1], [2]]
+
+
+@pytest.mark.parametrize("scheme", SCHEMES)
+def test_build_quantize_packed_rows_serves_concurrent_requests_in_shared_calls(scheme, tiny_model_dir, tmp_path):
+    """``build --quantize int8|int4 --packed-rows`` end to end on the tiny Llama: the graphs are quantized and
+    packed, the loaded model's backend lets sequences share calls, and the server's scheduler runs concurrent
+    requests in rounds of several sequences, each round at most one call of each graph (rows run alone would make
+    more calls than rounds), every answer the request's own batch-1 greedy output."""
+    import threading
+
+    from click.testing import CliRunner
+
+    from speccompile.cli import main
+    from speccompile.runtime import load
+    from speccompile.runtime.artifact.manifest import read_manifest
+    from speccompile.server.openai_api import SamplingOptions
+    from speccompile.server.scheduler import Job, Scheduler
+
+    out = tmp_path / scheme
+    args = ["build", str(tiny_model_dir("llama")), "-o", str(out), "--method", "lookup", "--backend", "onnx"]
+    args += ["--quantize", scheme, "--packed-rows", "--calibration-tokens", "8", "--max-draft", "2", "--quiet"]
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    record = read_manifest(out).backends["onnx"]
+    assert record["quantization"]["scheme"] == scheme and record["packed_rows"]
+    model = load(out)
+    assert model.backend.rows_share_a_call() and model.backend.rows_in_one_call
+    model.backend.tree_unsupported()  # its load-time self-check runs on a replica, before the calls are counted
+    config = model.backend.config
+    prompts = [p + p for p in _tokens(config.vocab_size, (9, 5, 12, 7), seed=8)]  # repeats: lookups draft
+    rounds: list[dict] = []
+    scheduler = Scheduler(model, max_batch=4, plan=next(iter(model.manifest.plans), None), observe=rounds.append)
+    counts = count_calls(model.backend)  # after the scheduler timed its call costs
+    finished, outcomes = threading.Event(), {}
+
+    def done(i: int):
+        def record_outcome(outcome):
+            outcomes[i] = outcome
+            if len(outcomes) == len(prompts):
+                finished.set()
+
+        return record_outcome
+
+    try:
+        for i, prompt in enumerate(prompts):
+            options = SamplingOptions(max_tokens=8, temperature=0.0, top_p=1.0, top_k=0, seed=None, stops=[])
+            scheduler.submit(Job(prompt, options, None, done(i)))
+        assert finished.wait(120), "the requests did not finish"
+    finally:
+        scheduler.close()
+    assert max(r["batch"] for r in rounds) > 1, "no round ran several sequences"
+    full = model.backend.index.calls(full_model(config.num_layers))
+    assert all(0 < counts[key] <= len(rounds) for key in full), (counts, len(rounds))
+    alone = model.replica()
+    for i, prompt in enumerate(prompts):
+        assert outcomes[i].token_ids == alone.generate(prompt, max_new_tokens=8, speculate=False).token_ids

@@ -340,7 +340,8 @@ def test_onnx_rows_of_a_batch_at_real_shapes(name, onnx_artifacts):
     """Plain steps of four sequences in one call against the same steps alone. fp32: within the rounding of
     section 6. Quantized graphs run a batch of one-token rows on GroupQueryAttention's one-row kernel (their
     single steps use a padding row, ``FusedGraph.padding``): the test says by how much they differ, and a
-    quantized artifact batches only where they do not (``OnnxBackend.rows_share_a_call``)."""
+    quantized artifact batches these graphs' rows only where they do not (``OnnxBackend.rows_share_a_call``; packed
+    graphs batch them: ``tests/test_packed_rows.py``)."""
     root, backend = onnx_artifacts(name)
     gen = torch.Generator().manual_seed(5)
     prompt_list = [torch.randint(3, backend.config.vocab_size, (n,), generator=gen).tolist() for n in (7, 12, 5, 9)]

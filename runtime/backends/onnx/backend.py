@@ -341,23 +341,26 @@ class OnnxBackend(Backend):
         """Whether rows of several sequences can run in one call of the fused graphs, each computing what it
         computes alone (rows of any width where the graphs take ``query_seqlens``, else one-token rows).
 
-        - Quantized targets (int8 activations) run their single steps with a padding row (``FusedGraph.padding``)
+        - Packed graphs give every row its own positions (the kernel's rotary, or positions computed in the
+          graph from each row's length) and its own attention layout, at least two places wide whatever the
+          call (``_feeds``), so a row takes the same kernel paths, to the bit, alone or beside rows of any
+          widths: every architecture they cover batches, quantized targets (int8 activations) included
+          (``tests/test_packed_rows.py``, at SmolLM2's shapes).
+        - Older graphs of quantized targets run their single steps with a padding row (``FusedGraph.padding``)
           and a batch without it: the attention rounds differently there, and int8 activations turn that into
           logits about a quantization step apart (``tests/test_real_shapes.py``), so their verifier's rows run
           alone, exact and as slow as one sequence after another. A draft segment (a precision self-draft)
           may batch: its tokens are proposals, and the verifier decides every committed token.
-        - Packed graphs give every row its own positions (the kernel's rotary, or positions computed in the
-          graph from each row's length), so every architecture they cover batches.
-        - Older graphs: GroupQueryAttention takes each row's length (``seqlens_k``) and applies the rotary itself
-          from each row's positions; graphs that compute positions outside the kernel from one call-wide range
-          (learned positions, a rotary the kernel cannot apply) run each row alone."""
+        - Other older graphs: GroupQueryAttention takes each row's length (``seqlens_k``) and applies the rotary
+          itself from each row's positions; graphs that compute positions outside the kernel from one call-wide
+          range (learned positions, a rotary the kernel cannot apply) run each row alone."""
         c = self.config
-        drafting = segment is not None and segment.precision is not None
-        if not drafting and self.record.get("quantization"):
-            return False
         calls = self.index.calls(segment if segment is not None else full_model(c.num_layers))
         if calls and self._packs(calls):
             return True
+        drafting = segment is not None and segment.precision is not None
+        if not drafting and self.record.get("quantization"):
+            return False
         kernel_rotary = c.positions == "rotary" and (c.rotary_dim // 2) % 8 == 0 and c.rotary_dim <= c.head_dim
         return kernel_rotary and not c.local_rope
 
