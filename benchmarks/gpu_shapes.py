@@ -245,9 +245,9 @@ def draft_segments(layers: int) -> dict[str, object]:
 
     out = {}
     for e in exit_layers(layers):
-        plan = DraftPlan(name=f"exit-{e}", exit_layer=e, sources={"model": {"max_draft": 6}})
+        plan = DraftPlan.of(name=f"exit-{e}", exit_layer=e, sources={"model": {"max_draft": 6}})
         out[f"exit-{e}"] = read_plan(plan, layers).kind.draft_segment
-    precision = DraftPlan(
+    precision = DraftPlan.of(
         name="precision", kind="precision", params={"precision": "int8"}, sources={"model": {"max_draft": 6}}
     )
     out["precision-int8"] = read_plan(precision, layers).kind.draft_segment
@@ -607,16 +607,16 @@ def real_plans(layers: int) -> dict:
     model = {"model": {"max_draft": 6}}
     ngram = {"ngram": {"min": 2, "max": 4}}
     out = {
-        "lookup": (DraftPlan(name="lookup", lookup=["ngram"], lookup_max_draft=8, sources=ngram), {"kind": "lookup"})
+        "lookup": (DraftPlan.of(name="lookup", lookup=["ngram"], lookup_max_draft=8, sources=ngram), {"kind": "lookup"})
     }
     for f in EXIT_FRACTIONS:
         e = max(1, layers // f)
-        plan = DraftPlan(name=f"exit-1/{f}", exit_layer=e, sources=model)
+        plan = DraftPlan.of(name=f"exit-1/{f}", exit_layer=e, sources=model)
         out[plan.name] = (plan, {"kind": "early_exit", "exit_fraction": 1 / f, "exit_layer": e})
     precision = dict(kind="precision", params={"precision": "int8"})
-    out["precision"] = (DraftPlan(name="precision", sources=model, **precision), {"kind": "precision"})
+    out["precision"] = (DraftPlan.of(name="precision", sources=model, **precision), {"kind": "precision"})
     out["precision+lookup"] = (
-        DraftPlan(
+        DraftPlan.of(
             name="precision+lookup", lookup=["ngram"], lookup_max_draft=8, sources={**model, **ngram}, **precision
         ),
         {"kind": "precision"},

@@ -27,7 +27,6 @@ when that pays, with a draft head file holding only the ids.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import sysconfig
 import time
@@ -370,7 +369,7 @@ class AdapterAutotune(Pass):
         where perfect drafts could beat the incumbent."""
         vocab = VOCAB_CANDIDATES[0] if ir.config.vocab_size > VOCAB_CANDIDATES[0] else None
         plans = {
-            e: DraftPlan(name="bound", exit_layer=e, head=f"adapter:{e}", draft_vocab=vocab, draft_head_file="x")
+            e: DraftPlan.of(name="bound", exit_layer=e, head=f"adapter:{e}", draft_vocab=vocab, draft_head_file="x")
             for e in self.exits(ir.config.num_layers)
         }
         bounds = {e: model_draft_bound(self.context, plan, PERFECT) for e, plan in plans.items()}
@@ -465,7 +464,7 @@ class AdapterAutotune(Pass):
         plan, estimate, vocab = best
         final = trainer.draft_head(vocab)
         relative = write_head(context, self.plan_name, final)
-        shared_plan = DraftPlan(name="shared", exit_layer=exit_layer)
+        shared_plan = DraftPlan.of(name="shared", exit_layer=exit_layer)
         measured = context.record(
             "adapter",
             estimate,
@@ -490,16 +489,19 @@ class AdapterAutotune(Pass):
                 "held_out_agreement_before": _round(exit_agreement(decoder, data, exit_layer, None, held)),
                 "held_out_agreement_after": _round(exit_agreement(decoder, data, exit_layer, final, held)),
                 "exit_agreement_before": round(context.profile(shared_plan).match_rate, 4),
-                "exit_agreement_after": round(context.profile(replace(plan, draft_head_file=relative)).match_rate, 4),
+                "exit_agreement_after": round(
+                    context.profile(plan.with_params(draft_head_file=relative)).match_rate, 4
+                ),
                 "exit_layer_scores": {str(e): round(s, 4) for e, s in exit_scores.items()},
             },
             draft_vocab_scores=vocab_scores,
             **head_cost_figures(context, decoder, plan.draft_vocab),
         )
         plan = replace(
-            plan.with_options(model={"max_draft": estimate.max_draft, "threshold": estimate.threshold}),
+            plan.with_options(model={"max_draft": estimate.max_draft, "threshold": estimate.threshold}).with_params(
+                draft_head_file=relative
+            ),
             name=self.plan_name,
-            draft_head_file=relative,
             measured=measured,
         )
         plan.set_option("model", "target_acceptance", tuned_target(measured))
@@ -508,7 +510,7 @@ class AdapterAutotune(Pass):
         return PassResult.after(ir, before, seconds_budget=round(self.time_budget, 1))
 
     def _plan(self, exit_layer: int, relative: str, vocab: int | None) -> DraftPlan:
-        return DraftPlan(
+        return DraftPlan.of(
             name="candidate",
             exit_layer=exit_layer,
             head=f"adapter:{exit_layer}",
@@ -523,7 +525,8 @@ def head_cost_figures(context: TuningContext, decoder, vocab: int | None) -> dic
         return {}
     cost = context.cost
     modeled = cost.head[0] / max(
-        cost.head[0] + cost.draft_head_extra(DraftPlan(name="x", exit_layer=1, draft_vocab=vocab, draft_head_file="x")),
+        cost.head[0]
+        + cost.draft_head_extra(DraftPlan.of(name="x", exit_layer=1, draft_vocab=vocab, draft_head_file="x")),
         1e-12,
     )
     return {"head_cost_ratio": round(modeled, 2), "head_cost_ratio_timed": round(time_heads(decoder, vocab), 2)}
@@ -557,7 +560,7 @@ class DraftVocabTune(Pass):
             [
                 model_draft_bound(
                     self.context,
-                    dataclasses.replace(p, draft_vocab=vocab, draft_head_file="x"),
+                    p.with_params(draft_vocab=vocab, draft_head_file="x"),
                     p.measured.get("acceptance_rate", 1.0) + RATE_SLACK,
                 )
                 for p in self._plans(ir)
@@ -581,7 +584,7 @@ class DraftVocabTune(Pass):
                 relative = write_head(
                     context, f"{name}-vocab-{n}", DraftHead(vocab=ranking[:n], exit_layer=plan.exit_layer)
                 )
-                candidate = dataclasses.replace(plan, draft_vocab=n, draft_head_file=relative)
+                candidate = plan.with_params(draft_vocab=n, draft_head_file=relative)
                 estimate = context.score(candidate)
                 scores[str(n)] = round(estimate.expected_speedup, 4)
                 if estimate.expected_speedup > (best[1].expected_speedup if best else base.expected_speedup):
@@ -593,10 +596,9 @@ class DraftVocabTune(Pass):
             relative = write_head(
                 context, name, DraftHead(vocab=ranking[: candidate.draft_vocab], exit_layer=plan.exit_layer)
             )
-            candidate = dataclasses.replace(
-                candidate.with_options(model={"max_draft": estimate.max_draft, "threshold": estimate.threshold}),
-                draft_head_file=relative,
-            )
+            candidate = candidate.with_options(
+                model={"max_draft": estimate.max_draft, "threshold": estimate.threshold}
+            ).with_params(draft_head_file=relative)
             candidate.measured = {
                 **plan.measured,
                 **context.record(plan.measured.get("method", name), estimate),

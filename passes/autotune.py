@@ -40,7 +40,7 @@ def cosine_ranking(context: TuningContext) -> list[tuple[str, int, float]]:
 def skip_plan(ranking: list[tuple[str, int, float]], n: int, name: str = "layer-skip") -> DraftPlan:
     """Skip the first ``n`` units of ``ranking`` (a skipped block drops both of its sublayers)."""
     chosen = ranking[:n]
-    return DraftPlan(
+    return DraftPlan.of(
         name=name,
         skip_attn=sorted(i for kind, i, _ in chosen if kind in ("attn", "block")),
         skip_mlp=sorted(i for kind, i, _ in chosen if kind in ("mlp", "block")),
@@ -172,14 +172,14 @@ class ExitLayerAutotune(Pass):
         is below ``floor`` keeps that one (its agreement, a head product over the calibration, is not needed)."""
         bounds = self._perfect_bounds()
         for e, m in exit_agreements(self.context, needed(bounds, floor)).items():
-            plan = DraftPlan(name="candidate", exit_layer=e)
+            plan = DraftPlan.of(name="candidate", exit_layer=e)
             bounds[e] = min(bounds[e], model_draft_bound(self.context, plan, m + RATE_SLACK))
         return bounds
 
     def _perfect_bounds(self) -> dict[int, float]:
         """Each exit's bound were its drafts always right (cheap: costs only)."""
         return {
-            e: model_draft_bound(self.context, DraftPlan(name="candidate", exit_layer=e), PERFECT)
+            e: model_draft_bound(self.context, DraftPlan.of(name="candidate", exit_layer=e), PERFECT)
             for e in range(1, self.context.ir.config.num_layers)
         }
 
@@ -203,7 +203,7 @@ class ExitLayerAutotune(Pass):
         for exit_layer in tqdm(exits, desc="early-exit: scoring exit layers", disable=not self.show_progress):
             if scores and _past(self):
                 break
-            scores[exit_layer] = self.context.score(DraftPlan(name="candidate", exit_layer=exit_layer))
+            scores[exit_layer] = self.context.score(DraftPlan.of(name="candidate", exit_layer=exit_layer))
         exit_layer = max(scores, key=lambda e: scores[e].expected_speedup)
         best = scores[exit_layer]
         ir.tuning["best_exit_layer"] = exit_layer

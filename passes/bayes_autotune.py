@@ -43,7 +43,7 @@ def _params(plan: DraftPlan, units: list[tuple[str, int]]) -> dict[str, int]:
 
 def _plan(params: dict[str, int], units: list[tuple[str, int]], name: str = "bayes") -> DraftPlan:
     on = [(kind, i) for kind, i in units if params[f"{kind}_{i}"]]
-    return DraftPlan(
+    return DraftPlan.of(
         name=name,
         skip_attn=sorted(i for kind, i in on if kind in ("attn", "block")),
         skip_mlp=sorted(i for kind, i in on if kind in ("mlp", "block")),

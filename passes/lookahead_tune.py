@@ -62,7 +62,7 @@ def recycling_grid(trees: bool, behind: DraftPlan | None):
     where ``trees``, as token trees of ``RECYCLING_TREE_NODES`` tokens. Why both: where the lookup plan drafts
     most rounds, recycling alone runs well below it; where lookup misses most rounds, recycling behind it beats
     the lookup chain (measured: docs/history.md, 'Figures behind the code's constants')."""
-    alone = DraftPlan(name="recycling", lookup=["recycling"], lookup_max_draft=4)
+    alone = DraftPlan.of(name="recycling", lookup=["recycling"], lookup_max_draft=4)
     bases = [alone]
     if behind is not None and behind.lookup and not has_model_part(behind) and "recycling" not in behind.lookup:
         bases.append(replace(behind, name="recycling", lookup=behind.lookup + ["recycling"], measured={}))
@@ -77,7 +77,7 @@ def lookahead_grid(trees: bool, behind: DraftPlan | None = None, windows=WINDOWS
     """Lookahead alone (chains, and trees of pooled n-grams next to the window where ``trees``), and behind the
     lookup plan ``behind`` when given (its sources draft when they hit, lookahead otherwise)."""
     for window, ngram in itertools.product(windows, ngrams):
-        chain = DraftPlan(
+        chain = DraftPlan.of(
             name="lookahead", lookup=["lookahead"], sources={"lookahead": {"window": window, "ngram": ngram}}
         )
         yield chain

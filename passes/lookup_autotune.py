@@ -48,7 +48,7 @@ def lookup_grid(retrieval: bool):
     for lookup, (lo, hi), k in itertools.product(sources, NGRAM_SIZES, LOOKUP_DRAFTS):
         shorts = [0] + ([s for s in (1, 2) if lo <= s < hi] if "ngram" in lookup else [])
         for short in shorts:
-            yield DraftPlan(
+            yield DraftPlan.of(
                 name="lookup",
                 lookup=lookup,
                 lookup_max_draft=k,

@@ -39,7 +39,7 @@ class EarlyExitHeads(Pass):
     def call(self, ir: DecoderIR) -> PassResult:
         before = dict(ir.plans)
         ir.add_plan(
-            DraftPlan(
+            DraftPlan.of(
                 name=self.plan_name,
                 exit_layer=self.exit_layer,
                 head=f"exit:{self.exit_layer}",
@@ -77,7 +77,7 @@ class LayerSkipPlan(Pass):
     def call(self, ir: DecoderIR) -> PassResult:
         before = dict(ir.plans)
         ir.add_plan(
-            DraftPlan(
+            DraftPlan.of(
                 name=self.plan_name,
                 skip_attn=self.skip_attn,
                 skip_mlp=self.skip_mlp,

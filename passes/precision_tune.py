@@ -77,7 +77,7 @@ chain is kept."""
 
 
 def precision_plan(params: dict, max_draft: int) -> DraftPlan:
-    return DraftPlan(
+    return DraftPlan.of(
         name="precision", kind="precision", params=dict(params), sources={"model": {"max_draft": max_draft}}
     )
 

@@ -23,7 +23,7 @@ from speccompile.backend_parts import in_write_order, writer
 from speccompile.build_memory import peak_resident_bytes
 from speccompile.runtime.artifact.manifest import (
     MANIFEST_NAME,
-    SCHEMA_VERSION,
+    READABLE_VERSIONS,
     Manifest,
     file_record,
     write_manifest,
@@ -67,7 +67,11 @@ def artifact_manifest(path: Path) -> dict | None:
         data = json.loads((path / MANIFEST_NAME).read_bytes().decode("utf-8"))
     except (OSError, ValueError, RecursionError):
         return None
-    if isinstance(data, dict) and data.get("schema_version") == SCHEMA_VERSION and isinstance(data.get("files"), dict):
+    if (
+        isinstance(data, dict)
+        and data.get("schema_version") in READABLE_VERSIONS
+        and isinstance(data.get("files"), dict)
+    ):
         return data
     return None
 

@@ -39,12 +39,7 @@ class OnnxRunner:
         from speccompile.artifact_writer import model_plans, write_backend_files
 
         plans = model_plans(plans or {})
-        key = tuple(
-            sorted(
-                (name, repr(p.skip_attn), repr(p.skip_mlp), p.exit_layer, p.draft_head_file, p.kind, repr(p.params))
-                for name, p in plans.items()
-            )
-        )
+        key = tuple(sorted((name, p.kind, repr(p.params)) for name, p in plans.items()))  # the model parts exported
         if key == self._key and self._backend is not None:
             return self._backend
         self._backend = None

@@ -12,10 +12,6 @@ from speccompile.runtime.segments import Segment
 class ShallowDraft(DraftKind):
     name = "shallow"
 
-    @classmethod
-    def matches(cls, plan) -> bool:
-        return False  # only a plan that names it
-
     @property
     def draft_segment(self) -> Segment:
         return Segment(0, int(self.plan.params["blocks"]), head=self.head)

@@ -278,11 +278,13 @@ def plans(num_layers: int, canonical: bool):
     from speccompile.runtime.artifact.manifest import DraftPlan
 
     out = [
-        DraftPlan(name=f"exit{num_layers // 2}", exit_layer=num_layers // 2, sources={"model": {"max_draft": 4}}),
-        DraftPlan(name="skip_block1", skip_attn=[1], skip_mlp=[1], sources={"model": {"max_draft": 3}}),
+        DraftPlan.of(name=f"exit{num_layers // 2}", exit_layer=num_layers // 2, sources={"model": {"max_draft": 4}}),
+        DraftPlan.of(name="skip_block1", skip_attn=[1], skip_mlp=[1], sources={"model": {"max_draft": 3}}),
     ]
     if canonical:
-        out.append(DraftPlan(name="skip_attn1_mlp2", skip_attn=[1], skip_mlp=[2], sources={"model": {"max_draft": 3}}))
+        out.append(
+            DraftPlan.of(name="skip_attn1_mlp2", skip_attn=[1], skip_mlp=[2], sources={"model": {"max_draft": 3}})
+        )
     return out
 
 

@@ -51,14 +51,14 @@ def random_model_plan(rng: np.random.Generator, L: int, name: str):
     k, threshold = int(rng.integers(1, 9)), float(rng.choice([0.0, 0.0, 0.2, 0.5, 0.8]))
     adaptive = bool(rng.integers(0, 2))
     if rng.random() < 0.5:
-        return DraftPlan(
+        return DraftPlan.of(
             name=name,
             exit_layer=int(rng.integers(1, L)),
             sources={"model": {"max_draft": k, "threshold": threshold, "adaptive": adaptive}},
         )
     attn = sorted(set(rng.choice(L, int(rng.integers(0, L + 1)), replace=False).tolist()))
     mlp = sorted(set(rng.choice(L, int(rng.integers(0 if attn else 1, L + 1)), replace=False).tolist()))
-    return DraftPlan(
+    return DraftPlan.of(
         name=name,
         skip_attn=attn,
         skip_mlp=mlp,
@@ -78,7 +78,7 @@ def with_lookup(rng: np.random.Generator, plan, name: str):
     settings = dict(lookup=sources, lookup_max_draft=int(rng.integers(1, 11)), extend=bool(rng.integers(0, 2)))
     options = {"ngram": ngram, "retrieval": {"datastore": DATASTORE if "retrieval" in sources else None}}
     if plan is None:
-        return DraftPlan(name=name, sources=options, **settings)
+        return DraftPlan.of(name=name, sources=options, **settings)
     return replace(plan.with_options(**options), name=name, **settings)
 
 

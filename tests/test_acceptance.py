@@ -41,7 +41,7 @@ def real_and_estimated(decoder, plan):
 @pytest.mark.parametrize("threshold", [0.0, 0.5])
 def test_early_exit_estimate_is_exact(family, threshold, tiny_decoder):
     _, decoder = tiny_decoder(family)
-    plan = DraftPlan(
+    plan = DraftPlan.of(
         name="exit", exit_layer=2, sources={"model": {"max_draft": 4, "threshold": threshold, "adaptive": False}}
     )
     real_rounds, profile = real_and_estimated(decoder, plan)
@@ -61,7 +61,7 @@ def test_early_exit_estimate_is_exact(family, threshold, tiny_decoder):
 def test_layer_skip_first_token_exact_and_mean_close(family, tiny_decoder):
     _, decoder = tiny_decoder(family)
     L = decoder.config.num_layers
-    plan = DraftPlan(
+    plan = DraftPlan.of(
         name="skip", skip_attn=[1], skip_mlp=[L - 2], sources={"model": {"max_draft": 4, "adaptive": False}}
     )
     real_rounds, profile = real_and_estimated(decoder, plan)

@@ -92,14 +92,14 @@ def test_time_budget_ends_training_cleanly(tiny_decoder):
 def head_plans(num_layers: int, vocab: int) -> dict[str, DraftPlan]:
     half = num_layers // 2
     plans = [
-        DraftPlan(
+        DraftPlan.of(
             name="adapter",
             exit_layer=half,
             head=f"adapter:{half}",
             draft_head_file=ADAPTER,
             sources={"model": {"max_draft": 4, "adaptive": False}},
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="adapter-reduced",
             exit_layer=half,
             head=f"adapter:{half}",
@@ -107,14 +107,14 @@ def head_plans(num_layers: int, vocab: int) -> dict[str, DraftPlan]:
             draft_head_file=REDUCED,
             sources={"model": {"max_draft": 3, "threshold": 0.2}},
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="exit-reduced",
             exit_layer=1,
             draft_vocab=vocab,
             draft_head_file="draft_heads/vocab.safetensors",
             sources={"model": {"max_draft": 3, "adaptive": False}},
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="skip-reduced",
             skip_attn=[1],
             skip_mlp=[num_layers - 2],
@@ -122,7 +122,7 @@ def head_plans(num_layers: int, vocab: int) -> dict[str, DraftPlan]:
             draft_head_file="draft_heads/vocab.safetensors",
             sources={"model": {"max_draft": 2, "adaptive": False}},
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="hybrid-adapter",
             lookup=["ngram"],
             lookup_max_draft=4,
@@ -207,7 +207,7 @@ def test_sampling_with_draft_heads_matches_target_distribution(small_vocab_llama
     config = decoder.config
     if kind == "adapter":
         head = random_head(config, None, 3, scale=0.3)
-        plan = DraftPlan(
+        plan = DraftPlan.of(
             name="a",
             exit_layer=2,
             head="adapter:2",
@@ -216,7 +216,7 @@ def test_sampling_with_draft_heads_matches_target_distribution(small_vocab_llama
         )
     else:  # q is zero outside these 6 tokens: the rejection rule must still give the target's distribution
         head = DraftHead(vocab=np.array([1, 3, 5, 7, 9, 11]))
-        plan = DraftPlan(
+        plan = DraftPlan.of(
             name="r",
             skip_attn=[1],
             skip_mlp=[2],
@@ -296,7 +296,8 @@ def test_build_adapter_artifact_inspect_generate_and_tamper(tiny_model_dir, tmp_
     assert result.exit_code == 0, result.output
     manifest = json.loads((out / "manifest.json").read_text())
     plan = manifest["plans"]["adapter"]
-    assert plan["head"] == "adapter:2" and plan["draft_head_file"] in manifest["files"]
+    assert plan["kind"] == "early_exit" and plan["params"]["head"] == "adapter:2"
+    assert plan["params"]["draft_head_file"] in manifest["files"]
     figures = plan["measured"]["adapter"]
     assert figures["tokens"] > 1000 and figures["final_loss"] < figures["first_loss"]
     shown = runner.invoke(main, ["inspect", str(out)])
@@ -328,7 +329,7 @@ def test_build_adapter_artifact_inspect_generate_and_tamper(tiny_model_dir, tmp_
     got = json.loads(blocked.stdout.strip().splitlines()[-1])
     assert got["torch_blocked"] and not got["torch_loaded"] and got["spec"] == got["plain"] == outputs[1]
     # A tampered draft head is refused by the artifact's hash check, before anything runs.
-    head = out / plan["draft_head_file"]
+    head = out / plan["params"]["draft_head_file"]
     data = bytearray(head.read_bytes())
     data[-1] ^= 0xFF
     head.write_bytes(bytes(data))

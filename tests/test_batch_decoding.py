@@ -25,9 +25,9 @@ from speccompile.runtime.decoding.speculative import DecodeRequest
 from speccompile.runtime.errors import InputError
 from speccompile.runtime.sampling import SamplingParams
 
-LOOKUP = DraftPlan(name="lookup", lookup=["ngram"], lookup_max_draft=4, sources={"ngram": {"min": 1, "max": 3}})
-EXIT = DraftPlan(name="exit", exit_layer=1, head="final", sources={"model": {"max_draft": 3, "threshold": 0.0}})
-SKIP = DraftPlan(name="skip", skip_attn=[1], skip_mlp=[0], sources={"model": {"max_draft": 3, "threshold": 0.0}})
+LOOKUP = DraftPlan.of(name="lookup", lookup=["ngram"], lookup_max_draft=4, sources={"ngram": {"min": 1, "max": 3}})
+EXIT = DraftPlan.of(name="exit", exit_layer=1, head="final", sources={"model": {"max_draft": 3, "threshold": 0.0}})
+SKIP = DraftPlan.of(name="skip", skip_attn=[1], skip_mlp=[0], sources={"model": {"max_draft": 3, "threshold": 0.0}})
 
 
 def _prompts(vocab: int, count: int) -> list[list[int]]:

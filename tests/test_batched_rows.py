@@ -17,7 +17,7 @@ from speccompile.runtime.artifact.manifest import DraftPlan
 from speccompile.runtime.backends.torch.backend import TorchBackend
 from speccompile.runtime.segments import Row, full_model
 
-PLANS = {"exit": DraftPlan(name="exit", exit_layer=1, head="final")}
+PLANS = {"exit": DraftPlan.of(name="exit", exit_layer=1, head="final")}
 PARENTS = [-1, 0, 0, 1]  # a tree of 4 nodes below the input token
 
 

@@ -53,7 +53,7 @@ def test_bayes_tune_resumes_study_and_keeps_plan_lossless(artifact, tmp_path):
     bayes = manifest["plans"]["bayes"]
     for key in ("expected_speedup", "confirmed_speedup", "prediction_error", "trials"):
         assert key in bayes["measured"]
-    assert bayes["skip_attn"] or bayes["skip_mlp"], "a plan that skips nothing is never chosen"
+    assert bayes["kind"] == "layer_skip" and bayes["params"], "a plan that skips nothing is never chosen"
     cosine = manifest["plans"]["layer-skip"]["measured"]
     assert bayes["measured"]["confirmed_speedup"] >= cosine["confirmed_speedup"], "timed together, bayes >= cosine"
     best = max(bayes["measured"]["confirmed_speedup"], cosine["confirmed_speedup"])
@@ -75,7 +75,7 @@ def test_degenerate_plans_are_handled(tiny_decoder):
     ir = DecoderIR(decoder.config, {})
     ir._decoder = decoder
     context = TuningContext.prepare(ir, [[5, 6, 7, 8], [9, 10, 11]], 12, 3, show_progress=False)
-    everything = context.score(DraftPlan(name="all", skip_attn=list(range(L)), skip_mlp=list(range(L))))
+    everything = context.score(DraftPlan.of(name="all", skip_attn=list(range(L)), skip_mlp=list(range(L))))
     assert 0.0 <= everything.acceptance_rate <= 1.0 and everything.expected_speedup > 0.0
     search = BayesAutotune(context, trials=2, show_progress=False)
     nothing = optuna.trial.FixedTrial({f"{k}_{i}": 0 for k in ("attn", "mlp") for i in range(L)})

@@ -55,7 +55,7 @@ class AddPlan(Pass):
         self.ran = True
         self.clock.now += self.seconds
         before = dict(ir.plans)
-        ir.add_plan(DraftPlan(name=self.name, lookup=["ngram"], measured={"expected_speedup": self.speedup}))
+        ir.add_plan(DraftPlan.of(name=self.name, lookup=["ngram"], measured={"expected_speedup": self.speedup}))
         return PassResult.after(ir, before)
 
 
@@ -127,7 +127,7 @@ NOISE = [1.0, 1.06, 0.97, 1.03, 0.95, 1.01, 1.04]
 
 
 def race(plan_seconds, max_turns=16, deadline=None, clock=None):
-    plans = [DraftPlan(name=name, lookup=["ngram"]) for name in plan_seconds]
+    plans = [DraftPlan.of(name=name, lookup=["ngram"]) for name in plan_seconds]
     confirmer = Confirmer(None, [[1, 2, 3], [4, 5, 6]], 8, decode=fake_decode(1.0, plan_seconds, NOISE))
     kwargs = {"clock": clock} if clock else {}
     return confirmer.race(plans, min_turns=3, max_turns=max_turns, deadline=deadline, **kwargs)
@@ -172,10 +172,10 @@ def test_an_undecided_race_is_settled_by_the_estimate(ir):
 
     def plans(interval, other_confirmed=1.62, other_method="precision"):
         return {
-            "alone": DraftPlan(
+            "alone": DraftPlan.of(
                 name="alone", measured={"method": "precision", "expected_speedup": 1.71, "confirmed_speedup": 1.63}
             ),
-            "behind": DraftPlan(
+            "behind": DraftPlan.of(
                 name="behind",
                 measured={
                     "method": other_method,
@@ -281,7 +281,7 @@ def test_bounds_hold_on_real_tiny_models(family, tiny_decoder):
     context = TuningContext.prepare(ir, prompts, 16, 4, show_progress=False)
     bounds = ExitLayerAutotune(context, show_progress=False).exit_bounds()
     for exit_layer, bound in bounds.items():
-        assert bound >= context.score(DraftPlan(name="e", exit_layer=exit_layer)).expected_speedup
+        assert bound >= context.score(DraftPlan.of(name="e", exit_layer=exit_layer)).expected_speedup
     cosine = CosineAutotune(context, show_progress=False)
     bound = cosine.bound(ir)
     assert bound >= cosine.run(ir).plans["layer-skip"].measured["expected_speedup"]
@@ -293,14 +293,14 @@ def test_confirmation_races_only_plans_close_to_the_best():
     from speccompile.passes.confirm import race_candidates
 
     ranked = [
-        DraftPlan(name=n, measured={"expected_speedup": e})
+        DraftPlan.of(name=n, measured={"expected_speedup": e})
         for n, e in (("best", 1.30), ("close", 1.18), ("far", 1.10), ("slower", 0.95))
     ]
     assert [p.name for p in race_candidates(ranked, 3, 0.9)] == ["best", "close"]
     assert [p.name for p in race_candidates(ranked, 3, None)] == ["best", "close", "far"]
     slow = [
-        DraftPlan(name="a", measured={"expected_speedup": 0.97}),
-        DraftPlan(name="b", measured={"expected_speedup": 0.9}),
+        DraftPlan.of(name="a", measured={"expected_speedup": 0.97}),
+        DraftPlan.of(name="b", measured={"expected_speedup": 0.9}),
     ]
     assert [p.name for p in race_candidates(slow, 3, 0.9)] == ["a"]  # the best is always timed: it may still pay
 
@@ -385,7 +385,7 @@ def test_scoring_on_torch_releases_the_onnx_sessions(tiny_decoder, tmp_path):
     runner, decoder = context.runner, context.ir.decoder()
     opened = runner.backend({})
     assert runner._backend is opened
-    context.profile(DraftPlan(name="e", exit_layer=1))
+    context.profile(DraftPlan.of(name="e", exit_layer=1))
     assert runner._backend is None
     again = runner.plain_backend()
     again.reserve(8)

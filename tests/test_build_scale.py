@@ -82,7 +82,7 @@ def test_a_confirmation_turn_starts_only_if_it_ends_by_the_deadline():
 
     confirmer = Confirmer(None, [[1, 2, 3]], 8, decode=decode)
     clock.now = 0.0  # after the warm-up decode
-    plan = DraftPlan(name="tie", lookup=["ngram"])
+    plan = DraftPlan.of(name="tie", lookup=["ngram"])
     _, notes = confirmer.race([plan], min_turns=3, max_turns=16, deadline=8.5, clock=clock)
     assert notes == {"confirmation_turns": 4, "confirmation_stopped": "budget"} and clock.now <= 8.5
 
@@ -173,7 +173,7 @@ def test_tuning_sessions_read_the_weights_in_memory_and_quantize_once(tiny_decod
     _, decoder = tiny_decoder("llama")
     tied = decoder.config.tie_word_embeddings
     weights = {k: v for k, v in decoder.state_dict().items() if not (tied and k == "lm_head.weight")}
-    plans = {"int8": DraftPlan(name="int8", kind="precision", params={"precision": "int8"})}
+    plans = {"int8": DraftPlan.of(name="int8", kind="precision", params={"precision": "int8"})}
     derived, arrays = {}, {}
     record = export_onnx_weights(
         decoder.config,
@@ -258,7 +258,7 @@ def test_the_self_check_finds_a_verify_that_rounds_unlike_its_steps(tiny_decoder
     from speccompile.runtime.backends.onnx.selfcheck import rows_differ, speculation_refusal
 
     _, decoder = tiny_decoder("llama")
-    plan = DraftPlan(name="ngram", lookup=["ngram"], lookup_max_draft=4, sources={"ngram": {"min": 1, "max": 3}})
+    plan = DraftPlan.of(name="ngram", lookup=["ngram"], lookup_max_draft=4, sources={"ngram": {"min": 1, "max": 3}})
     root = make_artifact(
         decoder,
         {"ngram": plan},

@@ -40,7 +40,7 @@ def test_build_generate_inspect_bench_end_to_end(tiny_model_dir, tmp_path):
     assert "plan 'early-exit'" in result.stdout
     manifest = json.loads((out / "manifest.json").read_text())
     plan = manifest["plans"]["early-exit"]
-    assert plan["exit_layer"] is not None and "expected_speedup" in plan["measured"]
+    assert plan["kind"] == "early_exit" and plan["params"]["exit_layer"] >= 1 and "expected_speedup" in plan["measured"]
     assert "confirmed_speedup" in plan["measured"] and manifest["source"]["architecture"] == "GPT2LMHeadModel"
     assert leftovers(tmp_path) == []
 

@@ -207,8 +207,8 @@ def test_speculative_greedy_equals_plain_with_a_form_forced(family, form, tiny_d
         prompt = torch.randint(3, config.vocab_size, (length,), generator=gen).tolist()
         plain, _ = run(backend, prompt, 32)
         for plan in (
-            DraftPlan(name="exit", exit_layer=config.num_layers // 2, sources={"model": {"max_draft": 5}}),
-            DraftPlan(name="skip", skip_attn=[1], sources={"model": {"max_draft": 3}}),
+            DraftPlan.of(name="exit", exit_layer=config.num_layers // 2, sources={"model": {"max_draft": 5}}),
+            DraftPlan.of(name="skip", skip_attn=[1], sources={"model": {"max_draft": 3}}),
         ):
             spec, stats = run(backend, prompt, 32, plan)
             near_ties += assert_same_greedy(decoder, prompt, plain, spec)

@@ -18,8 +18,12 @@ from speccompile.runtime.segments import full_model
 
 PROMPT = [5, 17, 42, 9, 100, 3, 77, 12]
 PLANS = {
-    "skip": DraftPlan(name="skip", skip_attn=[1], skip_mlp=[0], sources={"model": {"max_draft": 4, "threshold": 0.0}}),
-    "exit": DraftPlan(name="exit", exit_layer=1, head="final", sources={"model": {"max_draft": 4, "threshold": 0.0}}),
+    "skip": DraftPlan.of(
+        name="skip", skip_attn=[1], skip_mlp=[0], sources={"model": {"max_draft": 4, "threshold": 0.0}}
+    ),
+    "exit": DraftPlan.of(
+        name="exit", exit_layer=1, head="final", sources={"model": {"max_draft": 4, "threshold": 0.0}}
+    ),
 }
 
 
@@ -190,7 +194,7 @@ def test_device_round_on_cuda_syncs_once_per_round(tiny_model_dir, monkeypatch, 
     from speccompile.runtime.backends.torch.device_round import DeviceRound
 
     decoder = _cuda_decoder(tiny_model_dir, dtype)
-    plan = PLANS.get(plan_name) or DraftPlan(
+    plan = PLANS.get(plan_name) or DraftPlan.of(
         name="ngram", lookup=["ngram"], lookup_max_draft=4, sources={"ngram": {"min": 1, "max": 3}}
     )
     tolerance = 1e-4 if dtype == torch.float32 else 2e-2

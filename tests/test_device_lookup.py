@@ -54,7 +54,7 @@ def test_the_device_lookup_on_repetitive_text():
 
 def test_the_device_round_looks_up_on_the_device_after_its_first_round(tiny_decoder, monkeypatch):
     _, decoder = tiny_decoder("llama")
-    plan = DraftPlan(
+    plan = DraftPlan.of(
         name="ngram", lookup=["ngram"], lookup_max_draft=4, sources={"ngram": {"min": 1, "max": 3, "short": 1}}
     )
     calls = [0]

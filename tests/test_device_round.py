@@ -30,32 +30,34 @@ PROMPTS = 3
 def greedy_plans(num_layers: int) -> list[DraftPlan]:
     half = num_layers // 2
     return [
-        DraftPlan(
+        DraftPlan.of(
             name="skip-k3",
             skip_attn=[1],
             skip_mlp=[num_layers - 2],
             sources={"model": {"max_draft": 3, "threshold": 0.0}},
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="skip-k6-cut",
             skip_attn=[1],
             skip_mlp=[num_layers - 2],
             sources={"model": {"max_draft": 6, "threshold": 0.3}},
         ),
-        DraftPlan(name="exit-k4", exit_layer=half, sources={"model": {"max_draft": 4, "threshold": 0.0}}),
-        DraftPlan(name="exit-k5-cut", exit_layer=half, sources={"model": {"max_draft": 5, "threshold": 0.3}}),
-        DraftPlan(name="exit-last", exit_layer=num_layers - 1, sources={"model": {"max_draft": 6, "adaptive": False}}),
-        DraftPlan(
+        DraftPlan.of(name="exit-k4", exit_layer=half, sources={"model": {"max_draft": 4, "threshold": 0.0}}),
+        DraftPlan.of(name="exit-k5-cut", exit_layer=half, sources={"model": {"max_draft": 5, "threshold": 0.3}}),
+        DraftPlan.of(
+            name="exit-last", exit_layer=num_layers - 1, sources={"model": {"max_draft": 6, "adaptive": False}}
+        ),
+        DraftPlan.of(
             name="ngram", lookup=["ngram"], lookup_max_draft=4, sources={"ngram": {"min": 1, "max": 3, "short": 1}}
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="hybrid-exit",
             lookup=["ngram"],
             lookup_max_draft=4,
             exit_layer=half,
             sources={"ngram": {"min": 2, "max": 3}, "model": {"max_draft": 3, "adaptive": False}},
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="hybrid-skip",
             lookup=["ngram"],
             lookup_max_draft=3,
@@ -180,7 +182,9 @@ VOCAB = 12
 PROMPT = [1, 5, 7, 3, 5, 7, 9, 5]
 SAMPLES = 2000
 ALPHA = 1e-3
-SKIP = DraftPlan(name="skip", skip_attn=[1, 2], skip_mlp=[1, 2], sources={"model": {"max_draft": 2, "adaptive": False}})
+SKIP = DraftPlan.of(
+    name="skip", skip_attn=[1, 2], skip_mlp=[1, 2], sources={"model": {"max_draft": 2, "adaptive": False}}
+)
 
 
 @pytest.mark.parametrize(
@@ -188,7 +192,7 @@ SKIP = DraftPlan(name="skip", skip_attn=[1, 2], skip_mlp=[1, 2], sources={"model
     [
         (SKIP, SamplingParams(temperature=0.8, top_k=6, top_p=0.9)),
         (
-            DraftPlan(
+            DraftPlan.of(
                 name="skip-cut",
                 skip_attn=[1, 2],
                 skip_mlp=[1, 2],
@@ -197,7 +201,7 @@ SKIP = DraftPlan(name="skip", skip_attn=[1, 2], skip_mlp=[1, 2], sources={"model
             SamplingParams(temperature=1.0),
         ),
         (
-            DraftPlan(
+            DraftPlan.of(
                 name="hybrid",
                 lookup=["ngram"],
                 lookup_max_draft=2,
@@ -352,10 +356,10 @@ def reads_per_round(monkeypatch, round_fn_owner, name) -> list[int]:
 
 
 SYNC_PLANS = [
-    DraftPlan(name="skip-cut", skip_attn=[1], skip_mlp=[2], sources={"model": {"max_draft": 4, "threshold": 0.3}}),
-    DraftPlan(name="exit", exit_layer=2, sources={"model": {"max_draft": 4, "adaptive": False}}),
-    DraftPlan(name="ngram", lookup=["ngram"], lookup_max_draft=4, sources={"ngram": {"min": 1, "max": 3}}),
-    DraftPlan(
+    DraftPlan.of(name="skip-cut", skip_attn=[1], skip_mlp=[2], sources={"model": {"max_draft": 4, "threshold": 0.3}}),
+    DraftPlan.of(name="exit", exit_layer=2, sources={"model": {"max_draft": 4, "adaptive": False}}),
+    DraftPlan.of(name="ngram", lookup=["ngram"], lookup_max_draft=4, sources={"ngram": {"min": 1, "max": 3}}),
+    DraftPlan.of(
         name="hybrid",
         lookup=["ngram"],
         lookup_max_draft=4,

@@ -49,7 +49,7 @@ def test_a_backend_missing_part_of_the_interface_cannot_be_made():
 def shallow_kind(monkeypatch):
     """The demonstration kind, registered the way a new kind is: one line in ``KINDS``."""
     monkeypatch.setitem(draft_kinds.KINDS, "shallow", "demo_kind:ShallowDraft")
-    return DraftPlan(name="shallow", kind="shallow", params={"blocks": 1}, sources={"model": {"max_draft": 4}})
+    return DraftPlan.of(name="shallow", kind="shallow", params={"blocks": 1}, sources={"model": {"max_draft": 4}})
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt_neox", "gemma"])
@@ -94,7 +94,7 @@ def test_a_kind_added_outside_the_runtime_is_priced_and_estimated(tiny_decoder, 
 
 
 def test_an_unknown_kind_is_refused_in_one_line():
-    plan = DraftPlan(name="x", kind="teleport", lookup=["ngram"])
+    plan = DraftPlan.of(name="x", kind="teleport", lookup=["ngram"])
     with pytest.raises(ArtifactError) as exc:
         check_plan(plan, 4)
     assert "teleport" in str(exc.value) and "\n" not in str(exc.value)

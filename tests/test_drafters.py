@@ -63,7 +63,7 @@ def test_short_matches_draft_one_token():
     ctx = RoundContext(history=longer, pos=len(longer) - 1, limit=5, params=SamplingParams(), rng=None)
     assert drafter.propose(ctx).tokens == [4, 7, 8, 6]  # "6 9 3" matches: the full draft
     with pytest.raises(Exception, match="sources.ngram.short"):
-        check_plan(DraftPlan(name="p", lookup=["ngram"], sources={"ngram": {"min": 1, "max": 2, "short": 3}}), 4)
+        check_plan(DraftPlan.of(name="p", lookup=["ngram"], sources={"ngram": {"min": 1, "max": 2, "short": 3}}), 4)
 
 
 def test_datastore_follows_the_majority_path(tmp_path):
@@ -122,24 +122,24 @@ def test_datastore_lookups_match_a_brute_force_reading(sequences, tail, limit, m
 def drafter_plans(num_layers: int) -> dict[str, DraftPlan]:
     half = num_layers // 2
     plans = [
-        DraftPlan(
+        DraftPlan.of(
             name="ngram", lookup=["ngram"], lookup_max_draft=4, sources={"ngram": {"min": 1, "max": 3, "short": 1}}
         ),
-        DraftPlan(name="ngram-long", lookup=["ngram"], lookup_max_draft=8, sources={"ngram": {"min": 2, "max": 4}}),
-        DraftPlan(
+        DraftPlan.of(name="ngram-long", lookup=["ngram"], lookup_max_draft=8, sources={"ngram": {"min": 2, "max": 4}}),
+        DraftPlan.of(
             name="retrieval",
             lookup=["retrieval"],
             lookup_max_draft=5,
             sources={"ngram": {"min": 1}, "retrieval": {"datastore": DATASTORE}},
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="hybrid-exit",
             lookup=["ngram"],
             lookup_max_draft=4,
             exit_layer=half,
             sources={"ngram": {"min": 2, "max": 3}, "model": {"max_draft": 3, "adaptive": False}},
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="hybrid-skip",
             lookup=["ngram"],
             lookup_max_draft=3,
@@ -147,7 +147,7 @@ def drafter_plans(num_layers: int) -> dict[str, DraftPlan]:
             skip_mlp=[num_layers - 2],
             sources={"ngram": {"min": 1, "max": 2}, "model": {"max_draft": 2, "threshold": 0.2}},
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="hybrid-all",
             lookup=["retrieval", "ngram"],
             lookup_max_draft=6,
@@ -240,8 +240,8 @@ ALPHA = 1e-3
 @pytest.mark.parametrize(
     "plan",
     [
-        DraftPlan(name="ngram", lookup=["ngram"], lookup_max_draft=2, sources={"ngram": {"min": 1, "max": 2}}),
-        DraftPlan(
+        DraftPlan.of(name="ngram", lookup=["ngram"], lookup_max_draft=2, sources={"ngram": {"min": 1, "max": 2}}),
+        DraftPlan.of(
             name="hybrid",
             lookup=["ngram"],
             lookup_max_draft=2,
@@ -292,16 +292,16 @@ def test_replay_matches_the_real_loop(family, tiny_decoder, tmp_path):
         tmp_path / DATASTORE
     )
     for plan in (
-        DraftPlan(
+        DraftPlan.of(
             name="ngram", lookup=["ngram"], lookup_max_draft=5, sources={"ngram": {"min": 1, "max": 3, "short": 2}}
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="retr",
             lookup=["retrieval", "ngram"],
             lookup_max_draft=4,
             sources={"ngram": {"min": 1}, "retrieval": {"datastore": DATASTORE}},
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="hyb",
             lookup=["ngram"],
             exit_layer=L // 2,

@@ -26,14 +26,14 @@ def successor(monkeypatch):
 def test_a_source_added_outside_the_runtime_is_lossless(tiny_decoder, successor, family, composition):
     _, decoder = tiny_decoder(family)
     plan = {
-        "alone": DraftPlan(name="s", lookup=["successor"], sources={"successor": {"length": 4}}),
-        "behind the model": DraftPlan(
+        "alone": DraftPlan.of(name="s", lookup=["successor"], sources={"successor": {"length": 4}}),
+        "behind the model": DraftPlan.of(
             name="s",
             exit_layer=1,
             lookup=["successor"],
             sources={"successor": {"length": 2}, "model": {"max_draft": 3}},
         ),
-        "tree": DraftPlan(
+        "tree": DraftPlan.of(
             name="s",
             lookup=["ngram", "successor"],
             lookup_branches=2,
@@ -50,9 +50,9 @@ def test_a_source_added_outside_the_runtime_is_lossless(tiny_decoder, successor,
 
 
 def test_a_sources_options_are_its_own_and_checked_by_it(successor):
-    plan = DraftPlan(name="s", lookup=["successor"], sources={"successor": {"length": 5}})
+    plan = DraftPlan.of(name="s", lookup=["successor"], sources={"successor": {"length": 5}})
     assert options(plan, "successor").length == 5
-    assert options(DraftPlan(name="d", lookup=["successor"]), "successor").length == 3  # its own default
+    assert options(DraftPlan.of(name="d", lookup=["successor"]), "successor").length == 3  # its own default
     assert describe(plan) == "latest successors (5 tokens)"
     with pytest.raises(ArtifactError, match=r"sources.successor.length must be in 1..16") as exc:
         check_plan(plan.with_options(successor={"length": 99}), 4)
@@ -65,7 +65,7 @@ def test_a_sources_options_are_its_own_and_checked_by_it(successor):
 
 def test_an_unknown_source_is_refused_in_one_line():
     with pytest.raises(ArtifactError, match="draft source 'teleport' is not known") as exc:
-        check_plan(DraftPlan(name="x", lookup=["teleport"]), 4)
+        check_plan(DraftPlan.of(name="x", lookup=["teleport"]), 4)
     assert "\n" not in str(exc.value)
     with pytest.raises(ArtifactError, match="options for draft sources \\['teleport'\\]"):
-        check_plan(DraftPlan(name="x", lookup=["ngram"], sources={"teleport": {}}), 4)
+        check_plan(DraftPlan.of(name="x", lookup=["ngram"], sources={"teleport": {}}), 4)

@@ -19,12 +19,12 @@ from speccompile.runtime.sampling import SamplingParams
 
 PROMPTS = [[1, 40, 41, 42, 43, 40, 41, 42], [1, 100, 7, 250, 31], [1] + list(range(60, 90))]
 PLANS = [
-    DraftPlan(name="early-exit", exit_layer=2, sources={"model": {"max_draft": 4}}),
-    DraftPlan(
+    DraftPlan.of(name="early-exit", exit_layer=2, sources={"model": {"max_draft": 4}}),
+    DraftPlan.of(
         name="block-skip", skip_attn=[1, 2], skip_mlp=[1, 2], sources={"model": {"max_draft": 3, "threshold": 0.3}}
     ),
-    DraftPlan(name="ngram", lookup=["ngram"], lookup_max_draft=6, sources={"ngram": {"min": 1, "max": 3}}),
-    DraftPlan(
+    DraftPlan.of(name="ngram", lookup=["ngram"], lookup_max_draft=6, sources={"ngram": {"min": 1, "max": 3}}),
+    DraftPlan.of(
         name="hybrid",
         exit_layer=2,
         lookup=["ngram"],
@@ -116,7 +116,7 @@ def test_generic_speculative_sampling_matches_target(family, tmp_path):
     decoder = choose_path(AutoModelForCausalLM.from_pretrained(folder).eval()).decoder
     backend = TorchBackend(decoder)
     # Every block but the first skipped: a draft far enough from the target for the negative control.
-    plan = DraftPlan(
+    plan = DraftPlan.of(
         name="skip", skip_attn=[1, 2, 3], skip_mlp=[1, 2, 3], sources={"model": {"max_draft": 2, "adaptive": False}}
     )
     params, prompt = SamplingParams(temperature=1.0), [1, 5, 7, 3]

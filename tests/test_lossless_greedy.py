@@ -17,7 +17,7 @@ def plans(num_layers: int) -> list[DraftPlan]:
     out = []
     for k, threshold in ((1, 0.0), (3, 0.0), (5, 0.3), (8, 0.0)):
         out.append(
-            DraftPlan(
+            DraftPlan.of(
                 name=f"skip-k{k}",
                 skip_attn=[1],
                 skip_mlp=[num_layers - 2],
@@ -25,17 +25,19 @@ def plans(num_layers: int) -> list[DraftPlan]:
             )
         )
         out.append(
-            DraftPlan(
+            DraftPlan.of(
                 name=f"exit-k{k}",
                 exit_layer=num_layers // 2,
                 sources={"model": {"max_draft": k, "threshold": threshold}},
             )
         )
     out.append(
-        DraftPlan(name="exit-last", exit_layer=num_layers - 1, sources={"model": {"max_draft": 6, "adaptive": False}})
+        DraftPlan.of(
+            name="exit-last", exit_layer=num_layers - 1, sources={"model": {"max_draft": 6, "adaptive": False}}
+        )
     )
     out.append(
-        DraftPlan(
+        DraftPlan.of(
             name="skip-all-attn",
             skip_attn=list(range(num_layers)),
             sources={"model": {"max_draft": 4, "adaptive": False}},

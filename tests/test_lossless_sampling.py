@@ -47,7 +47,7 @@ def small_vocab_decoder(request, tmp_path_factory):
 def test_speculative_sampling_matches_target_distribution(small_vocab_decoder, params):
     decoder = small_vocab_decoder
     backend = TorchBackend(decoder)
-    plan = DraftPlan(
+    plan = DraftPlan.of(
         name="skip", skip_attn=[1, 2], skip_mlp=[1, 2], sources={"model": {"max_draft": 2, "adaptive": False}}
     )
 

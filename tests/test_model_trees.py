@@ -51,19 +51,19 @@ def prompts(vocab: int) -> list[list[int]]:
 
 def tree_plans(backend: str) -> dict[str, DraftPlan]:
     plans = [
-        DraftPlan(
+        DraftPlan.of(
             name="int8-tree",
             kind="precision",
             params=INT8,
             sources={"model": {"max_draft": 4, "threshold": 0.0, "branches": 3}},
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="skip-tree",
             skip_mlp=[1],
             skip_attn=[1],
             sources={"model": {"max_draft": 3, "threshold": 0.0, "branches": 2}},
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="int8-tree+lookup",
             kind="precision",
             params=INT8,
@@ -74,7 +74,7 @@ def tree_plans(backend: str) -> dict[str, DraftPlan]:
     ]
     if backend == "onnx":
         plans.append(
-            DraftPlan(
+            DraftPlan.of(
                 name="int4-tree",
                 kind="precision",
                 params={"precision": "int4"},
@@ -156,7 +156,9 @@ def test_the_replay_follows_a_model_tree():
         runner_up_probs=[probs],
     )
     ref = Reference(torch.tensor([prompt + target]), len(prompt), None)
-    plan = DraftPlan(name="t", skip_mlp=[0], sources={"model": {"max_draft": 3, "threshold": 0.0, "adaptive": False}})
+    plan = DraftPlan.of(
+        name="t", skip_mlp=[0], sources={"model": {"max_draft": 3, "threshold": 0.0, "adaptive": False}}
+    )
     chain = replay(plan, [ref], profile)
     tree = replay(plan.with_options(model={"branches": 2}), [ref], profile)
     assert chain[0].accepted == 1 and tree[0].accepted == 2  # 8 by the chain; 9 by a leaf below it
@@ -165,10 +167,10 @@ def test_the_replay_follows_a_model_tree():
 
 def test_plans_that_cannot_branch_are_refused():
     with pytest.raises(ArtifactError, match="sources.model.branches") as exc:
-        check_plan(DraftPlan(name="x", lookup=["ngram"], sources={"model": {"branches": 2}}), 4)
+        check_plan(DraftPlan.of(name="x", lookup=["ngram"], sources={"model": {"branches": 2}}), 4)
     assert "\n" not in str(exc.value)
     with pytest.raises(ArtifactError, match="early exit"):
-        check_plan(DraftPlan(name="y", exit_layer=2, sources={"model": {"branches": 2}}), 4)
+        check_plan(DraftPlan.of(name="y", exit_layer=2, sources={"model": {"branches": 2}}), 4)
 
 
 def test_a_lookup_extends_a_model_tree_below_its_chain():

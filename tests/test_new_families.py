@@ -46,7 +46,7 @@ def test_speculative_sampling_keeps_the_target_distribution_on_both_backends(fam
     folder = make_model(family, tmp_path / family, seed=4, vocab_size=VOCAB, initializer_range=0.15)
     config, weights = _canonical(AutoModelForCausalLM.from_pretrained(folder).eval())
     decoder = build_decoder(config, weights)
-    plan = DraftPlan(
+    plan = DraftPlan.of(
         name="skip", skip_attn=[1, 2], skip_mlp=[1, 2], sources={"model": {"max_draft": 2, "adaptive": False}}
     )
     record = export_onnx_weights(config, weights, {"skip": plan}, tmp_path / "art" / "onnx", variant="fused")
@@ -89,7 +89,10 @@ def test_standard_graphs_pass_the_checker(family, tmp_path):
     from transformers import AutoModelForCausalLM
 
     config, weights = _canonical(AutoModelForCausalLM.from_pretrained(make_model(family, tmp_path / family)).eval())
-    plans = {"exit": DraftPlan(name="exit", exit_layer=2), "skip": DraftPlan(name="skip", skip_attn=[1], skip_mlp=[2])}
+    plans = {
+        "exit": DraftPlan.of(name="exit", exit_layer=2),
+        "skip": DraftPlan.of(name="skip", skip_attn=[1], skip_mlp=[2]),
+    }
     record = export_onnx_weights(config, weights, plans, tmp_path / "art" / "onnx", variant="standard")
     for graph in record["graphs"].values():
         onnx.checker.check_model(str(tmp_path / "art" / graph["file"]), full_check=True)

@@ -54,7 +54,7 @@ def plans(num_layers: int) -> dict[str, DraftPlan]:
     out = []
     for k, threshold in ((1, 0.0), (3, 0.0), (5, 0.3)):
         out.append(
-            DraftPlan(
+            DraftPlan.of(
                 name=f"skip-k{k}",
                 skip_attn=[1],
                 skip_mlp=[num_layers - 2],
@@ -62,17 +62,19 @@ def plans(num_layers: int) -> dict[str, DraftPlan]:
             )
         )
         out.append(
-            DraftPlan(
+            DraftPlan.of(
                 name=f"exit-k{k}",
                 exit_layer=num_layers // 2,
                 sources={"model": {"max_draft": k, "threshold": threshold}},
             )
         )
     out.append(
-        DraftPlan(name="exit-last", exit_layer=num_layers - 1, sources={"model": {"max_draft": 6, "adaptive": False}})
+        DraftPlan.of(
+            name="exit-last", exit_layer=num_layers - 1, sources={"model": {"max_draft": 6, "adaptive": False}}
+        )
     )
     out.append(
-        DraftPlan(
+        DraftPlan.of(
             name="skip-all-attn",
             skip_attn=list(range(num_layers)),
             sources={"model": {"max_draft": 4, "adaptive": False}},
@@ -190,7 +192,7 @@ def test_speculative_sampling_matches_target_distribution(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(folder).eval()
     config = arch_config(hf)
     decoder = build_decoder(config, canonical_weights(hf, config))
-    plan = DraftPlan(
+    plan = DraftPlan.of(
         name="skip", skip_attn=[1, 2], skip_mlp=[1, 2], sources={"model": {"max_draft": 2, "adaptive": False}}
     )
     root = make_artifact(decoder, {"skip": plan}, tmp_path / "artifact")
@@ -250,7 +252,8 @@ def test_early_exit_only_artifact_decodes_through_prefix_and_suffix(family, tiny
     It must equal the torch backend, and speculative output must equal plain output."""
     _, decoder = tiny_decoder(family)
     plan_map = {
-        f"exit-k{k}": DraftPlan(name=f"exit-k{k}", exit_layer=2, sources={"model": {"max_draft": k}}) for k in (1, 3, 6)
+        f"exit-k{k}": DraftPlan.of(name=f"exit-k{k}", exit_layer=2, sources={"model": {"max_draft": k}})
+        for k in (1, 3, 6)
     }
     backend = ort_backend(make_artifact(decoder, plan_map, tmp_path / family))
     assert "verify" not in backend.sessions and backend.full_split is not None
@@ -297,7 +300,7 @@ def test_early_exit_artifact_memory_with_prepacking(big_decoder, tmp_path):
     tensors only it uses from weights.bin and frees them once packed; given as ``OrtValue``s they stayed beside
     their packed copy, 2x); an early-exit artifact decodes through prefix + suffix + head, each weight packed
     once (``split_memory_bounds``)."""
-    root = make_artifact(big_decoder, {"exit": DraftPlan(name="exit", exit_layer=4)}, tmp_path / "artifact")
+    root = make_artifact(big_decoder, {"exit": DraftPlan.of(name="exit", exit_layer=4)}, tmp_path / "artifact")
     plain, sessions = _rss_over_baseline(root, "verify", prepack=True)
     speculative, spec_sessions = _rss_over_baseline(root, "all", prepack=True)
     assert sessions == 1 and spec_sessions == 3, "prefix, suffix and head only: no separate verify session"
@@ -308,8 +311,8 @@ def test_sessions_share_weights_in_memory(big_decoder, tmp_path):
     """Low-memory mode (pre-packing off): five sessions (verify, a layer-skip draft, prefix, suffix,
     head) on one copy of the weights."""
     plan_map = {
-        "skip": DraftPlan(name="skip", skip_attn=[2, 5], skip_mlp=[3]),
-        "exit": DraftPlan(name="exit", exit_layer=4),
+        "skip": DraftPlan.of(name="skip", skip_attn=[2, 5], skip_mlp=[3]),
+        "exit": DraftPlan.of(name="exit", exit_layer=4),
     }
     root = make_artifact(big_decoder, plan_map, tmp_path / "artifact")
     weights = (root / "onnx" / "weights.bin").stat().st_size
@@ -428,11 +431,11 @@ def test_sha256_check_catches_edits_first(broken):
 
 def test_plan_changed_after_export(broken):
     manifest = read_manifest(broken, verify_files=False)
-    manifest.plans["skip-k3"].skip_attn = [0, 2]
+    manifest.plans["skip-k3"] = manifest.plans["skip-k3"].with_params(skip_attn=[0, 2])
     with pytest.raises(ArtifactError) as exc:
         open_onnx(broken, manifest, threads=1)
     assert "skip-k3" in _one_line(exc) and "re-export" in str(exc.value)
     manifest = read_manifest(broken, verify_files=False)
-    manifest.plans["new"] = DraftPlan(name="new", exit_layer=1)
+    manifest.plans["new"] = DraftPlan.of(name="new", exit_layer=1)
     with pytest.raises(ArtifactError, match="'new' .*the export has no graph for"):
         open_onnx(broken, manifest, threads=1)

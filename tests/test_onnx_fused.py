@@ -58,15 +58,17 @@ def _verify_vs_steps(backend: OnnxBackend, prompt: list[int], k: int = 4) -> flo
 
 def plans(num_layers: int) -> dict[str, DraftPlan]:
     out = [
-        DraftPlan(
+        DraftPlan.of(
             name="skip-k3",
             skip_attn=[1],
             skip_mlp=[num_layers - 2],
             sources={"model": {"max_draft": 3, "threshold": 0.0}},
         ),
-        DraftPlan(name="exit-k3", exit_layer=num_layers // 2, sources={"model": {"max_draft": 3, "threshold": 0.0}}),
-        DraftPlan(name="exit-last", exit_layer=num_layers - 1, sources={"model": {"max_draft": 6, "adaptive": False}}),
-        DraftPlan(
+        DraftPlan.of(name="exit-k3", exit_layer=num_layers // 2, sources={"model": {"max_draft": 3, "threshold": 0.0}}),
+        DraftPlan.of(
+            name="exit-last", exit_layer=num_layers - 1, sources={"model": {"max_draft": 6, "adaptive": False}}
+        ),
+        DraftPlan.of(
             name="skip-all-attn",
             skip_attn=list(range(num_layers)),
             sources={"model": {"max_draft": 4, "adaptive": False}},
@@ -281,7 +283,7 @@ def test_fused_early_exit_memory_with_prepacking(tmp_path):
     hf = AutoModelForCausalLM.from_pretrained(folder).eval()
     config = arch_config(hf)
     decoder = build_decoder(config, canonical_weights(hf, config))
-    plan_map = {"exit": DraftPlan(name="exit", exit_layer=4, sources={"model": {"max_draft": 3}})}
+    plan_map = {"exit": DraftPlan.of(name="exit", exit_layer=4, sources={"model": {"max_draft": 3}})}
     root = make_artifact(decoder, plan_map, tmp_path / "artifact", folder / "tokenizer.json", variant="fused")
     plain, spec = measure(root, "verify", prepack=True, threads=1), measure(root, "all", prepack=True, threads=1)
     assert spec["sessions"] == ["head", "prefix.4", "suffix.4"]

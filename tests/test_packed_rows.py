@@ -35,7 +35,7 @@ from speccompile.runtime.backends.slots import batch_of
 from speccompile.runtime.errors import BackendUnavailableError
 from speccompile.runtime.segments import Row, full_model
 
-PLANS = {"exit": DraftPlan(name="exit", exit_layer=1, head="final")}
+PLANS = {"exit": DraftPlan.of(name="exit", exit_layer=1, head="final")}
 PARENTS = [-1, 0, 0, 1, 3]  # a token tree of five nodes below the input token
 
 

@@ -35,33 +35,33 @@ from speccompile.runtime.errors import ArtifactError  # noqa: E402
 
 def precision_plans(num_layers: int) -> dict[str, DraftPlan]:
     plans = [
-        DraftPlan(
+        DraftPlan.of(
             name="int8",
             kind="precision",
             params={"precision": "int8"},
             sources={"model": {"max_draft": 4, "threshold": 0.0}},
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="int4-b16s",
             kind="precision",
             params={"precision": "int4", "block_size": 16, "symmetric": True},
             sources={"model": {"max_draft": 3, "threshold": 0.0}},
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="int4-exit",
             kind="precision",
             params={"precision": "int4"},
             exit_layer=num_layers - 1,
             sources={"model": {"max_draft": 3, "threshold": 0.0}},
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="int8-skip",
             kind="precision",
             params={"precision": "int8"},
             skip_mlp=[1],
             sources={"model": {"max_draft": 3, "threshold": 0.0}},
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="int8+lookup",
             kind="precision",
             params={"precision": "int8", "block_size": 16},
@@ -94,7 +94,7 @@ def test_precision_drafts_are_lossless_on_onnx_runtime(tiny_decoder, tmp_path, f
 def test_quantized_weights_are_stored_once_and_read_only_by_the_draft(tiny_decoder, tmp_path):
     _, decoder = tiny_decoder("llama")
     plans = {
-        "int4": DraftPlan(
+        "int4": DraftPlan.of(
             name="int4", kind="precision", params={"precision": "int4"}, sources={"model": {"max_draft": 3}}
         )
     }
@@ -115,28 +115,28 @@ def test_quantized_weights_are_stored_once_and_read_only_by_the_draft(tiny_decod
 def torch_plans(num_layers: int) -> dict[str, DraftPlan]:
     int8 = {"precision": "int8"}
     plans = [
-        DraftPlan(name="int8", kind="precision", params=int8, sources={"model": {"max_draft": 4, "threshold": 0.0}}),
-        DraftPlan(
+        DraftPlan.of(name="int8", kind="precision", params=int8, sources={"model": {"max_draft": 4, "threshold": 0.0}}),
+        DraftPlan.of(
             name="int8-b128s",
             kind="precision",
             params={**int8, "block_size": 128, "symmetric": True},
             sources={"model": {"max_draft": 6, "adaptive": False}},
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="int8-exit",
             kind="precision",
             params=int8,
             exit_layer=num_layers - 1,
             sources={"model": {"max_draft": 3}},
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="int8-skip",
             kind="precision",
             params=int8,
             skip_mlp=[1],
             sources={"model": {"max_draft": 3, "threshold": 0.0}},
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="int8+lookup",
             kind="precision",
             params=int8,
@@ -252,7 +252,7 @@ def test_int8_precision_sampling_keeps_the_target_distribution(tmp_path_factory)
     hf = AutoModelForCausalLM.from_pretrained(folder).eval()
     decoder = build_decoder(arch_config(hf), canonical_weights(hf, arch_config(hf)))
     backend = TorchBackend(decoder)
-    plan = DraftPlan(
+    plan = DraftPlan.of(
         name="int8-skip",
         kind="precision",
         params={"precision": "int8"},
@@ -278,7 +278,9 @@ def test_int8_precision_sampling_keeps_the_target_distribution(tmp_path_factory)
 
 def test_precision_drafts_are_refused_in_one_line_where_nothing_runs_them(tiny_decoder, tmp_path):
     _, decoder = tiny_decoder("llama")
-    plan = DraftPlan(name="int4", kind="precision", params={"precision": "int4"}, sources={"model": {"max_draft": 3}})
+    plan = DraftPlan.of(
+        name="int4", kind="precision", params={"precision": "int4"}, sources={"model": {"max_draft": 3}}
+    )
     with pytest.raises(ArtifactError) as torch_refusal:
         TorchBackend(decoder).check_plans(read_plans({"int4": plan}, decoder.config.num_layers))
     standard = make_artifact(decoder, {"int4": plan}, tmp_path / "std")  # standard graphs: no MatMulNBits draft
@@ -290,7 +292,7 @@ def test_precision_drafts_are_refused_in_one_line_where_nothing_runs_them(tiny_d
     assert "no graph" in str(onnx_refusal.value)
     for params, needle in (({"precision": "int3"}, "int3"), ({"precision": "int4", "block_size": 24}, "block_size")):
         with pytest.raises(ArtifactError, match=needle):
-            check_plan(DraftPlan(name="bad", kind="precision", params=params), decoder.config.num_layers)
+            check_plan(DraftPlan.of(name="bad", kind="precision", params=params), decoder.config.num_layers)
 
 
 @pytest.mark.parametrize("backend", ["torch", "onnx"])
@@ -380,7 +382,7 @@ def test_an_onnx_artifact_with_a_precision_draft_reexports(tiny_decoder, tmp_pat
 
     _, decoder = tiny_decoder("llama")
     plans = {
-        "int8": DraftPlan(
+        "int8": DraftPlan.of(
             name="int8", kind="precision", params={"precision": "int8"}, sources={"model": {"max_draft": 3}}
         )
     }

@@ -72,10 +72,10 @@ def real_shaped(tmp_path_factory):
 
 def plans() -> dict[str, DraftPlan]:
     out = [
-        DraftPlan(name="skip", skip_attn=[1], skip_mlp=[1], sources={"model": {"max_draft": 4, "threshold": 0.0}}),
-        DraftPlan(name="exit", exit_layer=1, sources={"model": {"max_draft": 3, "threshold": 0.0}}),
-        DraftPlan(name="exit-last", exit_layer=LAYERS - 1, sources={"model": {"max_draft": 6, "adaptive": False}}),
-        DraftPlan(name="lookup", lookup=["ngram"], lookup_max_draft=8, sources={"ngram": {"min": 1, "max": 3}}),
+        DraftPlan.of(name="skip", skip_attn=[1], skip_mlp=[1], sources={"model": {"max_draft": 4, "threshold": 0.0}}),
+        DraftPlan.of(name="exit", exit_layer=1, sources={"model": {"max_draft": 3, "threshold": 0.0}}),
+        DraftPlan.of(name="exit-last", exit_layer=LAYERS - 1, sources={"model": {"max_draft": 6, "adaptive": False}}),
+        DraftPlan.of(name="lookup", lookup=["ngram"], lookup_max_draft=8, sources={"ngram": {"min": 1, "max": 3}}),
     ]
     return {p.name: p for p in out}
 
@@ -194,8 +194,10 @@ def precision_plans(backend: str) -> dict[str, DraftPlan]:
     and on ONNX Runtime int4 (torch has no int4 draft)."""
     int8 = {"precision": "int8"}
     out = [
-        DraftPlan(name="int8", kind="precision", params=int8, sources={"model": {"max_draft": 6, "adaptive": False}}),
-        DraftPlan(
+        DraftPlan.of(
+            name="int8", kind="precision", params=int8, sources={"model": {"max_draft": 6, "adaptive": False}}
+        ),
+        DraftPlan.of(
             name="int8+lookup",
             kind="precision",
             params=int8,
@@ -203,13 +205,13 @@ def precision_plans(backend: str) -> dict[str, DraftPlan]:
             lookup_max_draft=6,
             sources={"model": {"max_draft": 4}, "ngram": {"min": 1, "max": 3}},
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="int8-exit", kind="precision", params=int8, exit_layer=LAYERS - 1, sources={"model": {"max_draft": 3}}
         ),
     ]
     if backend == "onnx":
         out.append(
-            DraftPlan(
+            DraftPlan.of(
                 name="int4",
                 kind="precision",
                 params={"precision": "int4"},
@@ -251,7 +253,7 @@ def test_precision_drafts_at_real_shapes(name, onnx_artifacts, real_shaped):
 TREE_PLANS = {
     p.name: p
     for p in (
-        DraftPlan(
+        DraftPlan.of(
             name="tree",
             lookup=["ngram"],
             lookup_max_draft=4,
@@ -259,7 +261,7 @@ TREE_PLANS = {
             tree_nodes=10,
             sources={"ngram": {"min": 1, "max": 3}},
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="lookahead-tree",
             lookup=["lookahead", "ngram"],
             lookup_max_draft=4,
@@ -267,7 +269,7 @@ TREE_PLANS = {
             tree_nodes=10,
             sources={"ngram": {"min": 1, "max": 3}},
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="logitspec-tree",
             lookup=["ngram", "logitspec"],
             lookup_max_draft=4,

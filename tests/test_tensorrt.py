@@ -32,8 +32,12 @@ from speccompile.runtime.decoding.speculative import DecodeRequest, decode_all
 from speccompile.runtime.errors import ArtifactError, InputError
 
 PROMPT = [5, 17, 42, 9, 100, 3, 77, 12, 40, 41, 42, 43, 8, 9, 10, 11, 12, 13, 200]
-SKIP = DraftPlan(name="layer-skip", skip_attn=[1], skip_mlp=[2], sources={"model": {"max_draft": 4, "threshold": 0.0}})
-EXIT = DraftPlan(name="early-exit", exit_layer=3, head="final", sources={"model": {"max_draft": 3, "threshold": 0.0}})
+SKIP = DraftPlan.of(
+    name="layer-skip", skip_attn=[1], skip_mlp=[2], sources={"model": {"max_draft": 4, "threshold": 0.0}}
+)
+EXIT = DraftPlan.of(
+    name="early-exit", exit_layer=3, head="final", sources={"model": {"max_draft": 3, "threshold": 0.0}}
+)
 H200 = {"gpu": "NVIDIA H200", "compute_capability": "9.0", "tensorrt_version": "10.13.3.9"}
 
 
@@ -146,7 +150,7 @@ def test_profiles_are_sized_from_the_context_and_the_plans(exported):
     assert context == min(config.max_position_embeddings, 4096)
     assert engine_context(config, cap=64) == 64
     lookup = (
-        DraftPlan(
+        DraftPlan.of(
             name="hybrid", skip_attn=[1], lookup="ngram", lookup_max_draft=12, sources={"model": {"max_draft": 6}}
         )
         if "lookup" in DraftPlan.__dataclass_fields__
@@ -180,7 +184,7 @@ def test_tensorrt_export_graphs_model_plans_and_sizes_steps_for_every_plan(tiny_
     from speccompile.passes.ir import DecoderIR
 
     hf, decoder = tiny_decoder("llama")
-    lookup = DraftPlan(name="lookup", lookup=["ngram"], lookup_max_draft=20)
+    lookup = DraftPlan.of(name="lookup", lookup=["ngram"], lookup_max_draft=20)
     seen = {}
 
     def engines_here(root, onnx_record, plans, config, device="cuda", log=None):  # no TensorRT on this machine
@@ -293,7 +297,7 @@ def test_a_draft_head_plan_is_refused_in_one_line_before_any_work(exported):
     """The engines have no draft heads: a plan with an exit adapter is refused before an engine runs."""
     decoder, root, both, _ = exported
     backend, engines = _host_backend(root / "both", both, decoder.config, {"layer-skip": SKIP, "early-exit": EXIT})
-    adapter = DraftPlan(name="adapter", exit_layer=3, head="adapter:3", draft_head_file="draft_heads/a.safetensors")
+    adapter = DraftPlan.of(name="adapter", exit_layer=3, head="adapter:3", draft_head_file="draft_heads/a.safetensors")
     with pytest.raises(ArtifactError) as exc:
         decode_all(backend, DecodeRequest(PROMPT, 8), adapter, root)
     message = str(exc.value)

@@ -25,7 +25,7 @@ from speccompile.runtime.drafting.ngram import NgramIndex
 from speccompile.runtime.sampling import SamplingParams
 
 NEW_TOKENS = 40
-TREE = DraftPlan(
+TREE = DraftPlan.of(
     name="tree",
     lookup=["ngram"],
     lookup_max_draft=4,
@@ -33,7 +33,7 @@ TREE = DraftPlan(
     tree_nodes=8,
     sources={"ngram": {"min": 1, "max": 3}},
 )
-WIDE = DraftPlan(
+WIDE = DraftPlan.of(
     name="wide",
     lookup=["ngram"],
     lookup_max_draft=3,
@@ -41,8 +41,8 @@ WIDE = DraftPlan(
     tree_nodes=10,
     sources={"ngram": {"min": 1, "max": 2, "short": 1}},
 )
-LOOKAHEAD = DraftPlan(name="lookahead", lookup=["lookahead"], sources={"lookahead": {"window": 4, "ngram": 2}})
-LOOKAHEAD_TREE = DraftPlan(
+LOOKAHEAD = DraftPlan.of(name="lookahead", lookup=["lookahead"], sources={"lookahead": {"window": 4, "ngram": 2}})
+LOOKAHEAD_TREE = DraftPlan.of(
     name="lookahead-tree",
     lookup=["lookahead", "ngram"],
     lookup_max_draft=4,
@@ -50,16 +50,16 @@ LOOKAHEAD_TREE = DraftPlan(
     tree_nodes=10,
     sources={"ngram": {"min": 1, "max": 3}, "lookahead": {"window": 3, "ngram": 3}},
 )
-LOOKAHEAD_BEHIND = DraftPlan(
+LOOKAHEAD_BEHIND = DraftPlan.of(
     name="lookahead-behind",
     lookup=["ngram", "lookahead"],
     lookup_max_draft=4,
     sources={"ngram": {"min": 2, "max": 3}, "lookahead": {"window": 2}},
 )
-LOGITSPEC = DraftPlan(
+LOGITSPEC = DraftPlan.of(
     name="logitspec", lookup=["ngram", "logitspec"], lookup_max_draft=4, sources={"ngram": {"min": 2, "max": 3}}
 )
-LOGITSPEC_TREE = DraftPlan(
+LOGITSPEC_TREE = DraftPlan.of(
     name="logitspec-tree",
     lookup=["ngram", "logitspec"],
     lookup_max_draft=4,
@@ -67,10 +67,10 @@ LOGITSPEC_TREE = DraftPlan(
     tree_nodes=10,
     sources={"ngram": {"min": 1, "max": 3}, "logitspec": {"top_k": 3}},
 )
-RECYCLING = DraftPlan(
+RECYCLING = DraftPlan.of(
     name="recycling", lookup=["ngram", "recycling"], lookup_max_draft=4, sources={"ngram": {"min": 2, "max": 3}}
 )
-RECYCLING_TREE = DraftPlan(
+RECYCLING_TREE = DraftPlan.of(
     name="recycling-tree",
     lookup=["recycling", "ngram"],
     lookup_max_draft=4,
@@ -327,7 +327,7 @@ def test_tree_sampling_matches_target_distribution(small_vocab_llama, monkeypatc
     decoder = small_vocab_llama
     backend = TorchBackend(decoder)
     params = SamplingParams(temperature=1.0)
-    plan = DraftPlan(
+    plan = DraftPlan.of(
         name="tree",
         lookup=["ngram"],
         lookup_max_draft=2,
@@ -409,7 +409,7 @@ def test_lookahead_pools_the_n_gram_of_every_row():
 @pytest.mark.parametrize(
     "plan",
     [
-        DraftPlan(
+        DraftPlan.of(
             name="la",
             lookup=["lookahead", "ngram"],
             lookup_max_draft=2,
@@ -417,7 +417,7 @@ def test_lookahead_pools_the_n_gram_of_every_row():
             tree_nodes=6,
             sources={"ngram": {"min": 1, "max": 2}, "lookahead": {"window": 2}},
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="ls",
             lookup=["logitspec", "ngram"],
             lookup_max_draft=2,
@@ -425,7 +425,7 @@ def test_lookahead_pools_the_n_gram_of_every_row():
             tree_nodes=6,
             sources={"ngram": {"min": 1, "max": 2}, "logitspec": {"top_k": 3}},
         ),
-        DraftPlan(
+        DraftPlan.of(
             name="rc",
             lookup=["recycling", "ngram"],
             lookup_max_draft=2,

@@ -95,7 +95,7 @@ def loss_experiment(args) -> None:
     ir, context, data, train_vocab, _, _ = prepare_data(args)
     held = torch.nonzero(~data.train).flatten()
     rows = {}
-    shared = DraftPlan(name="shared", exit_layer=args.exit_layer)
+    shared = DraftPlan.of(name="shared", exit_layer=args.exit_layer)
     rows["shared head"] = (
         exit_agreement(ir.decoder(), data, args.exit_layer, None, held),
         context.profile(shared).match_rate,
@@ -107,7 +107,7 @@ def loss_experiment(args) -> None:
         log = trainer.train(args.seconds)
         head = trainer.draft_head(None)
         relative = write_head(context, f"loss-{loss}", head)
-        plan = DraftPlan(
+        plan = DraftPlan.of(
             name=loss, exit_layer=args.exit_layer, head=f"adapter:{args.exit_layer}", draft_head_file=relative
         )
         rows[f"adapter, {loss}"] = (

@@ -56,7 +56,7 @@ else:
     hf = AutoModelForCausalLM.from_pretrained(make_model(family, out / "model")).eval()
 config = arch_config(hf)
 decoder = build_decoder(config, canonical_weights(hf, config))
-plans = {"ee": DraftPlan(name="ee", exit_layer=2), "ls": DraftPlan(name="ls", skip_attn=[1], skip_mlp=[2])}
+plans = {"ee": DraftPlan.of(name="ee", exit_layer=2), "ls": DraftPlan.of(name="ls", skip_attn=[1], skip_mlp=[2])}
 for name, options in json.loads(sys.argv[4]).items():
     try:
         record = export_onnx(decoder, plans, out / name / "onnx", **options)

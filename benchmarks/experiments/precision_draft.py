@@ -41,7 +41,7 @@ def plan_for(precision: str, max_draft: int):
     precision, _, branches = precision.partition("@")
     scheme, block, symmetric = parse_precision(precision)
     name = f"precision-{precision.replace('/', '-')}" + (f"-tree{branches}" if branches else "")
-    return DraftPlan(
+    return DraftPlan.of(
         name=name,
         kind="precision",
         params={"precision": scheme, "block_size": block, "symmetric": symmetric},

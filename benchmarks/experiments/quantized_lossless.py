@@ -113,7 +113,7 @@ def export_variants(names: list[str], out_dir: Path) -> dict[str, Path]:
                 for p in sorted(root.rglob("*"))
                 if p.is_file()
             }
-            plan = DraftPlan(**PLAN)
+            plan = DraftPlan.of(**PLAN)
             write_manifest(
                 root,
                 Manifest(

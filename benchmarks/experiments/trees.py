@@ -63,12 +63,12 @@ def engines(model, args) -> dict:
                 tree_nodes=nodes,
             )
             out[f"a wide tree ({nodes} nodes): {describe(wide)}"] = wide
-    recycling = DraftPlan(name="recycling", lookup=["recycling"], lookup_max_draft=4)
+    recycling = DraftPlan.of(name="recycling", lookup=["recycling"], lookup_max_draft=4)
     out["Token Recycling alone, chain"] = recycling
     if trees_ok:
         out["Token Recycling alone, tree of 8"] = replace(recycling, lookup_branches=4, tree_nodes=8)
     for window in args.windows:
-        la = DraftPlan(
+        la = DraftPlan.of(
             name="lookahead", lookup=["lookahead"], sources={"lookahead": {"window": window, "ngram": args.ngram}}
         )
         out[f"lookahead alone, W={window}, chain"] = la

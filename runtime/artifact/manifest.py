@@ -15,12 +15,14 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from ..errors import ArtifactError, quote
+from .legacy import MODEL_FIELDS, model_part, upgrade_plan
 from .schema import REJECT_UNKNOWN, build_dataclass, check_json_shape, check_value, json_type
 
-SCHEMA_VERSION = 2
-READABLE_VERSIONS = (1, 2)
-"""Schema versions this runtime reads: version 1 (plans with every source's options flat on the plan) is
-converted on load (``runtime/artifact/legacy.py``); artifacts are written as ``SCHEMA_VERSION``."""
+SCHEMA_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
+"""Schema versions this runtime reads: versions 1 (plans with every source's options flat on the plan) and 2
+(plans with the model part in first-class fields, its kind optional) are converted on load
+(``runtime/artifact/legacy.py``); artifacts are written as ``SCHEMA_VERSION``."""
 MANIFEST_NAME = "manifest.json"
 TOKENIZER_FILE = "tokenizer/tokenizer.json"  # opened by the runtime for every artifact
 DTYPES = ("float32", "float16", "bfloat16")
@@ -186,15 +188,32 @@ class ArchConfig:
 setattr(ArchConfig, REJECT_UNKNOWN, True)
 
 
+MODEL_PARAMS: dict[str, Any] = {
+    "skip_attn": list[int],
+    "skip_mlp": list[int],
+    "exit_layer": int | None,
+    "head": str,
+    "draft_vocab": int | None,
+    "draft_head_file": str | None,
+}
+"""The model options several draft kinds share, kept in a plan's ``params``: name -> JSON type. Which of them a
+kind reads is the kind's (``runtime/drafting/kinds/``); their types are checked here, when a manifest is read, so
+that no kind meets a damaged value. The value each means when absent is ``legacy.MODEL_FIELDS``'s, the same in
+every schema version, which is what lets the conversion leave out a field at that value."""
+
+
 @dataclass
 class DraftPlan:
     """A draft plan as data (docs/design.md section 2): which sources draft, and how.
 
-    The model part (its draft kind, ``runtime/drafting/kinds/``): layer-skip plans run every block but drop
-    the listed sublayers; early-exit plans run blocks 0..exit_layer-1 and a head, and the verifier then runs
-    only blocks exit_layer..L-1 on the draft's own hidden states and KV, which are exactly the full model's;
-    a kind added later names itself in ``kind`` and keeps its own options in ``params``. A plan with none of
-    these has no model part.
+    The model part is a draft kind (``runtime/drafting/kinds/``) named in ``kind``, with the kind's options in
+    ``params``: ``early_exit`` runs blocks 0..exit_layer-1 and a head, and the verifier then runs only blocks
+    exit_layer..L-1 on the draft's own hidden states and KV, which are exactly the full model's; ``layer_skip``
+    runs every block but drops the listed sublayers; ``precision`` runs them with quantized weights; ``lookup``
+    has no model part. The options several kinds share (``MODEL_PARAMS``: ``exit_layer``, ``skip_attn``, the
+    draft head's ``head``, ``draft_vocab``, ``draft_head_file``) read as properties, with their values when absent.
+    ``DraftPlan.of`` builds a plan from those options as fields, naming its kind the way older manifests' plans
+    are converted (``runtime/artifact/legacy.py``).
 
     The model-free part: ``lookup`` lists sources tried in order each round (``ngram``, ``retrieval``,
     ``lookahead``, ``logitspec``, ``recycling``: ``runtime/drafting/``), each drafting at most
@@ -207,15 +226,7 @@ class DraftPlan:
     """
 
     name: str
-    skip_attn: list[int] = field(default_factory=list)
-    skip_mlp: list[int] = field(default_factory=list)
-    exit_layer: int | None = None
-    head: str = "final"
-    draft_vocab: int | None = None
-    # The draft head (runtime/artifact/draft_head_file.py): a trained exit adapter ("adapter:E") and/or the ids of a
-    # reduced draft vocabulary (draft_vocab tokens), in one safetensors file in the artifact.
-    draft_head_file: str | None = None
-    kind: str | None = None
+    kind: str
     params: dict[str, Any] = field(default_factory=dict)
     lookup: list[str] = field(default_factory=list)
     lookup_max_draft: int = 8
@@ -226,6 +237,55 @@ class DraftPlan:
     measured: dict[str, Any] = field(
         default_factory=dict
     )  # the tuner's figures: schema in runtime/artifact/measured.py
+
+    @classmethod
+    def of(cls, name: str, kind: str | None = None, **fields: Any) -> "DraftPlan":
+        """A plan built in code: ``fields`` are the plan's fields and any of ``MODEL_PARAMS``, which go into
+        ``params``; without ``kind``, the kind is inferred from them as an old manifest's plan is (early exit, layer
+        skip, else lookup only: ``legacy.model_part``), so code and converted manifests name kinds alike."""
+        return cls(**model_part({"name": name, "kind": kind, **fields}))
+
+    def param(self, key: str) -> Any:
+        """``params[key]``, or the value it means when absent (``MODEL_FIELDS``; a fresh list for a list, so that no
+        caller can change the shared default)."""
+        if key in self.params:
+            return self.params[key]
+        absent = MODEL_FIELDS[key]
+        return list(absent) if isinstance(absent, list) else absent
+
+    def with_params(self, **changes: Any) -> "DraftPlan":
+        """A copy whose ``params`` has ``changes`` merged in; a change to None removes the option (its value
+        when absent)."""
+        params = {**self.params, **changes}
+        return dataclasses.replace(self, params={key: value for key, value in params.items() if value is not None})
+
+    @property
+    def skip_attn(self) -> list[int]:
+        return self.param("skip_attn")
+
+    @property
+    def skip_mlp(self) -> list[int]:
+        return self.param("skip_mlp")
+
+    @property
+    def exit_layer(self) -> int | None:
+        return self.param("exit_layer")
+
+    @property
+    def head(self) -> str:
+        """The draft head: ``"final"`` (the model's own), ``"exit:E"``, or ``"adapter:E"`` (a trained exit adapter)."""
+        return self.param("head")
+
+    @property
+    def draft_vocab(self) -> int | None:
+        """The size of a reduced draft vocabulary (None: the full one)."""
+        return self.param("draft_vocab")
+
+    @property
+    def draft_head_file(self) -> str | None:
+        """The draft head (``runtime/artifact/draft_head_file.py``): a trained exit adapter and/or the ids of a
+        reduced draft vocabulary, in one safetensors file in the artifact."""
+        return self.param("draft_head_file")
 
     @property
     def is_early_exit(self) -> bool:
@@ -296,13 +356,15 @@ class DraftPlan:
     @classmethod
     def from_dict(cls, data: dict[str, Any], where: str = "plan") -> "DraftPlan":
         """Unknown fields are ignored (a plan written by a newer toolkit still loads); known ones are
-        checked against their annotations, and ``measured`` against its schema (``runtime/artifact/measured.py``).
-        A plan in the first schema's form (every source's options flat on the plan) is converted first
-        (``runtime/artifact/legacy.py``)."""
-        from .legacy import upgrade_plan
+        checked against their annotations, the shared model options against ``MODEL_PARAMS``, and ``measured``
+        against its schema (``runtime/artifact/measured.py``). A plan in an older schema's form is converted
+        first (``runtime/artifact/legacy.py``)."""
         from .measured import check_measured
 
         plan = build_dataclass(cls, upgrade_plan(data) if isinstance(data, dict) else data, where)
+        for key, value in plan.params.items():
+            if key in MODEL_PARAMS:
+                check_value(value, MODEL_PARAMS[key], f"{where}.params[{key!r}]")
         check_measured(plan.measured, where)
         return plan
 
@@ -364,7 +426,7 @@ class Manifest:
                 f"{', '.join(map(str, READABLE_VERSIONS))}); rebuild the artifact with `speccompile build` or install "
                 "the matching runtime"
             )
-        data = {**data, "schema_version": SCHEMA_VERSION}  # plans in the first schema's form convert one by one
+        data = {**data, "schema_version": SCHEMA_VERSION}  # plans in older schemas' forms convert one by one
         plans = data.get("plans", {})
         if isinstance(plans, dict):  # plans are built one by one so that messages name the plan
             data = {**data, "plans": {name: DraftPlan.from_dict(p, f"plans[{name!r}]") for name, p in plans.items()}}

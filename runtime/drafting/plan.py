@@ -19,7 +19,7 @@ import dataclasses
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
-from ..artifact.manifest import DraftPlan
+from ..artifact.manifest import MODEL_PARAMS, DraftPlan
 from ..artifact.schema import build_dataclass
 
 if TYPE_CHECKING:
@@ -111,12 +111,13 @@ class ReadPlan:
         return ", else ".join(parts) if len(parts) > 1 else (parts[0] if parts else "nothing")
 
 
-READ_THROUGH = tuple(f.name for f in dataclasses.fields(DraftPlan) if f.name != "kind") + (
-    "max_tree_nodes",
-    "is_early_exit",
+READ_THROUGH = (
+    tuple(f.name for f in dataclasses.fields(DraftPlan) if f.name != "kind")
+    + tuple(MODEL_PARAMS)
+    + ("max_tree_nodes", "is_early_exit")
 )
-"""The data's fields and derived values a read plan answers itself (read-only); ``kind`` is the draft kind
-object here (its name: ``kind.name``)."""
+"""The data's fields, its shared model options (``MODEL_PARAMS``) and derived values a read plan answers itself
+(read-only); ``kind`` is the draft kind object here (its name: ``kind.name``)."""
 for _name in READ_THROUGH:
     setattr(ReadPlan, _name, property(attrgetter(f"data.{_name}"), doc=f"``data.{_name}``"))
 

@@ -1,14 +1,13 @@
 """Draft kinds: one module per way of drafting with the model, and the registry that picks one.
 
-``kind_of(plan, num_layers)`` builds the plan's kind once: the ``kind`` the plan names, or, for plans
-that name none, the first built-in kind that ``matches`` it. A new kind is one module plus one line in
-``KINDS``; its options live in the plan's ``params``.
+``kind_of(plan, num_layers)`` builds the kind the plan names (every plan names one: an older manifest's plan
+that named none is given one when it is read, ``runtime/artifact/legacy.py``). A new kind is one module plus
+one line in ``KINDS``; its options live in the plan's ``params``.
 """
 
 from __future__ import annotations
 
 from ...artifact.manifest import DraftPlan
-from ...errors import ArtifactError
 from ...registry import Registry
 from .draft_kind import DraftKind
 
@@ -22,8 +21,7 @@ KINDS = Registry(
         "precision": ".precision:PrecisionDraft",
     },
 )
-"""Kind name -> ``"module:Class"`` (``.name`` in this package, or an absolute module). Kinds a plan does not
-name are inferred, tried in this order."""
+"""Kind name -> ``"module:Class"`` (``.name`` in this package, or an absolute module)."""
 
 
 def kind_class(name: str) -> type[DraftKind]:
@@ -31,15 +29,9 @@ def kind_class(name: str) -> type[DraftKind]:
 
 
 def kind_of(plan: DraftPlan, num_layers: int | None = None) -> DraftKind:
-    """The draft kind of ``plan`` (``num_layers``: the model's block count, needed by kinds that run
-    the model's later blocks)."""
-    if plan.kind is not None:
-        return kind_class(plan.kind)(plan, num_layers)
-    for name in KINDS:
-        cls = kind_class(name)
-        if cls.matches(plan):
-            return cls(plan, num_layers)
-    raise ArtifactError(f"plan {plan.name[:64]!r} matches no draft kind; rebuild the artifact")
+    """The draft kind ``plan`` names (``num_layers``: the model's block count, needed by kinds that run the
+    model's later blocks); a one-line ``ArtifactError`` for a kind this runtime does not know."""
+    return kind_class(plan.kind)(plan, num_layers)
 
 
 __all__ = ["KINDS", "DraftKind", "kind_class", "kind_of"]

@@ -25,6 +25,7 @@ from typing import Sequence
 import numpy as np
 
 from ...artifact.manifest import DraftPlan
+from ...errors import ArtifactError, quote
 from ...segments import FINAL_HEAD, Segment, full_model
 
 
@@ -33,18 +34,25 @@ class DraftKind(ABC):
 
     name: str = ""
     has_model_part: bool = True
+    param_keys: tuple[str, ...] | None = None
+    """The ``params`` keys the kind reads: ``check`` refuses others, so a misspelt option is not silently
+    ignored (None: the kind checks its params itself)."""
 
     def __init__(self, plan: DraftPlan, num_layers: int | None = None):
         self.plan = plan
         self.num_layers = num_layers
 
-    @classmethod
-    @abstractmethod
-    def matches(cls, plan: DraftPlan) -> bool:
-        """Whether ``plan`` (with no explicit ``kind``) is of this kind."""
-
     def check(self) -> None:
         """A one-line ``ArtifactError`` when the plan's options (its ``params``) do not fit the kind."""
+        if self.param_keys is None:
+            return
+        unknown = sorted(set(self.plan.params) - set(self.param_keys))
+        if unknown:
+            known = ", ".join(self.param_keys) or "none"
+            raise ArtifactError(
+                f"plan {self.plan.name[:64]!r}: params {quote(unknown, 120)} are not options of the {self.name} draft "
+                f"kind (its options: {known}); remove them or rebuild the artifact"
+            )
 
     # -- what runs ------------------------------------------------------------------------------------
     @property
@@ -106,4 +114,8 @@ class DraftKind(ABC):
         return self.plan.draft_head_file or FINAL_HEAD
 
 
-__all__ = ["DraftKind"]
+HEAD_PARAMS = ("head", "draft_vocab", "draft_head_file")
+"""The draft head's options, which any model draft may have (``head`` above, ``draft_head.py``)."""
+
+
+__all__ = ["HEAD_PARAMS", "DraftKind"]

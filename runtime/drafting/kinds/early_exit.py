@@ -9,16 +9,22 @@ across calls (``Backend.reuses_prefix``) verifies with the full model instead.
 
 from __future__ import annotations
 
+from ...errors import ArtifactError
 from ...segments import FINAL_HEAD, Segment
-from .draft_kind import DraftKind
+from .draft_kind import HEAD_PARAMS, DraftKind
 
 
 class EarlyExit(DraftKind):
     name = "early_exit"
+    param_keys = ("exit_layer", *HEAD_PARAMS)
 
-    @classmethod
-    def matches(cls, plan) -> bool:
-        return plan.exit_layer is not None
+    def check(self) -> None:
+        super().check()
+        if self.plan.exit_layer is None:
+            raise ArtifactError(
+                f"plan {self.plan.name[:64]!r} is an early exit with no params.exit_layer; name the block to exit "
+                "after, or rebuild the artifact"
+            )
 
     @property
     def exit_layer(self) -> int:

@@ -8,15 +8,12 @@ verify reuses nothing.
 from __future__ import annotations
 
 from ...segments import Segment
-from .draft_kind import DraftKind
+from .draft_kind import HEAD_PARAMS, DraftKind
 
 
 class LayerSkip(DraftKind):
     name = "layer_skip"
-
-    @classmethod
-    def matches(cls, plan) -> bool:
-        return plan.exit_layer is None and bool(plan.skip_attn or plan.skip_mlp)
+    param_keys = ("skip_attn", "skip_mlp", *HEAD_PARAMS)
 
     @property
     def draft_segment(self) -> Segment:

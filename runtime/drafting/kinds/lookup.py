@@ -9,10 +9,7 @@ from .draft_kind import DraftKind
 class LookupOnly(DraftKind):
     name = "lookup"
     has_model_part = False
-
-    @classmethod
-    def matches(cls, plan) -> bool:
-        return plan.exit_layer is None and not plan.skip_attn and not plan.skip_mlp
+    param_keys = ()
 
     @property
     def draft_segment(self):

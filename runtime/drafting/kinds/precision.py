@@ -9,17 +9,18 @@ drafts, which the verify then rewrites (docs/design.md section 3). Nothing is re
 hidden states are not the full model's.
 
 Options live in the plan's ``params``: ``precision`` (``"int4"`` or ``"int8"``), ``block_size`` (default 32) and
-``symmetric`` (default False); the plan's ``exit_layer`` / ``skip_attn`` / ``skip_mlp`` make it an int4 early exit
-or layer skip. A backend without a kernel for the scheme refuses the plan before any work (torch refuses int4: its
-CPU int4 product is slower than the fp32 one, ``runtime/backends/torch/int8_twin.py``; the standard ONNX graphs have
-no ``MatMulNBits`` draft). Tuned by ``passes/precision_tune.py``.
+``symmetric`` (default False); ``exit_layer`` / ``skip_attn`` / ``skip_mlp`` there make it an int4 early exit or
+layer skip, and a draft head (``draft_head.py``) may end it. A backend without a kernel for the scheme refuses the
+plan before any work (torch refuses int4: its CPU int4 product is slower than the fp32 one,
+``runtime/backends/torch/int8_twin.py``; the standard ONNX graphs have no ``MatMulNBits`` draft). Tuned by
+``passes/precision_tune.py``.
 """
 
 from __future__ import annotations
 
 from ...errors import ArtifactError
 from ...segments import Segment
-from .draft_kind import DraftKind
+from .draft_kind import HEAD_PARAMS, DraftKind
 
 SCHEMES = ("int4", "int8")
 
@@ -43,12 +44,10 @@ def precision_of(params: dict) -> str:
 
 class PrecisionDraft(DraftKind):
     name = "precision"
-
-    @classmethod
-    def matches(cls, plan) -> bool:
-        return False  # a plan names this kind (``kind="precision"``)
+    param_keys = ("precision", "block_size", "symmetric", "exit_layer", "skip_attn", "skip_mlp", *HEAD_PARAMS)
 
     def check(self) -> None:
+        super().check()
         precision_of(self.plan.params)
 
     @property
