@@ -309,13 +309,13 @@ class BuildOptions(TuningOptions):
         "MatMulNBits, blocks of 32); the quantized model is then the one drafts are "
         "verified against.",
     )
-    packed_rows: bool = option(
-        False,
-        "--packed-rows",
+    packed_rows: bool | None = option(
+        None,
+        "--packed-rows/--no-packed-rows",
         commands=("build",),
-        is_flag=True,
         help="Export ONNX graphs that run every row of a batched round in one call (GroupQueryAttention's "
-        "query_seqlens, onnxruntime >= 1.32): cheaper verifies under load, dearer calls for a sequence alone.",
+        "query_seqlens, onnxruntime >= 1.32): verifies and prompt chunks share the batch's call under load. "
+        "Default: on for --quantize targets (whose rows share no call otherwise), off for fp32.",
     )
     force: bool = option(
         False, "--force", commands=("build",), is_flag=True, help="Replace the output folder if it exists."

@@ -303,10 +303,18 @@ def onnx_export_options(options: BuildOptions) -> dict:
     elsewhere), weight-only quantized with ``--quantize``."""
     portable = options.device != "cpu" or "tensorrt" in options.backends  # TensorRT parses standard ONNX only
     variant = "standard" if portable and not options.quantize else "fused"
-    # packed rows only when asked: they make a round of many sequences one call, but a lone sequence's calls
-    # dearer (docs/batching.md), and single-stream decoding is what the build tunes and confirms
-    packed = {"packed_rows": True} if getattr(options, "packed_rows", False) and variant == "fused" else {}
+    packed = {"packed_rows": True} if packed_rows(options) and variant == "fused" else {}
     return {"variant": variant, **({"quantize": options.quantize} if options.quantize else {}), **packed}
+
+
+def packed_rows(options: BuildOptions) -> bool:
+    """Whether the fused graphs take packed rows (``--packed-rows``), by default for quantized targets only: their
+    rows share no call otherwise (int8 activations need every row to compute what it computes alone, which only
+    packed rows give), and their packed one-token call is no dearer; for fp32 the older graphs already batch
+    one-token rows, and single-stream decoding, what the build tunes and confirms, gains nothing from packing
+    (measured: docs/history.md, 'Figures behind the code's constants')."""
+    chosen = getattr(options, "packed_rows", None)
+    return bool(options.quantize) if chosen is None else bool(chosen)
 
 
 def onnx_export_of(manifest) -> dict:

@@ -454,3 +454,16 @@ def test_build_quantize_packed_rows_serves_concurrent_requests_in_shared_calls(s
     alone = model.replica()
     for i, prompt in enumerate(prompts):
         assert outcomes[i].token_ids == alone.generate(prompt, max_new_tokens=8, speculate=False).token_ids
+
+
+def test_quantized_targets_export_packed_rows_by_default():
+    """A quantized target's rows share a call only on packed graphs, so ``--quantize`` exports them unless told not
+    to; fp32 targets keep the older graphs unless asked."""
+    from speccompile.build import BuildOptions, onnx_export_options
+
+    def packed(**options) -> bool:
+        return onnx_export_options(BuildOptions(model="m", out="o", **options)).get("packed_rows", False)
+
+    assert packed(quantize="int8") and packed(quantize="int4")
+    assert not packed(quantize="int4", packed_rows=False)
+    assert not packed() and packed(packed_rows=True)
