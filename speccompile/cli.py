@@ -445,6 +445,9 @@ def echo_call_costs(tuning: dict) -> None:
     rows = ", ".join(f"{n} {seconds * 1e3:.1f}" for n, seconds in sorted(costs.batched.items()))
     widths = ", ".join(f"{w} {seconds * 1e3:.1f}" for w, seconds in sorted(costs.alone.items()) if w > 1)
     click.echo(f"  batched call costs (ms), one-token rows: {rows}; one row of w tokens: {widths}")
+    if costs.draft:
+        drafts = ", ".join(f"{n} {seconds * 1e3:.1f}" for n, seconds in sorted(costs.draft.items()))
+        click.echo(f"    draft step ({costs.draft_segment}), one-token rows: {drafts}")
     click.echo(f"    timed on {costs.machine or 'an unnamed machine'}")
 
 

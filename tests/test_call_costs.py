@@ -106,3 +106,39 @@ def test_damaged_call_costs_are_one_line_errors(lookup_artifact, tmp_path, damag
 
 def test_estimate_grows_with_rows_and_width():
     assert estimated_seconds(0.01, 16, 5) > estimated_seconds(0.01, 4, 5) > estimated_seconds(0.01, 4, 2) > 0
+
+
+def test_the_build_stores_the_default_plans_draft_step_curve(tiny_decoder, capsys):
+    """Beside the verifier's calls, the build times the default plan's draft step at the same row counts when its
+    backend has that plan's draft graphs, and a server on this machine reuses it without timing it again;
+    ``inspect`` shows it. A lookup-only plan has no draft step to time."""
+    from types import SimpleNamespace
+
+    from speccompile.passes.call_costs import time_call_costs
+    from speccompile.runtime.artifact.manifest import DraftPlan
+    from speccompile.runtime.backends.torch.backend import TorchBackend
+    from speccompile.runtime.decoding.load import draft_step_segment
+    from speccompile.runtime.drafting.plan import read_plan
+
+    _, decoder = tiny_decoder("llama")
+    skip = DraftPlan.of("skip", skip_attn=[1], sources={"model": {"max_draft": 3}})
+    backend = TorchBackend(decoder)
+    runner = SimpleNamespace(plain_backend=lambda: backend)
+    ir = SimpleNamespace(plans={"skip": skip}, default_plan="skip", tuning={}, config=decoder.config)
+    lines: list[str] = []
+    time_call_costs(runner, ir, None, 0.001, lines.append)
+    stored = ir.tuning["call_costs"]
+    segment = draft_step_segment(read_plan(skip, decoder.config.num_layers))
+    assert stored["draft"]["segment"] == segment.describe()
+    assert sorted(int(n) for n in stored["draft"]["batched"]) == CallCosts.row_counts(CALL_COST_ROWS)
+    assert "a draft step of 1 / 16 rows" in lines[-1]
+    reused = call_costs(backend, stored, max_rows=8, max_width=4, draft=segment)
+    assert reused.source == "manifest" and reused.draft == CallCosts.from_dict(stored).draft
+    from speccompile.cli import echo_call_costs
+
+    echo_call_costs({"call_costs": stored})
+    assert f"draft step ({segment.describe()}), one-token rows: 1 " in capsys.readouterr().out
+    lookup = DraftPlan.of("lookup", lookup=["ngram"])
+    ir = SimpleNamespace(plans={"lookup": lookup}, default_plan="lookup", tuning={}, config=decoder.config)
+    time_call_costs(runner, ir, None, 0.001, lines.append)
+    assert "draft" not in ir.tuning["call_costs"]
