@@ -110,6 +110,20 @@ def artifacts(tiny_decoder, tmp_path_factory):
     return get
 
 
+def record_widths(backend, full) -> list[list[int]]:
+    """The row widths of every full-model ``run_rows`` call ``backend`` makes from now on (a list that fills)."""
+    widths: list[list[int]] = []
+    run_rows = backend.run_rows
+
+    def recorded(segment, rows):
+        if segment == full:
+            widths.append([row.width for row in rows])
+        return run_rows(segment, rows)
+
+    backend.run_rows = recorded
+    return widths
+
+
 @pytest.mark.parametrize(
     "family", ["llama", "qwen2", "qwen3", "gemma", "gpt_neox", "gpt2", "mistral", "gemma3_text", "smollm3"]
 )
@@ -158,15 +172,7 @@ def test_batched_decoding_packs_each_round_and_every_sequence_decodes_its_own_ou
     backend = ort_backend(root)
     full = full_model(decoder.config.num_layers)
     graphs = backend.index.calls(full)
-    widths: list[list[int]] = []
-    run_rows = backend.run_rows
-
-    def recorded(segment, rows):
-        if segment == full:
-            widths.append([row.width for row in rows])
-        return run_rows(segment, rows)
-
-    backend.run_rows = recorded
+    widths = record_widths(backend, full)
     counts = count_calls(backend)
     requests = _requests(decoder, [None, LOOKUP, TREE, EXIT, SKIP, LOOKUP])
     outputs = _decode_batch(backend, requests, max_batch=4, joins=(0, 0, 1, 1, 4, 6), prefill_chunk=5)
@@ -364,15 +370,7 @@ def test_quantized_packed_targets_batch_and_every_sequence_decodes_its_own_plain
     backend.tree_unsupported()  # its load-time self-check runs on a replica, before the calls are counted
     full = full_model(decoder.config.num_layers)
     graphs = backend.index.calls(full)
-    widths: list[list[int]] = []
-    run_rows = backend.run_rows
-
-    def recorded(segment, rows):
-        if segment == full:
-            widths.append([row.width for row in rows])
-        return run_rows(segment, rows)
-
-    backend.run_rows = recorded
+    widths = record_widths(backend, full)
     counts = count_calls(backend)
     requests = _requests(decoder, [None, LOOKUP, TREE, EXIT, SKIP, LOOKUP])
     sequences: list = []

@@ -24,6 +24,7 @@ def profile(artifact: str, rows: int, context: int, calls: int) -> tuple[float, 
 
     from speccompile.runtime import load
     from speccompile.runtime.backends.slots import batch_of
+    from speccompile.runtime.decoding.load import shared_past
     from speccompile.runtime.segments import Row, full_model
 
     prefix = os.path.join(tempfile.mkdtemp(), "profile")
@@ -41,10 +42,7 @@ def profile(artifact: str, rows: int, context: int, calls: int) -> tuple[float, 
     finally:
         ort.SessionOptions = plain_options
     full = full_model(backend.config.num_layers)
-    backend.reserve(context + 4, slots=rows)
-    backend.run_rows(full, [Row(0, 0, [1] * context)])
-    for slot in range(1, rows):
-        backend.move_slot(0, slot, context)
+    shared_past(backend, rows, context + 4, context)
     step = [Row(s, context, [1]) for s in range(rows)]
     for _ in range(5):
         backend.run_rows(full, step)

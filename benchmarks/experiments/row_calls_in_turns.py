@@ -16,15 +16,13 @@ import time
 
 from speccompile.runtime import load
 from speccompile.runtime.backends.slots import batch_of
+from speccompile.runtime.decoding.load import shared_past
 from speccompile.runtime.segments import Row, full_model
 
 
 def opened(artifact: str, slots: int, context: int, width: int):
     backend = batch_of(load(artifact, backend="onnx").backend)
-    backend.reserve(context + width + 2, slots=slots)
-    backend.run_rows(full_model(backend.config.num_layers), [Row(0, 0, [1] * context)])
-    for slot in range(1, slots):
-        backend.move_slot(0, slot, context)
+    shared_past(backend, slots, context + width + 2, context)
     return backend
 
 

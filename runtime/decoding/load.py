@@ -147,7 +147,7 @@ class CallCosts:
         Seconds, on the machine and threads that will decode. The past is computed once, in slot 0, and copied
         to the other slots (a prefill of every slot would cost ``max_rows`` times more)."""
         full = full_model(backend.config.num_layers)
-        _past(backend, max_rows, context + max_width + 2, context)
+        shared_past(backend, max_rows, context + max_width + 2, context)
         batched = {
             n: _best(backend, full, [Row(s, context, [1]) for s in range(n)], repeats) for n in cls.row_counts(max_rows)
         }
@@ -162,7 +162,7 @@ class CallCosts:
         """Time n one-token rows of the draft ``segment`` (n as ``measure``'s rows) into ``draft``. The draft
         steps read the verifier's KV of the past and write their own one position after it, as in a round."""
         if not past_ready:
-            _past(backend, max_rows, context + 2, context)
+            shared_past(backend, max_rows, context + 2, context)
         self.draft = {
             n: _best(backend, segment, [Row(s, context, [1]) for s in range(n)], repeats)
             for n in self.row_counts(max_rows)
@@ -170,7 +170,7 @@ class CallCosts:
         self.draft_segment = segment.describe()
 
 
-def _past(backend, slots: int, room: int, context: int) -> None:
+def shared_past(backend, slots: int, room: int, context: int) -> None:
     """Slots ``0..slots-1`` holding ``context`` positions of one past (computed once, copied) to attend to."""
     backend.reserve(room, slots=max(slots, 1))
     backend.run_rows(full_model(backend.config.num_layers), [Row(0, 0, [1] * context)])
@@ -297,4 +297,5 @@ __all__ = [
     "draft_pays",
     "best_draft_length",
     "draft_step_segment",
+    "shared_past",
 ]
