@@ -17,6 +17,7 @@ from .artifact.manifest import Manifest, read_manifest
 from .artifact.tokenizer import TextTokenizer
 from .backends import BACKENDS, BackendDescriptor
 from .backends.weights_check import check_after_open, check_before_open
+from .decoding.prefill_chunk import chunk_for
 from .decoding.speculative import DecodeRequest, Stats, backend_drafter, decode, reserve_cache
 from .drafting import ReadPlan, check_plans
 from .errors import BackendUnavailableError, InputError, opening_artifact
@@ -114,6 +115,8 @@ class SpeculativeModel:
         self.context = manifest.config.max_position_embeddings
         self.eos_ids = manifest.eos_ids
         self.refused = refused
+        # prompt tokens a request alone reads per call: the build's measured chunk on this machine (prefill_chunk.py)
+        self.prefill_chunk = chunk_for(manifest.tuning, backend)
 
     def replica(self) -> "SpeculativeModel":
         """The same artifact with its own KV cache, sharing weights, sessions and tokenizer: one per
@@ -192,7 +195,7 @@ class SpeculativeModel:
             text = ""
             start = time.perf_counter()
             try:
-                for new in decode(self.backend, request, drafter, stats):
+                for new in decode(self.backend, request, drafter, stats, self.prefill_chunk):
                     produced.extend(new)
                     full = self.tokenizer.decode(produced)
                     # Hold back text that ends in an incomplete UTF-8 sequence until it completes.

@@ -20,6 +20,7 @@ from speccompile.passes.confirm import MIN_TURNS, ChooseDefaultPlan, ConfirmPlan
 from speccompile.passes.ir import DecoderIR
 from speccompile.passes.pass_manager import PassManager
 from speccompile.passes.pipeline import METHODS, BuildOptions, PipelineInputs, TuneOptions, TuningOptions
+from speccompile.passes.prefill_chunk import time_prefill_chunk
 from speccompile.passes.tuning import TuningContext
 from speccompile.runners import make_runner
 from speccompile.runtime.backends import BACKENDS
@@ -170,6 +171,8 @@ def tune_ir(
         ir = PassManager(passes, log, budget if method.budgeted else None)(ir)
         seconds_left = budget.left() - budget.write_reserve if method.budgeted else None
         time_call_costs(runner, ir, seconds_left, context.costs.plain_step(), log)
+        seconds_left = budget.left() - budget.write_reserve if method.budgeted else None
+        time_prefill_chunk(runner, ir, seconds_left, context.costs.plain_step(), log)
         runner.release()  # the tuning sessions' packed weights are not kept while the artifact is written
         if ir.default_plan is None:
             log(

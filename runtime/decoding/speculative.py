@@ -22,10 +22,13 @@ from .batch import BatchDecoder
 from .request import DecodeRequest, Stats, backend_drafter, cache_length, draft_room
 
 
-def decode(backend: Backend, request: DecodeRequest, drafter, stats: Stats) -> Iterator[list[int]]:
+def decode(
+    backend: Backend, request: DecodeRequest, drafter, stats: Stats, prefill_chunk: int | None = None
+) -> Iterator[list[int]]:
     """Yield the new tokens of each step (plain, ``drafter`` None) or round (speculative) until a stop: the
-    batch round of ``batch.py`` with one sequence in it (``drafter`` built on ``backend``)."""
-    engine = BatchDecoder(backend)
+    batch round of ``batch.py`` with one sequence in it (``drafter`` built on ``backend``). ``prefill_chunk``: prompt
+    tokens read per call (None: the whole prompt in one; ``prefill_chunk.py``)."""
+    engine = BatchDecoder(backend, prefill_chunk=prefill_chunk)
     sequence = engine.add(request, drafter=drafter, stats=stats)
     while not sequence.finished:
         for _, new in engine.step():
