@@ -20,7 +20,7 @@ from speccompile.passes.confirm import MIN_TURNS, ChooseDefaultPlan, ConfirmPlan
 from speccompile.passes.ir import DecoderIR
 from speccompile.passes.pass_manager import PassManager
 from speccompile.passes.pipeline import METHODS, BuildOptions, PipelineInputs, TuneOptions, TuningOptions
-from speccompile.passes.prefill_chunk import time_prefill_chunk
+from speccompile.passes.prefill_chunk_timing import time_prefill_chunk
 from speccompile.passes.tuning import TuningContext
 from speccompile.runners import make_runner
 from speccompile.runtime.backends import BACKENDS

@@ -1,5 +1,5 @@
 """A request alone reads a long prompt in the chunk the build measured on this machine (``runtime/decoding/
-prefill_chunk.py``, ``passes/prefill_chunk.py``): the calls are chunks, the output is what one call gives."""
+prefill_chunk.py``, ``passes/prefill_chunk_timing.py``): the calls are chunks, the output is what one call gives."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import pytest
 import torch
 from onnx_helpers import make_artifact, ort_backend
 
-from speccompile.passes.prefill_chunk import time_prefill_chunk
+from speccompile.passes.prefill_chunk_timing import time_prefill_chunk
 from speccompile.runtime.artifact.manifest import DraftPlan
 from speccompile.runtime.backends.torch.backend import TorchBackend
 from speccompile.runtime.decoding.prefill_chunk import chunk_for, measure, stored
@@ -63,7 +63,7 @@ def test_the_build_times_prompt_chunks_and_a_load_here_uses_them(tiny_decoder, m
     """The build stores the fastest chunk with the machine; a load on this machine reads prompts in it, a load
     elsewhere in one call; a malformed record is a one-line error. (Candidates shorter than the tiny model's
     context of 256 positions.)"""
-    import speccompile.passes.prefill_chunk as build_side
+    import speccompile.passes.prefill_chunk_timing as build_side
     import speccompile.runtime.decoding.prefill_chunk as runtime_side
 
     monkeypatch.setattr(build_side, "CANDIDATES", (64, 128))
