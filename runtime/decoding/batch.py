@@ -351,9 +351,9 @@ class BatchDecoder:
         return [d if d is None or k == len(d.tokens) else _cut(d, k) for d, k in zip(drafts, lengths)]
 
     def _proposes(self, s: Sequence, budget: int, batch: int) -> bool:
-        """Whether ``s`` drafts at all this round: not when it has no drafter or room for one token only, nor when
-        even its longest draft would not pay against its share of the batch's plain step (its lookups cost host
-        time too)."""
+        """Whether ``s`` drafts at all this round: not when it has no drafter or room for one token only, nor when no
+        draft up to its longest would pay against its share of the batch's plain step (its lookups cost host time
+        too)."""
         if s.drafter is None or budget == 1:
             return False
         if self.costs is not None and batch > 1 and s.longest_draft:
@@ -367,19 +367,16 @@ class BatchDecoder:
         each is charged its share of that step (``CallCosts.draft_step``) and drafts the length that pays best
         at that share; a sequence for which none pays leaves the group, which raises the others' shares, until
         the group is stable."""
-        if self.costs is None or batch == 1:
-            return {i: length for i, (_, length) in models.items()}
         steps = {i: length for i, (_, length) in models.items()}
-        while True:
-            group = [i for i, k in steps.items() if k > 0]
-            if not group:
-                return steps
+        if self.costs is None or batch == 1:
+            return steps
+        while group := [i for i, k in steps.items() if k > 0]:
             share = self.costs.draft_step(len(group)) / len(group)
             fresh = {i: best_draft_length(self.costs, models[i][0], models[i][1], share, batch) for i in group}
-            if all(fresh[i] > 0 for i in group):
-                steps.update(fresh)
-                return steps
             steps.update(fresh)
+            if all(fresh.values()):
+                break
+        return steps
 
     def _finish_round(self, s: Sequence, draft: Draft, logits, committed: list[int], path) -> None:
         """The round's statistics, the drafter's feedback and, for drafters that learn from the verifier's

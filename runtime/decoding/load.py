@@ -251,10 +251,10 @@ def choose_lengths(costs: CallCosts, choices: Sequence[Choice]) -> list[int]:
 
 
 def draft_pays(costs: CallCosts, acceptance: float, length: int, draft_step: float, batch: int) -> bool:
-    """Whether one sequence's draft of ``length`` tokens (``draft_step`` seconds a token to draft: a model draft's
-    steps, 0 for a lookup) and its verify make a batch of ``batch`` sequences produce more tokens per second
-    than leaving it in the plain step. Decided before drafting: a model draft's steps are its price, and a
-    lookup's host time is saved when even the longest draft would not pay."""
+    """Whether one sequence's draft of some length up to ``length`` tokens (``draft_step`` seconds a token to draft:
+    a model draft's steps, 0 for a lookup) and its verify make a batch of ``batch`` sequences produce more tokens
+    per second than leaving it in the plain step (``best_draft_length``). Decided before drafting: a model draft's
+    steps are its price, and a lookup's host time is saved when no draft it could make would pay."""
     return best_draft_length(costs, acceptance, length, draft_step, batch) > 0 if batch > 1 else True
 
 
