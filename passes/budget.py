@@ -75,8 +75,9 @@ class Budget:
 
     def __init__(self, total: float | None = None, clock=time.perf_counter, cap: float | None = None):
         self.total, self.clock, self.start, self.cap = total, clock, clock(), cap
-        self.reserve = 0.0  # seconds kept for confirmation and writing the artifact
+        self.reserve = 0.0  # seconds kept for confirmation, the measurements after it, and writing the artifact
         self.write_reserve = 0.0  # the part of it kept for writing the artifact
+        self.measure_reserve = 0.0  # the part kept for what the build measures after confirming (prompt chunks)
         self.user_set = total is not None
 
     def planned(self) -> float | None:
@@ -109,8 +110,9 @@ class Budget:
         return time.perf_counter() + self.tuning_left()
 
     def final_deadline(self) -> float:
-        """When confirmation should be done (the artifact still to write), as a ``time.perf_counter`` time."""
-        return time.perf_counter() + self.left() - self.write_reserve
+        """When confirmation should be done (the measurements after it and the artifact still to come), as a
+        ``time.perf_counter`` time."""
+        return time.perf_counter() + self.left() - self.write_reserve - self.measure_reserve
 
     def as_dict(self) -> dict:
         return {

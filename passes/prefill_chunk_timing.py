@@ -22,6 +22,13 @@ def estimated_seconds(step_seconds: float, length: int) -> float:
     return ways * REPEATS * step_seconds * length / 16
 
 
+def needed_seconds(step_seconds: float, context: int) -> float:
+    """What timing the prompt chunks of a model with ``context`` positions takes (0: none of its prompts is long
+    enough to read in chunks): the share of the budget a build keeps for it."""
+    length = min(LENGTH, context - 2)
+    return 0.0 if length <= min(CANDIDATES) else estimated_seconds(step_seconds, length)
+
+
 def time_prefill_chunk(runner, ir, seconds_left: float | None, step_seconds: float, log: Callable[[str], None]) -> None:
     """Time the prompt chunks on the runner's backend into ``ir.tuning["prefill_chunk"]`` when ``seconds_left`` (None:
     no budget) allows; a log line either way."""
@@ -44,4 +51,4 @@ def time_prefill_chunk(runner, ir, seconds_left: float | None, step_seconds: flo
     )
 
 
-__all__ = ["LENGTH", "estimated_seconds", "time_prefill_chunk"]
+__all__ = ["LENGTH", "estimated_seconds", "needed_seconds", "time_prefill_chunk"]

@@ -15,11 +15,13 @@ from speccompile.convert import arch_config, canonical_weights, choose_path
 from speccompile.loading import SourceModel, load_source
 from speccompile.passes.adapter import DRAFT_HEADS_DIR
 from speccompile.passes.budget import CONFIRM_SHARE, Budget, cap_seconds, default_seconds
-from speccompile.passes.call_costs import time_call_costs
+from speccompile.passes.call_costs import CALL_COST_ROWS, time_call_costs
+from speccompile.passes.call_costs import estimated_seconds as call_costs_seconds
 from speccompile.passes.confirm import MIN_TURNS, ChooseDefaultPlan, ConfirmPlans
 from speccompile.passes.ir import DecoderIR
 from speccompile.passes.pass_manager import PassManager
 from speccompile.passes.pipeline import METHODS, BuildOptions, PipelineInputs, TuneOptions, TuningOptions
+from speccompile.passes.prefill_chunk_timing import needed_seconds as prefill_chunk_seconds
 from speccompile.passes.prefill_chunk_timing import time_prefill_chunk
 from speccompile.passes.tuning import TuningContext
 from speccompile.runners import make_runner
@@ -104,7 +106,14 @@ def plan_budget(budget: Budget, context: TuningContext, backends, parameters: in
     export = context.timings.get("runner_backend", 0.0) if "onnx" in backends else 0.0
     written = 4 * parameters * len(list(backends))  # about the fp32 bytes per backend, written then hashed
     budget.write_reserve = 1.5 * export + written / WRITE_BYTES_PER_SECOND + 1.0
-    budget.reserve = MIN_TURNS * turn + budget.write_reserve
+    # what the build measures after confirming: the prompt chunks a lone request reads long prompts in and the
+    # batched call costs a server prices drafts with. Without this share, passes and confirmation spend the whole
+    # budget first: default artifacts then read every prompt in one call (slower from about 1K tokens) and servers
+    # time the call costs at every start.
+    budget.measure_reserve = prefill_chunk_seconds(step, context.ir.config.max_position_embeddings) + (
+        call_costs_seconds(step, CALL_COST_ROWS, context.max_draft + 1, draft=True)
+    )
+    budget.reserve = MIN_TURNS * turn + budget.measure_reserve + budget.write_reserve
 
 
 def tune_ir(
@@ -170,9 +179,9 @@ def tune_ir(
         ]
         ir = PassManager(passes, log, budget if method.budgeted else None)(ir)
         seconds_left = budget.left() - budget.write_reserve if method.budgeted else None
-        time_call_costs(runner, ir, seconds_left, context.costs.plain_step(), log)
-        seconds_left = budget.left() - budget.write_reserve if method.budgeted else None
         time_prefill_chunk(runner, ir, seconds_left, context.costs.plain_step(), log)
+        seconds_left = budget.left() - budget.write_reserve if method.budgeted else None
+        time_call_costs(runner, ir, seconds_left, context.costs.plain_step(), log)
         runner.release()  # the tuning sessions' packed weights are not kept while the artifact is written
         if ir.default_plan is None:
             log(

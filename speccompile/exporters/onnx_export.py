@@ -130,8 +130,11 @@ class _Lowering:
             scheme, block_size, symmetric = parse_precision(precision)
             tag = f"{scheme}.b{block_size}{'s' if symmetric else ''}"
             options = dict(
-                options, quantizer=Quantizer(scheme, block_size, DEFAULT_ACCURACY_LEVEL, symmetric, tag), pad_rows=False
-            )  # a draft need not round like the verify; padding only costs it
+                options,
+                quantizer=Quantizer(scheme, block_size, DEFAULT_ACCURACY_LEVEL, symmetric, tag),
+                pad_rows=False,  # a draft need not round like the verify; padding only costs it
+                positions=True,  # so that it can attend to a window of the cache (runtime/backends/onnx/draft_window.py)
+            )
         elif key == "verify" and issubclass(self.graph_class, FusedGraph):
             options = dict(options, tree=True)  # the full model also verifies token trees (runtime/tree.py)
         return self.graph_class(key, self.config, self.dtype, self.weights, **options)

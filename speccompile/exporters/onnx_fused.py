@@ -66,9 +66,11 @@ class FusedGraph(GraphBuilder):
         tree: bool = False,
         pad_products: bool = False,
         packed: bool = False,
+        positions: bool = False,
     ):
         super().__init__(*args)
         self.quantizer, self.pack, self.tree, self.packed = quantizer, pack, tree, packed
+        self.positions = positions or tree
         self.pad_rows = pad_rows and not packed
         self.pad_products = pad_products
         self.query_seqlens = self.token_index = self.token_place = None  # a packed graph's layout (packed_layout)
@@ -107,9 +109,12 @@ class FusedGraph(GraphBuilder):
             self.gqa_rotary = gqa_rotary_ok(c)
             if self.packed:
                 self.packed_layout()
-            if self.tree:  # token trees (runtime/tree.py): positions and a mask over the call's rows come in
+            if self.positions:  # token trees (runtime/tree.py) and windowed drafts: each row's positions come in
                 self.position_ids = self.add_input("position_ids", TensorProto.INT64, ["batch", "seq"])
-                self.attention_bias = self.add_input("attention_bias", self.onnx_dtype, ["batch", 1, "seq", "total"])
+                if self.tree:  # and a mask over the call's rows
+                    self.attention_bias = self.add_input(
+                        "attention_bias", self.onnx_dtype, ["batch", 1, "seq", "total"]
+                    )
                 if c.positions == "learned" or not self.gqa_rotary:
                     if self.packed:
                         self.pos = self.to_tokens(self.position_ids)
@@ -321,6 +326,8 @@ class FusedGraph(GraphBuilder):
         if self.tree:
             args += ["", ""] if not do_rotary else []
             args += list(self.tree_args(past_k))
+        elif self.positions and do_rotary:  # the kernel's rotary at the given positions, not at past + row
+            args.append(self.position_ids)
         out_name = f"gqa_{i}"
         if self.packed:  # the stream in per-sequence rows, each row's count of new tokens (packed_layout)
             args[:3] = [self.to_rows(t) if t else "" for t in args[:3]]
@@ -410,6 +417,8 @@ class FusedGraph(GraphBuilder):
     def gqa_rope_cache(self, table: str = "global") -> tuple[str, str]:
         """cos/sin tables [total_len, rotary_dim / 2] for positions 0..total_len-1 (GQA indexes them)."""
         total = self.op("Cast", self.total_len, to=TensorProto.INT64)
+        if self.positions and not self.tree:  # a windowed draft's positions run past its cache's length
+            total = self.op("Add", self.op("ReduceMax", self.position_ids, keepdims=0), self.const(1, np.int64))
         if self.pad_rows:  # room for the padding row's position (see padding())
             total = self.op("Add", total, self.const(1, np.int64))
         pos = self.op("Range", self.const(0, np.int64), total, self.const(1, np.int64))

@@ -47,6 +47,7 @@ from ...tree import attention_rows as tree_attention_rows
 from ...tree import depths as tree_depths
 from ..base import Backend
 from ..graph_index import GraphIndex, full_model_without_verify
+from .draft_window import DraftWindow
 from .initializers import from_arrays, from_blob, read_weights, shared_tensors
 from .selfcheck import tree_refusal
 
@@ -198,6 +199,17 @@ class OnnxBackend(Backend):
         self._kv_values: dict[tuple, dict[str, Any]] = {}  # (first slot, count) -> KV OrtValues over those slots
         self._bindings: dict[tuple, Any] = {}  # (graph key, first slot, count) -> IOBinding with that KV bound
         self.draft_heads: dict[str, DraftHead] = {}  # plan.draft_head_file -> its draft head (vocabulary ids)
+        # precision drafts' graphs that take each row's positions: at long context they attend to a window
+        self.windowed = {
+            key
+            for key in self.fused - self.packed
+            if graphs[key].get("segment", {}).get("precision")
+            and "position_ids" in self.inputs.get(key, [])
+            and "attention_bias" not in self.inputs.get(key, [])
+        }
+        self.window = DraftWindow(L, config.num_kv_heads, config.head_dim, self.dtype) if self.windowed else None
+        self._window_bindings: dict[tuple, Any] = {}  # as _bindings, over the window's buffers
+        self._window_values: list[Any] = []  # the OrtValues those bindings hold, kept with them
 
     def _session(self, ort, key: str, g: dict, threads: int):
         path = self.root / g["file"]
@@ -271,7 +283,11 @@ class OnnxBackend(Backend):
         sequence): ORT sessions may be run from several threads at once."""
         other = copy.copy(self)
         other.max_len, other.slots, other.k, other.v, other.exit_hidden = 0, 0, [], [], None
-        other._kv_values, other._bindings = {}, {}
+        other._kv_values, other._bindings, other._window_bindings, other._window_values = {}, {}, {}, []
+        if self.window is not None:
+            other.window = DraftWindow(
+                self.config.num_layers, self.window.kv_heads, self.window.head_dim, self.dtype, self.window.shape
+            )
         return other
 
     # -- cache -------------------------------------------------------------------------------------
@@ -305,6 +321,8 @@ class OnnxBackend(Backend):
         for buf in self.k + self.v:
             buf[target, :, :length] = buf[source, :, :length]
         self.exit_hidden[target, :length] = self.exit_hidden[source, :length]
+        if self.window is not None:
+            self.window.forget(target)
 
     def _kv_range(self, first: int, count: int) -> dict[str, Any]:
         """OrtValues over slots ``first .. first + count - 1`` of every layer's buffer (views, no copy)."""
@@ -433,12 +451,18 @@ class OnnxBackend(Backend):
                 feed[name] = bias
         return feed
 
-    def _call(self, key: str, rows: Sequence[Row | None], width: int, ids, hidden) -> dict[str, np.ndarray]:
+    def _call(
+        self, key: str, rows: Sequence[Row | None], width: int, ids, hidden, io=None, positions=None
+    ) -> dict[str, np.ndarray]:
         """Graph ``key`` on the contiguous slots of ``rows`` (one call; KV written in place); its outputs by name:
-        ``[rows, width, size]``, or for a packed call (``rows`` may hold None: an idle slot) ``[1, tokens, size]``."""
+        ``[rows, width, size]``, or for a packed call (``rows`` may hold None: an idle slot) ``[1, tokens, size]``.
+        ``io``: another binding of the cache (the draft window's); ``positions``: the rows' real positions where
+        ``rows`` give their places in that cache."""
         first, n = rows[0].slot, len(rows)
-        io = self._binding(key, first, n)
+        io = io if io is not None else self._binding(key, first, n)
         feed = self._feeds(key, rows, width, ids, hidden)
+        if positions is not None:
+            feed["position_ids"] = positions
         for name, value in feed.items():
             io.bind_cpu_input(name, value)
         source = ids if ids is not None else hidden
@@ -498,6 +522,8 @@ class OnnxBackend(Backend):
         src, dst = [pos + a for a, _ in moves], [pos + b for _, b in moves]
         for buf in self.k + self.v:  # [slots, kv_heads, max_len, head_dim], the OrtValues' memory
             buf[slot, :, dst] = buf[slot, :, src]
+        if self.window is not None:
+            self.window.stale_from(slot, pos)
 
     # -- the backend interface ---------------------------------------------------------------------
     batched = True
@@ -527,9 +553,16 @@ class OnnxBackend(Backend):
                 f"draft head {segment.head!r} was not loaded; open the artifact with speccompile.runtime.load"
             )
         results: list[np.ndarray | None] = [None] * len(rows)
+        windowed = self.window is not None and segment.from_tokens and any(key in self.windowed for key in calls)
         for group in self._groups(calls, rows, segment):
             members = [rows[i] for i in group]
-            logits = self._run_group(segment, calls, members, max(row.width for row in members))
+            if windowed and self.window.applies(members):
+                logits = self._run_windowed(segment, calls, members)
+            else:
+                if self.window is not None:  # the main cache changes at these rows' positions
+                    for row in members:
+                        self.window.stale_from(row.slot, row.pos)
+                logits = self._run_group(segment, calls, members, max(row.width for row in members))
             if logits is not None:
                 for i, row_logits in zip(group, logits):
                     results[i] = row_logits[: rows[i].width]
@@ -606,6 +639,50 @@ class OnnxBackend(Backend):
                     self.exit_hidden[row.slot, row.pos : row.pos + row.width] = outs["hidden"][b, : row.width]
             ids, hidden = None, outs.get("hidden", outs.get("last_hidden"))
         return None if segment.head is None else list(self._logits(segment, outs["logits"]))
+
+    def _run_windowed(self, segment: Segment, calls: list[str], rows: list[Row]) -> list[np.ndarray] | None:
+        """``_run_group`` for draft rows far into their context: the draft graph attends to each row's sinks and
+        window (``draft_window.py``), bound in place of the main cache, at the rows' real positions."""
+        views, grown = self.window.prepare(self.k, self.v, rows)
+        if grown:
+            self._window_bindings, self._window_values = {}, []
+        n, width = len(rows), max(row.width for row in rows)
+        ids = np.empty((n, width), np.int64)
+        positions = np.empty((n, width), np.int64)
+        for b, row in enumerate(rows):
+            ids[b, : row.width] = row.tokens
+            ids[b, row.width :] = row.tokens[-1]
+            positions[b] = row.pos + np.arange(width)
+        hidden = None
+        outs: dict[str, np.ndarray] = {}
+        for i, key in enumerate(calls):
+            if key in self.windowed:
+                io = self._window_binding(key, views[0].slot, n)
+                outs = self._call(key, views, width, ids, hidden, io=io, positions=positions)
+            else:  # a head graph (no cache)
+                outs = self._call(key, rows, width, ids, hidden)
+            if segment.keep_hidden and i == 0:
+                for b, row in enumerate(rows):
+                    self.exit_hidden[row.slot, row.pos : row.pos + row.width] = outs["hidden"][b, : row.width]
+            ids, hidden = None, outs.get("hidden", outs.get("last_hidden"))
+        self.window.write_back(self.k, self.v, rows)
+        return None if segment.head is None else list(self._logits(segment, outs["logits"]))
+
+    def _window_binding(self, key: str, first: int, count: int):
+        """``_binding`` over the draft window's buffers."""
+        io = self._window_bindings.get((key, first, count))
+        if io is None:
+            ort = _ort()
+            io = self.sessions[key].io_binding()
+            for i in range(self.config.num_layers):
+                for kind, bufs in (("key", self.window.k), ("value", self.window.v)):
+                    value = ort.OrtValue.ortvalue_from_numpy(bufs[i][first : first + count])
+                    self._window_values.append(value)
+                    if f"past_key_values.{i}.{kind}" in self.inputs[key]:
+                        io.bind_ortvalue_input(f"past_key_values.{i}.{kind}", value)
+                        io.bind_ortvalue_output(f"present.{i}.{kind}", value)
+            self._window_bindings[(key, first, count)] = io
+        return io
 
     def _run_packed(self, segment: Segment, calls: list[str], rows: list[Row]) -> list[np.ndarray] | None:
         """``_run_group`` on packed graphs: the rows' tokens (or kept hidden states) as one stream, in slot order;

@@ -37,6 +37,7 @@ from ...artifact.manifest import ArchConfig
 from ...errors import ArtifactError, BackendUnavailableError
 from ...segments import FINAL_HEAD, Row, Segment
 from ..base import Backend
+from ..window_shape import WindowShape
 from .cpu_linear import use_streaming_linears
 from .decoder import Decoder, KVCache, Positions, build_decoder, pack_projections, run_segment
 from .int8_twin import int8_kernel_missing, int8_twin, set_input_scales
@@ -113,6 +114,7 @@ class TorchBackend(Backend):
         self.round_on_device = device_round_requested() if round_on_device is None else round_on_device
         self.static = None  # graphs.StaticSteps over the current cache, when graphs are on
         self.draft_heads: dict[str, tuple[DraftHead, TorchDraftHead]] = {}  # draft head file -> kernel
+        self.draft_window = WindowShape()  # how much of a long past a precision draft attends to (window_shape.py)
         if torch.device(self.device).type == "cpu":
             # q/k/v and gate/up as one product each, then the faster CPU form of small-row products,
             # measured on the products a step runs (runtime/backends/torch/cpu_linear.py)
@@ -240,8 +242,22 @@ class TorchBackend(Backend):
             out = self.static.run(segment, pos, ids, t)
         else:
             decoder, head = self.decoder_and_head(segment)
+            where = None
+            shape = self.draft_window
+            windowed = isinstance(decoder, Decoder) and segment.precision and segment.from_tokens
+            if windowed and pos >= shape.min_context and t < shape.margin:
+                # a model draft far into its context attends to the sinks and the last ``window`` positions
+                where = Positions.windowed(pos, t, self.device, shape.sinks, pos - shape.window)
             out = run_segment(
-                decoder, segment, None if ids is None else ids.view(1, -1), pos, self.cache, self.hidden, head, count
+                decoder,
+                segment,
+                None if ids is None else ids.view(1, -1),
+                pos,
+                self.cache,
+                self.hidden,
+                head,
+                count,
+                where=where,
             )
         return None if out is None else out[0]
 

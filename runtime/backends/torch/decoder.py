@@ -281,7 +281,7 @@ class Positions:
     mask (``tree``), which replaces the causal one.
     """
 
-    __slots__ = ("ids", "keys", "exact", "span", "query", "slots", "tree_mask", "key_ids", "packed")
+    __slots__ = ("ids", "keys", "exact", "span", "query", "slots", "tree_mask", "key_ids", "packed", "window")
 
     def __init__(
         self,
@@ -298,6 +298,17 @@ class Positions:
         self.slots = ids if slots is None else slots
         self.tree_mask, self.key_ids = tree_mask, key_ids
         self.packed: PackedRows | None = None
+        self.window: tuple[int, int] | None = None  # (sinks, start): attention reads those keys only (``windowed``)
+
+    @classmethod
+    def windowed(cls, pos: int, t: int, device, sinks: int, start: int) -> "Positions":
+        """An eager call whose attention reads the cache's first ``sinks`` positions and ``start`` up to its own
+        last one, nothing between (a model draft far into its context: ``runtime/backends/window_shape.py``)."""
+        ids = torch.arange(pos, pos + t, device=device)
+        key_ids = torch.cat((torch.arange(sinks, device=device), torch.arange(start, pos + t, device=device)))
+        where = cls(ids, pos + t, True, pos + t, ids, key_ids=key_ids)
+        where.window = (sinks, start)
+        return where
 
     @classmethod
     def of(cls, pos: "int | Tensor", t: int, device, cache: "KVCache | None") -> "Positions":
@@ -511,6 +522,11 @@ class Decoder(nn.Module):
         """Boolean ``[T, keys]`` mask (True = attend): each query sees the keys up to its own position,
         inside ``window`` (a block's ``ArchConfig.window_of``; None: no window). None when a one-token
         eager call sees every key it is given anyway."""
+        if where.window is not None:  # keys: the sinks, then the window (``Positions.windowed``)
+            if where.ids.shape[0] == 1 and window is None:
+                return None
+            mask = where.key_ids[None, :] <= where.query[:, None]
+            return mask if window is None else mask & (where.key_ids[None, :] > where.query[:, None] - window)
         if where.tree_mask is not None:
             if window is None:
                 return where.tree_mask
@@ -573,7 +589,12 @@ class Decoder(nn.Module):
             else:
                 cache.k[i].index_copy_(2, where.slots, k)
                 cache.v[i].index_copy_(2, where.slots, v)
-            k, v = cache.k[i, :, :, : where.keys], cache.v[i, :, :, : where.keys]
+            if where.window is not None:  # the sinks and the window only: a copy of those keys, not the whole past
+                sinks, start = where.window
+                k = torch.cat((cache.k[i, :, :, :sinks], cache.k[i, :, :, start : where.keys]), dim=2)
+                v = torch.cat((cache.v[i, :, :, :sinks], cache.v[i, :, :, start : where.keys]), dim=2)
+            else:
+                k, v = cache.k[i, :, :, : where.keys], cache.v[i, :, :, : where.keys]
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=mask, scale=self.config.scale, enable_gqa=block.attn.n_kv != block.attn.n_heads
         )
@@ -692,13 +713,21 @@ def build_decoder(
 
 
 def run_segment(
-    decoder, segment, ids: Tensor | None, pos: "int | Tensor", cache, hidden: Tensor | None, head, count: int = 0
+    decoder,
+    segment,
+    ids: Tensor | None,
+    pos: "int | Tensor",
+    cache,
+    hidden: Tensor | None,
+    head,
+    count: int = 0,
+    where: "Positions | None" = None,
 ) -> Tensor | None:
     """One ``Segment`` (``runtime/segments.py``) on a decoder (this module's, or the generic path's):
     embed ``ids`` (``[1, T]``) or read the ``count`` hidden states kept at the positions, run the
     segment's blocks, keep their output where asked, and apply ``head`` (a callable on hidden states)
     when the segment has one. ``pos`` an int runs eagerly; a tensor of positions runs with fixed shapes
-    (CUDA graphs)."""
+    (CUDA graphs). ``where``: the call's positions, when not the ones ``pos`` makes (``Positions.windowed``)."""
     fixed = isinstance(pos, Tensor)
     whole = (
         segment.from_tokens
@@ -708,7 +737,7 @@ def run_segment(
         and not segment.keep_hidden
         and segment.head is not None
     )
-    if whole and head == decoder.head:  # the full model: one call (the generic path's is one forward of its model)
+    if whole and head == decoder.head and where is None:  # the full model: one call (the generic path's: its forward)
         return decoder(ids, pos, cache)
     if segment.from_tokens:
         h = decoder.embed_tokens(ids, pos)
@@ -716,7 +745,7 @@ def run_segment(
         h = hidden.index_select(1, pos)
     else:
         h = hidden[:, pos : pos + count]
-    h = decoder.run_blocks(h, pos, cache, segment.start, segment.stop, segment.skip_attn, segment.skip_mlp)
+    h = decoder.run_blocks(h, pos, cache, segment.start, segment.stop, segment.skip_attn, segment.skip_mlp, where=where)
     if segment.keep_hidden:
         if fixed:
             hidden.index_copy_(1, pos, h)
