@@ -4,6 +4,8 @@
     python benchmarks/long_context.py --lengths 2048,7168 --backends onnx --json long.json
     python benchmarks/long_context.py --artifact torch=artifacts/a-torch,onnx=artifacts/a-onnx
     python benchmarks/long_context.py --smoke                           # the bundled refcoder, short inputs
+    python benchmarks/long_context.py --lengths 256,2048,7168 --json long.json --record NAME   # README's long rows
+    python benchmarks/long_context.py --lengths 2048,7168 --backends onnx --peers openvino   # and OpenVINO GenAI
 
 The inputs are text nobody here wrote: the source of Python standard-library modules, read from the running
 interpreter's standard-library folder (``sysconfig``). Two tasks at every length N:
@@ -32,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -144,8 +147,11 @@ def timed(model, prompt: list[int], max_new_tokens: int, speculate: bool, plan: 
     }
 
 
-def bench_backend(backend: str, artifact: Path, args, plan: str | None) -> tuple[list[dict], dict]:
-    """Every input of every task and length on one backend, plain and speculative in turns."""
+def bench_backend(
+    backend: str, artifact: Path, args, plan: str | None, prompts: dict | None = None
+) -> tuple[list[dict], dict]:
+    """Every input of every task and length on one backend, plain and speculative in turns; each input's ids go
+    into ``prompts`` by (task, length) for the peers."""
     from speccompile.runtime import load
 
     model = load(artifact, backend=backend)
@@ -166,6 +172,8 @@ def bench_backend(backend: str, artifact: Path, args, plan: str | None) -> tuple
         for task in args.tasks:
             for k in range(min(args.inputs, inputs.count(task))):
                 name, prompt = inputs.make(task, length, k)
+                if prompts is not None:
+                    prompts.setdefault((task, length), {})[name] = prompt
                 runs = {}
                 order = (False, True) if turn % 2 == 0 else (True, False)
                 turn += 1
@@ -190,6 +198,59 @@ def bench_backend(backend: str, artifact: Path, args, plan: str | None) -> tuple
                     f"{spec['total_s']:.2f} s (plain / speculative), identical {request['identical']}"
                 )
     return requests, info
+
+
+def openvino_rows(prompts: dict, args, scratch: Path) -> list[dict]:
+    """OpenVINO GenAI on the same token ids, in its own venv (``benchmarks/peer_compare.py`` sets it up): its
+    continuous-batching pipeline with one stream (the prompt read in its dynamic split-fuse chunks), fp32 weights
+    and an fp32 KV cache (the fp32 model's computation), plainly and with its prompt lookup; rows shaped like ours,
+    "plain" its plain decoding and "speculative" its prompt lookup."""
+    from peer_compare import DEFAULT_VENVS, openvino_model, venv
+    from smollm2 import ensure_model
+
+    venvs = Path(args.venvs or DEFAULT_VENVS)
+    python = venv(venvs, "openvino", ["optimum-intel[openvino]", "openvino-genai"])
+    folder = openvino_model(venvs, Path(ensure_model()), "fp32")
+    rows = []
+    for (task, length), by_name in prompts.items():
+        group = list(by_name.values())
+        ids_file = scratch / "openvino_ids.json"
+        ids_file.write_text(json.dumps({"warm": [group[0][:64]], "1": group}))
+        log(f"OpenVINO GenAI {task} {length}: {len(group)} input(s) ...")
+        command = [str(python), str(HERE / "peers" / "openvino_cb_peer.py"), str(folder), str(ids_file)]
+        command += ["--streams", "1", "--requests", str(len(group)), "--max-new-tokens", str(args.max_new_tokens)]
+        command += ["--threads", "2", "--kv-cache-precision", "f32"]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            log(f"OpenVINO GenAI failed: {done.stderr[-1500:]}")
+            continue
+        report = json.loads(done.stdout)
+        runs = {
+            mode: sorted(report[mode]["1"]["requests"], key=lambda r: r["id"]) for mode in ("plain", "prompt_lookup")
+        }
+
+        def decode(requests: list[dict]) -> float | None:
+            return rate(sum(len(r["ids"]) - 1 for r in requests), sum(r["latency"] - r["ttft"] for r in requests))
+
+        plain, lookup = runs["plain"], runs["prompt_lookup"]
+        rows.append(
+            {
+                "backend": f"OpenVINO GenAI {report['versions']['openvino_genai'].split('-')[0]} (lookup)",
+                "task": task,
+                "length": length,
+                "inputs": len(group),
+                "prompt_tokens": round(sum(map(len, group)) / len(group)),
+                "ttft_plain_s": sum(r["ttft"] for r in plain) / len(group),
+                "ttft_speculative_s": sum(r["ttft"] for r in lookup) / len(group),
+                "decode_plain_tokens_per_s": decode(plain),
+                "decode_speculative_tokens_per_s": decode(lookup),
+                "decode_speedup": ratio(decode(lookup), decode(plain)),
+                "request_speedup": ratio(sum(r["latency"] for r in plain), sum(r["latency"] for r in lookup)),
+                "identical": sum(a["ids"] == b["ids"] for a, b in zip(plain, lookup)),
+                "mean_accepted": None,
+            }
+        )
+    return rows
 
 
 def rate(tokens: int, seconds: float) -> float | None:
@@ -335,6 +396,17 @@ def parse_args(argv=None):
     parser.add_argument("--plan", default=None, help="plan to speculate with (default: the artifact's default)")
     parser.add_argument("--json", type=Path, default=None, help="also write the rows and every request here")
     parser.add_argument("--smoke", action="store_true", help="the bundled refcoder, short inputs: under a minute")
+    parser.add_argument(
+        "--peers",
+        default="",
+        help="openvino: also OpenVINO GenAI (its own venv, fp32 weights and KV cache) on the same inputs",
+    )
+    parser.add_argument("--venvs", default=None, help="where the peers' venvs live (default artifacts/peers)")
+    parser.add_argument(
+        "--record",
+        default=None,
+        help="also write the results record benchmarks/results/NAME.json (needs --json) and render README's table",
+    )
     args = parser.parse_args(argv)
     try:
         lengths = [int(n) for n in args.lengths.split(",")] if args.lengths else None
@@ -342,11 +414,16 @@ def parse_args(argv=None):
         parser.error(f"--lengths takes comma-separated whole numbers, got {args.lengths!r}")
     if lengths is not None and any(n < 16 for n in lengths):
         parser.error("--lengths: every input must be at least 16 tokens")
+    if args.record and not args.json:
+        parser.error("--record needs --json FILE (the record is made from it)")
     if args.max_new_tokens < 2 or args.inputs < 1:
         parser.error("--max-new-tokens must be at least 2 and --inputs at least 1")
     args.tasks = [t for t in args.tasks.split(",") if t]
     if not args.tasks or any(t not in ("continue", "qa") for t in args.tasks):
         parser.error(f"--tasks takes continue, qa or both, got {','.join(args.tasks)!r}")
+    args.peers = [p for p in args.peers.split(",") if p]
+    if any(p != "openvino" for p in args.peers) or (args.peers and args.smoke):
+        parser.error("--peers takes openvino (SmolLM2 only, not with --smoke)")
     args.backends = [b for b in args.backends.split(",") if b]
     if not args.backends or any(b not in ("torch", "onnx") for b in args.backends):
         parser.error("--backends takes torch, onnx or both")
@@ -380,15 +457,17 @@ def main(argv=None) -> None:
             plan = plan or manifest["default_plan"] or next(iter(manifest["plans"]), None)
         args.label = "refcoder (smoke)" if args.smoke else "SmolLM2-135M-Instruct"
         folders = artifacts_from(args.artifact, args.backends, build_smollm2)
-        requests, infos = [], {}
+        requests, infos, prompts = [], {}, {}
         for backend in args.backends:
             log(f"{backend}: {folders[backend]}")
             try:
-                done, infos[backend] = bench_backend(backend, folders[backend], args, plan)
+                done, infos[backend] = bench_backend(backend, folders[backend], args, plan, prompts)
             except SpeccompileError as exc:  # an artifact that does not load, a prompt the model cannot take
                 raise SystemExit(f"{backend}: {exc}") from None
             requests += done
-    rows = summarize(requests)
+        rows = summarize(requests)
+        if "openvino" in args.peers:
+            rows += openvino_rows(prompts, args, Path(scratch))
     print_table(rows, args, infos)
     if args.json:
         report = {
@@ -402,6 +481,15 @@ def main(argv=None) -> None:
             "requests": requests,
         }
         args.json.write_text(json.dumps(report, indent=2))
+    if args.record:
+        import render_results
+
+        notes = f"{args.max_new_tokens} new tokens, greedy, {args.inputs} input(s) per task and length; " + "; ".join(
+            f"{backend}: plan {info['plan'] or 'none'}" for backend, info in infos.items()
+        )
+        path = render_results.from_long_context(args.record, f"python benchmarks/{report['command']}", args.json, notes)
+        render_results.main_render()
+        log(f"recorded {path}")
 
 
 if __name__ == "__main__":

@@ -8,10 +8,14 @@
     python benchmarks/render_results.py --record NAME --command "CMD" --gpu-rows ROWS.jsonl --machine "GPU ..."
         # a record of benchmarks/gpu_check.sh's rows (WORKDIR/rows.jsonl), measured on another machine
 
+    python benchmarks/render_results.py --record NAME --command "CMD" --long-context LONG.json
+        # a record of benchmarks/long_context.py --json's rows; `long_context.py --record NAME` does the same itself
+
 A record is one JSON file in benchmarks/results/: {"benchmark", "date", "time", "commit", "machine", "command",
 "rows": [{"model", "backend", "plan", "plain_tokens_per_s", "speculative_tokens_per_s", "speedup",
-"identical"}], "notes"}. README shows the newest record of the real-model benchmark; docs/results.md every
-record, newest first. The figures are never typed by hand.
+"identical"}], "notes"}; a long-input record's rows are long_context.py's (``LONG_COLUMNS``). README shows the
+newest record of the real-model benchmark and of the long-input one; docs/results.md every record, newest first.
+The figures are never typed by hand.
 """
 
 from __future__ import annotations
@@ -36,7 +40,33 @@ def records() -> list[dict]:
     return sorted(found, key=lambda r: (r["date"], r.get("time", ""), r.get("commit", "")), reverse=True)
 
 
+# a long-input record (benchmarks/long_context.py): (row key, header, format)
+LONG_COLUMNS = [
+    ("backend", "backend", "{}"),
+    ("task", "task", "{}"),
+    ("prompt_tokens", "prompt tokens", "{}"),
+    ("ttft_plain_s", "first token plain (s)", "{:.2f}"),
+    ("ttft_speculative_s", "first token speculative (s)", "{:.2f}"),
+    ("decode_plain_tokens_per_s", "decode plain tokens/s", "{:.1f}"),
+    ("decode_speculative_tokens_per_s", "decode speculative tokens/s", "{:.1f}"),
+    ("decode_speedup", "decode speedup", "{:.2f}x"),
+    ("request_speedup", "request speedup", "{:.2f}x"),
+    ("identical", "identical", "{}"),
+    ("mean_accepted", "mean accepted", "{:.2f}"),
+]
+
+
+def long_table(record: dict) -> list[str]:
+    out = ["| " + " | ".join(h for _, h, _ in LONG_COLUMNS) + " |", "|" + "---|" * len(LONG_COLUMNS)]
+    for row in record["rows"]:
+        cells = ["-" if row.get(key) is None else form.format(row[key]) for key, _, form in LONG_COLUMNS]
+        out.append("| " + " | ".join(cells) + " |")
+    return out
+
+
 def table(record: dict) -> list[str]:
+    if record["benchmark"] == "long_context":
+        return long_table(record)
     out = ["| " + " | ".join(HEADERS) + " |", "|" + "---|" * len(HEADERS)]
     for row in record["rows"]:
         cells = [
@@ -70,7 +100,11 @@ def render_readme(readme: str, found: list[dict]) -> str:
     newest = next((r for r in found if r["benchmark"] == "real_model"), None)
     if newest is None or BEGIN not in readme:
         return readme
-    block = [BEGIN, *table(newest), "", provenance(newest), END]
+    block = [BEGIN, *table(newest), "", provenance(newest)]
+    long = next((r for r in found if r["benchmark"] == "long_context"), None)
+    if long is not None:
+        block += ["", "Long inputs (docs/long_inputs.md):", "", *table(long), "", provenance(long)]
+    block.append(END)
     head, rest = readme.split(BEGIN, 1)
     return head + "\n".join(block) + rest.split(END, 1)[1]
 
@@ -127,6 +161,16 @@ def write_record(name: str, benchmark: str, command: str, machine: str, rows: li
     return out
 
 
+def from_long_context(name: str, command: str, report_file: Path, notes: str = "") -> Path:
+    """A record of ``benchmarks/long_context.py --json``'s rows (its machine, as it wrote it)."""
+    report = json.loads(report_file.read_text())
+    rows = [
+        {key: row.get(key) for key, _, _ in LONG_COLUMNS} | {"identical": f"{row['identical']}/{row['inputs']}"}
+        for row in report["rows"]
+    ]
+    return write_record(name, "long_context", command, report["machine"], rows, notes)
+
+
 def from_gpu_rows(name: str, command: str, rows_file: Path, machine: str, notes: str) -> Path:
     """A record of ``benchmarks/gpu_bench.py rows`` output: one row per model, dtype and engine that ran
     (engines that could not run are left out; the notes say which)."""
@@ -157,10 +201,13 @@ def main() -> int:
     parser.add_argument("--command", default="")
     parser.add_argument("--gpu-rows", type=Path, default=None, help="benchmarks/gpu_check.sh's rows.jsonl")
     parser.add_argument("--machine", default=None, help="where the rows were measured (default: this machine)")
+    parser.add_argument("--long-context", type=Path, default=None, help="benchmarks/long_context.py's --json report")
     parser.add_argument("--notes", default="")
     parser.add_argument("reports", nargs="*", type=Path)
     args = parser.parse_args()
-    if args.record and args.gpu_rows:
+    if args.record and args.long_context:
+        print(from_long_context(args.record, args.command, args.long_context, args.notes))
+    elif args.record and args.gpu_rows:
         print(from_gpu_rows(args.record, args.command, args.gpu_rows, args.machine or "?", args.notes))
     elif args.record:
         print(from_bench(args.record, args.command, args.reports, args.notes))

@@ -75,13 +75,16 @@ class Row:
     of its first token, and either its ``tokens`` (a segment that starts at block 0) or the ``count`` hidden
     states kept at ``pos..`` (one that starts later). Rows of one call may differ in everything: a prompt
     chunk, one plain token, a draft of k tokens. ``parents``: the tokens after the first form a token tree
-    (``runtime/tree.py``): row ``r`` sits at slot ``pos + r`` and position ``pos + depth(r)``."""
+    (``runtime/tree.py``): row ``r`` sits at slot ``pos + r`` and position ``pos + depth(r)``. ``last_only``: only
+    the last token's logits are wanted (a prompt chunk); a backend may then run the head on that token alone and
+    return one row of logits (the head of a 135M model with a 49K vocabulary is a fifth of a prompt's products)."""
 
     slot: int
     pos: int
     tokens: Sequence[int] | None = None
     count: int = 0
     parents: Sequence[int] | None = None
+    last_only: bool = False
 
     @property
     def width(self) -> int:

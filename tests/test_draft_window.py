@@ -208,10 +208,10 @@ def test_torch_windowed_drafts_stay_lossless(tiny_decoder, family):
     used = []
     run_tensor = backend.run_tensor
 
-    def counted(segment, pos, ids=None, count=0):
+    def counted(segment, pos, ids=None, count=0, last_only=False):
         if segment.precision and pos >= SMALL.min_context:
             used.append(pos)
-        return run_tensor(segment, pos, ids, count)
+        return run_tensor(segment, pos, ids, count, last_only)
 
     backend.run_tensor = counted
     prompts = [prompt(decoder.config.vocab_size, n, seed=n) for n in (20, 33)]

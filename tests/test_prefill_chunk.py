@@ -93,3 +93,44 @@ def test_measure_reads_the_prompt_in_every_candidate_chunk(tiny_decoder):
     seconds = measure(backend, 300, repeats=1)
     assert sorted(seconds) == [256, 300]
     assert stored(seconds, backend)["tokens"] in (256, 300)
+
+
+# -- a prompt chunk's head on its last token alone (Row.last_only) ------------------------------------------------
+
+
+def _backends(decoder, tmp_path):
+    """torch, the ONNX fused graphs and the packed ones: each takes ``last_only`` rows."""
+    yield "torch", TorchBackend(decoder)
+    for packed in (False, True):
+        root = make_artifact(
+            decoder, {"lookup": LOOKUP}, tmp_path / f"onnx-{packed}", variant="fused", packed_rows=packed
+        )
+        yield f"onnx packed={packed}", ort_backend(root)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_prompt_chunk_computes_its_last_logits_alone_and_the_same(family, tiny_decoder, tmp_path):
+    from speccompile.runtime.segments import Row
+
+    _, decoder = tiny_decoder(family)
+    gen = torch.Generator().manual_seed(6)
+    prompt = torch.randint(3, decoder.config.vocab_size, (40,), generator=gen).tolist()
+    full = full_model(decoder.config.num_layers)
+    for name, backend in _backends(decoder, tmp_path / family):
+        backend.reserve(64, slots=2)
+        every = backend.run_rows(full, [Row(0, 0, prompt[:24])]) + backend.run_rows(full, [Row(0, 24, prompt[24:])])
+        backend.reserve(64, slots=2)
+        chunks = backend.run_rows(full, [Row(0, 0, prompt[:24], last_only=True)])
+        chunks += backend.run_rows(full, [Row(0, 24, prompt[24:], last_only=True)])
+        assert [c.shape[0] for c in every] == [24, 16], name
+        assert [c.shape[0] for c in chunks] == [1, 1], name
+        if name == "torch":  # a one-row product takes another kernel than a 16-row one: the last bits differ
+            assert abs(chunks[-1][-1] - every[-1][-1]).max() < 1e-4, name
+        else:  # ONNX Runtime's products compute a row the same whatever the rows beside it
+            assert (chunks[-1][-1] == every[-1][-1]).all(), name
+        # beside a verify of another sequence in one call: each row as alone
+        backend.run_rows(full, [Row(1, 0, prompt[:30])])
+        mixed = backend.run_rows(full, [Row(0, 24, prompt[24:], last_only=True), Row(1, 30, prompt[30:33])])
+        alone = backend.run_rows(full, [Row(1, 30, prompt[30:33])])[0]
+        assert abs(mixed[0][-1] - every[-1][-1]).max() < 1e-4, name
+        assert mixed[1].shape[0] == 3 and abs(mixed[1] - alone).max() < 1e-4, name

@@ -210,7 +210,7 @@ class BatchDecoder:
             take = len(prompt) - s.prefilled if budget is None else min(budget, len(prompt) - s.prefilled)
             if take <= 0:
                 break
-            rows.append(Row(s.slot, s.prefilled, list(prompt[s.prefilled : s.prefilled + take])))
+            rows.append(Row(s.slot, s.prefilled, list(prompt[s.prefilled : s.prefilled + take]), last_only=True))
             owners.append(s)
             if budget is not None:
                 budget -= take

@@ -33,7 +33,7 @@ def measure(backend, length: int, repeats: int = 2) -> dict[int, float]:
         for _ in range(repeats):
             start = time.perf_counter()
             for first in range(0, length, chunk):
-                backend.run_rows(full, [Row(0, first, prompt[first : first + chunk])])
+                backend.run_rows(full, [Row(0, first, prompt[first : first + chunk], last_only=True)])
             times.append(time.perf_counter() - start)
         seconds[chunk] = min(times)
     return seconds

@@ -136,7 +136,9 @@ class _Lowering:
                 positions=True,  # so that it can attend to a window of the cache (runtime/backends/onnx/draft_window.py)
             )
         elif key == "verify" and issubclass(self.graph_class, FusedGraph):
-            options = dict(options, tree=True)  # the full model also verifies token trees (runtime/tree.py)
+            # the full model also verifies token trees (runtime/tree.py) and reads prompts, wanting only their last
+            # token's logits (``FusedGraph.head``)
+            options = dict(options, tree=True, logit_rows=True)
         return self.graph_class(key, self.config, self.dtype, self.weights, **options)
 
     def _head(self, head: str, plan: DraftPlan | None) -> str:

@@ -67,10 +67,12 @@ class FusedGraph(GraphBuilder):
         pad_products: bool = False,
         packed: bool = False,
         positions: bool = False,
+        logit_rows: bool = False,
     ):
         super().__init__(*args)
         self.quantizer, self.pack, self.tree, self.packed = quantizer, pack, tree, packed
         self.positions = positions or tree
+        self.logit_rows = logit_rows
         self.pad_rows = pad_rows and not packed
         self.pad_products = pad_products
         self.query_seqlens = self.token_index = self.token_place = None  # a packed graph's layout (packed_layout)
@@ -413,6 +415,16 @@ class FusedGraph(GraphBuilder):
                 bias = self.op("Pad", bias, bias_pads, self.const(np.array(0.0, self.dtype)))
             self._tree_args = pos, bias
         return self._tree_args
+
+    def head(self, h: str, delta: str | None) -> str:
+        """The final norm and lm_head on the rows the call asks for (``logit_rows``: indices along the call's token
+        axis), where the graph takes them: a prompt chunk wants its last token's logits only, and on a small model
+        with a large vocabulary the head is a fifth of a chunk's products."""
+        if self.logit_rows:
+            rows = self.add_input("logit_rows", TensorProto.INT64, ["logit_rows"])
+            h = self.op("Gather", h, rows, axis=1)
+            delta = self.op("Gather", delta, rows, axis=1) if delta is not None else None
+        return super().head(h, delta)
 
     def gqa_rope_cache(self, table: str = "global") -> tuple[str, str]:
         """cos/sin tables [total_len, rotary_dim / 2] for positions 0..total_len-1 (GQA indexes them)."""

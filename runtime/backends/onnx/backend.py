@@ -55,6 +55,21 @@ _NP = {"float32": np.float32, "float16": np.float16, "int64": np.int64, "uint8":
 PACKED_ROWS_ORT = (1, 32)  # the ONNX Runtime that first takes GroupQueryAttention's ``query_seqlens``
 
 
+def logit_rows(rows: Sequence[Row | None], width: int, packed: bool) -> np.ndarray:
+    """The ``logit_rows`` input of a graph that takes it (``FusedGraph.head``): along the token stream of a packed
+    call, every token of each row but a ``last_only`` row's last token alone; along each row's width otherwise (one
+    index list for the whole batch: a lone row that wants its last token only gets that, a batch every place)."""
+    real = [row for row in rows if row is not None]
+    if not packed:
+        lone = len(rows) == 1 and real[0].last_only
+        return np.array([real[0].width - 1] if lone else range(width), np.int64)
+    picked, start = [], 0
+    for row in real:
+        picked.extend([start + row.width - 1] if row.last_only else range(start, start + row.width))
+        start += row.width
+    return np.array(picked, np.int64)
+
+
 def check_packed_rows_runtime(ort, graphs: dict[str, dict]) -> None:
     """Refuse, in one line, graphs that take ``query_seqlens`` on an ONNX Runtime too old for them (it would fail
     to load them with a message about the operator's inputs)."""
@@ -441,6 +456,8 @@ class OnnxBackend(Backend):
                 feed[name] = np.array(total, dtype=np.int32)
             elif name == "position_ids":
                 feed[name] = positions
+            elif name == "logit_rows":
+                feed[name] = logit_rows(rows, width, packed)
             elif name == "attention_bias":
                 bias = np.zeros((n, 1, width, total), self.dtype)
                 for b, row in enumerate(rows):
@@ -472,7 +489,8 @@ class OnnxBackend(Backend):
             if name.startswith("present."):
                 continue
             size = self.config.vocab_size if name == "logits" else self.config.hidden_size
-            value = np.empty((*shape, size), self.dtype)
+            rows_out = shape if name != "logits" or "logit_rows" not in feed else (shape[0], len(feed["logit_rows"]))
+            value = np.empty((*rows_out, size), self.dtype)
             io.bind_output(name, "cpu", 0, self.dtype, list(value.shape), value.ctypes.data)
             outs[name] = value
         self.sessions[key].run_with_iobinding(io)
@@ -711,7 +729,10 @@ class OnnxBackend(Backend):
         if segment.head is None:
             return None
         logits = self._logits(segment, outs["logits"])[0]
-        return [logits[start : start + row.width] for row, start in zip(rows, starts)]
+        selects = "logit_rows" in self.inputs[calls[-1]]  # a last_only row then got one row of logits
+        counts = [1 if selects and row.last_only else row.width for row in rows]
+        starts = np.cumsum([0] + counts)
+        return [logits[start : start + n] for n, start in zip(counts, starts)]
 
     def _logits(self, segment: Segment, logits: np.ndarray) -> np.ndarray:
         """A head graph's output as float32 logits over the whole vocabulary."""

@@ -220,14 +220,17 @@ class TorchBackend(Backend):
 
     # -- the backend interface ---------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, segment: Segment, pos: int, tokens: Sequence[int] | None = None, count: int = 0) -> np.ndarray | None:
+    def run(
+        self, segment: Segment, pos: int, tokens: Sequence[int] | None = None, count: int = 0, last_only: bool = False
+    ) -> np.ndarray | None:
+        """``last_only``: the head on the last token alone, one row of logits (``Row.last_only``)."""
         ids = torch.tensor(list(tokens), dtype=torch.long, device=self.device) if segment.from_tokens else None
-        out = self.run_tensor(segment, pos, ids, count)
+        out = self.run_tensor(segment, pos, ids, count, last_only)
         return None if out is None else out.float().cpu().numpy()
 
     @torch.inference_mode()
     def run_tensor(
-        self, segment: Segment, pos: int, ids: torch.Tensor | None = None, count: int = 0
+        self, segment: Segment, pos: int, ids: torch.Tensor | None = None, count: int = 0, last_only: bool = False
     ) -> torch.Tensor | None:
         """``run`` on device tensors, reading nothing back: token ids ``[T]`` (long, on this device) when
         the segment starts at block 0; the logits ``[T, vocab]`` stay on the device (the model's dtype; a
@@ -258,6 +261,7 @@ class TorchBackend(Backend):
                 head,
                 count,
                 where=where,
+                last_only=last_only and isinstance(decoder, Decoder),
             )
         return None if out is None else out[0]
 
@@ -302,7 +306,7 @@ class TorchBackend(Backend):
                 if row.parents is not None:
                     logits = [self.forward_tree(row.tokens, row.parents, row.pos)]
                 else:
-                    logits = [self.run(segment, row.pos, row.tokens, row.count)]
+                    logits = [self.run(segment, row.pos, row.tokens, row.count, row.last_only)]
             else:
                 logits = self._run_group(segment, members)
             for i, out in zip(group, logits):

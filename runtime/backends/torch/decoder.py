@@ -722,12 +722,14 @@ def run_segment(
     head,
     count: int = 0,
     where: "Positions | None" = None,
+    last_only: bool = False,
 ) -> Tensor | None:
     """One ``Segment`` (``runtime/segments.py``) on a decoder (this module's, or the generic path's):
     embed ``ids`` (``[1, T]``) or read the ``count`` hidden states kept at the positions, run the
     segment's blocks, keep their output where asked, and apply ``head`` (a callable on hidden states)
     when the segment has one. ``pos`` an int runs eagerly; a tensor of positions runs with fixed shapes
-    (CUDA graphs). ``where``: the call's positions, when not the ones ``pos`` makes (``Positions.windowed``)."""
+    (CUDA graphs). ``where``: the call's positions, when not the ones ``pos`` makes (``Positions.windowed``).
+    ``last_only``: the head on the last token alone (a prompt chunk: ``Row.last_only``)."""
     fixed = isinstance(pos, Tensor)
     whole = (
         segment.from_tokens
@@ -737,7 +739,7 @@ def run_segment(
         and not segment.keep_hidden
         and segment.head is not None
     )
-    if whole and head == decoder.head and where is None:  # the full model: one call (the generic path's: its forward)
+    if whole and head == decoder.head and where is None and not last_only:  # the full model: one call
         return decoder(ids, pos, cache)
     if segment.from_tokens:
         h = decoder.embed_tokens(ids, pos)
@@ -745,13 +747,16 @@ def run_segment(
         h = hidden.index_select(1, pos)
     else:
         h = hidden[:, pos : pos + count]
-    h = decoder.run_blocks(h, pos, cache, segment.start, segment.stop, segment.skip_attn, segment.skip_mlp, where=where)
+    positions = {} if where is None else {"where": where}  # the generic path's decoder takes no ``where``
+    h = decoder.run_blocks(h, pos, cache, segment.start, segment.stop, segment.skip_attn, segment.skip_mlp, **positions)
     if segment.keep_hidden:
         if fixed:
             hidden.index_copy_(1, pos, h)
         else:
             hidden[:, pos : pos + h.shape[1]] = h
-    return None if segment.head is None else head(h)
+    if segment.head is None:
+        return None
+    return head(h[:, -1:] if last_only else h)
 
 
 def check_decoder_tensors(config: ArchConfig, shapes: dict[str, list[int]], source: str, rebuild: str) -> None:
