@@ -137,6 +137,15 @@ def test_new_sequences_and_moved_slots_take_their_own_sinks(llama):
     backend.window.forget()
     prefill(backend, second)
     np.testing.assert_array_equal(backend.run_rows(draft, [Row(0, 40, [5])])[0], again)
+    # the main cache rewritten from a position before the window (after the sinks): the window follows
+    rewrite = [Row(0, 10, first[10:])]
+    backend.run_rows(full_model(backend.config.num_layers), rewrite)
+    assert backend.window.slots[0].synced == 10 < backend.window.slots[0].start
+    rewritten = backend.run_rows(draft, [Row(0, 40, [5])])[0]
+    backend.window.forget()
+    prefill(backend, second)
+    backend.run_rows(full_model(backend.config.num_layers), rewrite)
+    np.testing.assert_array_equal(backend.run_rows(draft, [Row(0, 40, [5])])[0], rewritten)
     backend.reserve(56, slots=2)
     backend.move_slot(0, 1, 41)
     assert 1 not in backend.window.slots

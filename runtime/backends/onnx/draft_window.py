@@ -109,10 +109,11 @@ class DraftWindow:
                     for buf in self.k + self.v:
                         buf[row.slot, :, s.sinks : s.sinks + kept] = buf[row.slot, :, src : src + kept].copy()
                 state.start, state.synced = start, max(state.synced, start)
-            if state.synced < row.pos:  # what the main cache gained: the verifier's accepted positions
-                a, b = s.sinks + state.synced - state.start, s.sinks + row.pos - state.start
+            low = max(state.synced, state.start)  # (a rewrite before the window leaves it stale from its start)
+            if low < row.pos:  # what the main cache gained: the verifier's accepted positions
+                a, b = s.sinks + low - state.start, s.sinks + row.pos - state.start
                 for buf, main in zip(self.k + self.v, main_k + main_v):
-                    buf[row.slot, :, a:b] = main[row.slot, :, state.synced : row.pos]
+                    buf[row.slot, :, a:b] = main[row.slot, :, low : row.pos]
                 state.synced = row.pos
             views.append(Row(row.slot, s.sinks + row.pos - state.start, row.tokens, row.count))
         return views, grown
