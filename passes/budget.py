@@ -75,9 +75,9 @@ class Budget:
 
     def __init__(self, total: float | None = None, clock=time.perf_counter, cap: float | None = None):
         self.total, self.clock, self.start, self.cap = total, clock, clock(), cap
-        self.reserve = 0.0  # seconds kept for confirmation, the measurements after it, and writing the artifact
+        self.reserve = 0.0  # seconds kept for confirmation and writing the artifact
         self.write_reserve = 0.0  # the part of it kept for writing the artifact
-        self.measure_reserve = 0.0  # the part kept for what the build measures after confirming (prompt chunks)
+        self.measure_reserve = 0.0  # the part of confirmation's kept for what the build measures after it
         self.user_set = total is not None
 
     def planned(self) -> float | None:

@@ -107,13 +107,15 @@ def plan_budget(budget: Budget, context: TuningContext, backends, parameters: in
     written = 4 * parameters * len(list(backends))  # about the fp32 bytes per backend, written then hashed
     budget.write_reserve = 1.5 * export + written / WRITE_BYTES_PER_SECOND + 1.0
     # what the build measures after confirming: the prompt chunks a lone request reads long prompts in and the
-    # batched call costs a server prices drafts with. Without this share, passes and confirmation spend the whole
-    # budget first: default artifacts then read every prompt in one call (slower from about 1K tokens) and servers
-    # time the call costs at every start.
+    # batched call costs a server prices drafts with. Confirmation ends that much earlier (fewer turns); the
+    # tuning passes keep their time, since a pass skipped for want of it can lose the best plan (a SmolLM2 build
+    # that kept it from them lost its precision plan: 1.11x instead of 1.82x). Without this share confirmation spent
+    # the whole budget: default artifacts read every prompt in one call (slower from about 1K tokens) and servers
+    # timed the call costs at every start.
     budget.measure_reserve = prefill_chunk_seconds(step, context.ir.config.max_position_embeddings) + (
         call_costs_seconds(step, CALL_COST_ROWS, context.max_draft + 1, draft=True)
     )
-    budget.reserve = MIN_TURNS * turn + budget.measure_reserve + budget.write_reserve
+    budget.reserve = MIN_TURNS * turn + budget.write_reserve
 
 
 def tune_ir(
