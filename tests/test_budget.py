@@ -408,3 +408,27 @@ def tiny_context(tiny_decoder, onnx_in=None):
     prompts = [rng.integers(0, config.vocab_size, 8).tolist() for _ in range(3)]
     runner = make_runner("onnx", ir, onnx_in) if onnx_in is not None else None
     return TuningContext.prepare(ir, prompts, 8, 4, show_progress=False, runner=runner, workdir=onnx_in)
+
+
+def test_the_measurements_after_confirmation_take_their_time_from_it_not_from_the_passes():
+    """The prompt-chunk and call-cost timings after confirmation get a share of the budget (without it default
+    builds stored neither), taken from confirmation's deadline: a tuning pass skipped for want of time can lose the
+    best plan (a packed SmolLM2 build lost its precision plan that way)."""
+    from types import SimpleNamespace
+
+    from speccompile.build import TURN_STEPS, plan_budget
+    from speccompile.passes.confirm import MIN_TURNS
+
+    step = SimpleNamespace(plain_step=lambda: 0.02)
+    config = SimpleNamespace(max_position_embeddings=8192)
+    context = SimpleNamespace(
+        cost=step, costs=step, confirm_tokens=48, timings={}, max_draft=8, ir=SimpleNamespace(config=config)
+    )
+    budget = Budget(total=80.0, clock=Clock())
+    plan_budget(budget, context, ["onnx"], 135_000_000)
+    assert budget.measure_reserve > 1.0  # SmolLM2-sized: a few seconds of timings
+    turns = MIN_TURNS * TURN_STEPS * context.confirm_tokens * 0.02
+    assert budget.reserve == pytest.approx(turns + budget.write_reserve)  # the passes' time is untouched
+    measure, with_measurements = budget.measure_reserve, budget.final_deadline()
+    budget.measure_reserve = 0.0
+    assert budget.final_deadline() - with_measurements == pytest.approx(measure, abs=0.01)  # confirmation's share
