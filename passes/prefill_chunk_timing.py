@@ -33,10 +33,10 @@ def time_prefill_chunk(runner, ir, seconds_left: float | None, step_seconds: flo
     """Time the prompt chunks on the runner's backend into ``ir.tuning["prefill_chunk"]`` when ``seconds_left`` (None:
     no budget) allows; a log line either way."""
     ir.tuning.pop("prefill_chunk", None)
-    length = min(LENGTH, ir.config.max_position_embeddings - 2)
-    if length <= min(CANDIDATES):
+    needed = needed_seconds(step_seconds, ir.config.max_position_embeddings)
+    if not needed:
         return  # no prompt of this model is long enough to read in chunks
-    needed = estimated_seconds(step_seconds, length)
+    length = min(LENGTH, ir.config.max_position_embeddings - 2)
     if seconds_left is not None and needed > seconds_left:
         log(
             f"prompt chunks not timed (about {needed:.0f}s needed, {max(seconds_left, 0):.0f}s left): long prompts are read in one call"
