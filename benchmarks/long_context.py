@@ -6,6 +6,7 @@
     python benchmarks/long_context.py --smoke                           # the bundled refcoder, short inputs
     python benchmarks/long_context.py --lengths 256,2048,7168 --json long.json --record NAME   # README's long rows
     python benchmarks/long_context.py --lengths 2048,7168 --backends onnx --peers openvino   # and OpenVINO GenAI
+    python benchmarks/long_context.py --lengths 2048,7168 --backends onnx --peers llamacpp   # and llama.cpp
 
 The inputs are text nobody here wrote: the source of Python standard-library modules, read from the running
 interpreter's standard-library folder (``sysconfig``). Two tasks at every length N:
@@ -157,6 +158,7 @@ def bench_backend(
     model = load(artifact, backend=backend)
     chosen = plan or model.manifest.default_plan
     info = {"artifact": str(artifact), "plan": chosen, "plain_reason": None if chosen else model.plain_reason}
+    info["eos_ids"] = sorted(model.manifest.eos_ids)
     too_long = [n for n in args.lengths if n + args.max_new_tokens > model.context]
     if too_long:
         raise SystemExit(
@@ -228,29 +230,64 @@ def openvino_rows(prompts: dict, args, scratch: Path) -> list[dict]:
         runs = {
             mode: sorted(report[mode]["1"]["requests"], key=lambda r: r["id"]) for mode in ("plain", "prompt_lookup")
         }
+        label = f"OpenVINO GenAI {report['versions']['openvino_genai'].split('-')[0]} (lookup)"
+        rows.append(peer_row(label, task, length, group, runs["plain"], runs["prompt_lookup"]))
+    return rows
 
-        def decode(requests: list[dict]) -> float | None:
-            return rate(sum(len(r["ids"]) - 1 for r in requests), sum(r["latency"] - r["ttft"] for r in requests))
 
-        plain, lookup = runs["plain"], runs["prompt_lookup"]
+def llamacpp_rows(prompts: dict, eos_ids: list[int], args, scratch: Path) -> list[dict]:
+    """llama.cpp on the same token ids, in its own venv (``benchmarks/peer_compare.py`` builds it): the GGUF of the
+    same fp32 weights, a float32 KV cache (the fp32 model's computation) and its fused attention on, read in its
+    default batches of 512 tokens; plainly and with llama-cpp-python's prompt lookup, rows shaped like ours."""
+    from peer_compare import DEFAULT_VENVS, checkpoint_gguf, llamacpp_gguf, llamacpp_python
+
+    venvs = Path(args.venvs or DEFAULT_VENVS)
+    python = llamacpp_python(venvs)
+    model = llamacpp_gguf(venvs, checkpoint_gguf(None), "f32")
+    rows = []
+    for (task, length), by_name in prompts.items():
+        group = list(by_name.values())
+        ids_file = scratch / "llamacpp_ids.json"
+        ids_file.write_text(json.dumps(group))
+        log(f"llama.cpp {task} {length}: {len(group)} input(s) ...")
+        context = max(map(len, group)) + args.max_new_tokens + 16
+        command = [str(python), str(HERE / "peers" / "llamacpp_peer.py"), "bench", str(model), str(ids_file)]
+        command += ["--max-new-tokens", str(args.max_new_tokens), "--threads", "2", "--n-ctx", str(context)]
+        command += ["--kv-f32", "--flash-attn", "--eos", ",".join(map(str, eos_ids))]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            log(f"llama.cpp failed: {done.stderr[-1500:]}")
+            continue
+        report = json.loads(done.stdout)
+        label = f"llama.cpp (llama-cpp-python {report['versions']['llama_cpp_python']}, lookup)"
         rows.append(
-            {
-                "backend": f"OpenVINO GenAI {report['versions']['openvino_genai'].split('-')[0]} (lookup)",
-                "task": task,
-                "length": length,
-                "inputs": len(group),
-                "prompt_tokens": round(sum(map(len, group)) / len(group)),
-                "ttft_plain_s": sum(r["ttft"] for r in plain) / len(group),
-                "ttft_speculative_s": sum(r["ttft"] for r in lookup) / len(group),
-                "decode_plain_tokens_per_s": decode(plain),
-                "decode_speculative_tokens_per_s": decode(lookup),
-                "decode_speedup": ratio(decode(lookup), decode(plain)),
-                "request_speedup": ratio(sum(r["latency"] for r in plain), sum(r["latency"] for r in lookup)),
-                "identical": sum(a["ids"] == b["ids"] for a, b in zip(plain, lookup)),
-                "mean_accepted": None,
-            }
+            peer_row(label, task, length, group, report["plain"]["requests"], report["prompt_lookup"]["requests"])
         )
     return rows
+
+
+def peer_row(label: str, task: str, length: int, group: list, plain: list[dict], lookup: list[dict]) -> dict:
+    """A peer's row shaped like ours from its requests (``ids``, ``ttft`` and ``latency`` each): "plain" its
+    plain decoding, "speculative" its prompt lookup."""
+
+    def decode(requests: list[dict]) -> float | None:
+        return rate(sum(len(r["ids"]) - 1 for r in requests), sum(r["latency"] - r["ttft"] for r in requests))
+
+    return {
+        "backend": label,
+        "task": task,
+        "length": length,
+        "inputs": len(group),
+        "prompt_tokens": round(sum(map(len, group)) / len(group)),
+        "ttft_plain_s": sum(r["ttft"] for r in plain) / len(group),
+        "ttft_speculative_s": sum(r["ttft"] for r in lookup) / len(group),
+        "decode_plain_tokens_per_s": decode(plain),
+        "decode_speculative_tokens_per_s": decode(lookup),
+        "decode_speedup": ratio(decode(lookup), decode(plain)),
+        "request_speedup": ratio(sum(r["latency"] for r in plain), sum(r["latency"] for r in lookup)),
+        "identical": sum(a["ids"] == b["ids"] for a, b in zip(plain, lookup)),
+        "mean_accepted": None,
+    }
 
 
 def rate(tokens: int, seconds: float) -> float | None:
@@ -399,7 +436,8 @@ def parse_args(argv=None):
     parser.add_argument(
         "--peers",
         default="",
-        help="openvino: also OpenVINO GenAI (its own venv, fp32 weights and KV cache) on the same inputs",
+        help="openvino, llamacpp or both: also OpenVINO GenAI / llama.cpp (each in its own venv, fp32 weights and KV "
+        "cache) on the same inputs",
     )
     parser.add_argument("--venvs", default=None, help="where the peers' venvs live (default artifacts/peers)")
     parser.add_argument(
@@ -422,8 +460,8 @@ def parse_args(argv=None):
     if not args.tasks or any(t not in ("continue", "qa") for t in args.tasks):
         parser.error(f"--tasks takes continue, qa or both, got {','.join(args.tasks)!r}")
     args.peers = [p for p in args.peers.split(",") if p]
-    if any(p != "openvino" for p in args.peers) or (args.peers and args.smoke):
-        parser.error("--peers takes openvino (SmolLM2 only, not with --smoke)")
+    if any(p not in ("openvino", "llamacpp") for p in args.peers) or (args.peers and args.smoke):
+        parser.error("--peers takes openvino, llamacpp or both (SmolLM2 only, not with --smoke)")
     args.backends = [b for b in args.backends.split(",") if b]
     if not args.backends or any(b not in ("torch", "onnx") for b in args.backends):
         parser.error("--backends takes torch, onnx or both")
@@ -468,6 +506,9 @@ def main(argv=None) -> None:
         rows = summarize(requests)
         if "openvino" in args.peers:
             rows += openvino_rows(prompts, args, Path(scratch))
+        if "llamacpp" in args.peers:
+            eos_ids = next(iter(infos.values()))["eos_ids"]
+            rows += llamacpp_rows(prompts, eos_ids, args, Path(scratch))
     print_table(rows, args, infos)
     if args.json:
         report = {

@@ -2,6 +2,7 @@
 
     python llamacpp_peer.py convert SOURCE.gguf OUT.gguf --quant f32|q8_0|q4_0|same
     python llamacpp_peer.py bench MODEL.gguf IDS.json [--max-new-tokens 96] [--threads 2] [--eos 1,2]
+                                  [--n-ctx 2048] [--kv-f32] [--flash-attn]
     python llamacpp_peer.py curve MODEL.gguf [--max-k 16] [--context 128] [--rounds 5] [--threads 2]
 
 ``convert`` writes a GGUF of the same checkpoint: ``f32`` de-quantizes every tensor of SOURCE (our fp32
@@ -9,7 +10,9 @@ weights are exactly that de-quantization), keeping its metadata and tokenizer; `
 quantize that f32 file with llama.cpp's own quantizer; ``same`` copies SOURCE. ``bench`` decodes every
 prompt greedily, plainly and with llama-cpp-python's prompt-lookup drafter (``LlamaPromptLookupDecoding``,
 5 tokens, n-grams up to 3), stopping at ``--eos`` or after ``--max-new-tokens``; prints one JSON object like
-``openvino_genai_peer.py``. ``curve`` times one k-token batch decode after ``--context`` cached positions
+``openvino_genai_peer.py``, with each request's time to its first token and its whole time under ``requests``
+(long inputs need ``--n-ctx`` above their length; ``--kv-f32`` keeps the KV cache in float32, the fp32 model's
+computation, where llama.cpp's default is float16; ``--flash-attn`` turns on its fused attention). ``curve`` times one k-token batch decode after ``--context`` cached positions
 for k = 1..max-k (minimum over rounds, k in turns), for ``benchmarks/verify_curve.py``.
 """
 
@@ -72,38 +75,52 @@ def convert(args) -> None:
 
 
 def bench(args) -> None:
+    import llama_cpp
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     prompts = json.load(open(args.ids_file))
     eos = {int(t) for t in args.eos.split(",") if t}
-    common = dict(n_ctx=2048, n_threads=args.threads, n_threads_batch=args.threads, verbose=False, seed=0)
+    common = dict(n_ctx=args.n_ctx, n_threads=args.threads, n_threads_batch=args.threads, verbose=False, seed=0)
+    if args.kv_f32:
+        common.update(type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
+    if args.flash_attn:
+        common.update(flash_attn=True)
     engines = {
         "plain": Llama(args.model, **common),
+        # logits_all: llama-cpp-python turns it on for a draft model but sizes its logits buffer by the argument
+        # (n_batch rows), so a prompt longer than a batch fails unless it is asked for
         "prompt_lookup": Llama(
-            args.model, draft_model=LlamaPromptLookupDecoding(num_pred_tokens=5, max_ngram_size=3), **common
+            args.model,
+            draft_model=LlamaPromptLookupDecoding(num_pred_tokens=5, max_ngram_size=3),
+            logits_all=True,
+            **common,
         ),
     }
 
     def decode(llm, ids, limit):
-        out = []
+        """The new tokens and the time of the first one from the call (``generate`` yields it after reading the
+        prompt)."""
+        out, start, first = [], time.perf_counter(), None
         for token in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+            first = time.perf_counter() - start if first is None else first
             out.append(int(token))
             if token in eos or len(out) >= limit or llm.token_eos() == token:
                 break
-        return out
+        return out, first
 
-    report = {mode: {"new_tokens": 0, "seconds": 0.0, "outputs": []} for mode in engines}
+    report = {mode: {"new_tokens": 0, "seconds": 0.0, "outputs": [], "requests": []} for mode in engines}
     for llm in engines.values():
-        decode(llm, prompts[0], 4)  # warm-up
+        decode(llm, prompts[0][:64], 4)  # warm-up
     for ids in prompts:
         for mode, llm in engines.items():
             start = time.perf_counter()
-            out = decode(llm, ids, args.max_new_tokens)
-            report[mode]["seconds"] += time.perf_counter() - start
+            out, first = decode(llm, ids, args.max_new_tokens)
+            seconds = time.perf_counter() - start
+            report[mode]["seconds"] += seconds
             report[mode]["new_tokens"] += len(out)
             report[mode]["outputs"].append(out)
-    import llama_cpp
+            report[mode]["requests"].append({"ids": out, "ttft": first, "latency": seconds})
 
     report["versions"] = {"llama_cpp_python": llama_cpp.__version__}
     json.dump(report, sys.stdout)
@@ -159,6 +176,9 @@ def main() -> None:
     b.add_argument("--max-new-tokens", type=int, default=96)
     b.add_argument("--threads", type=int, default=2)
     b.add_argument("--eos", default="")
+    b.add_argument("--n-ctx", type=int, default=2048, help="context size (prompt plus new tokens must fit)")
+    b.add_argument("--kv-f32", action="store_true", help="a float32 KV cache (default: llama.cpp's float16)")
+    b.add_argument("--flash-attn", action="store_true", help="llama.cpp's fused attention")
     k = sub.add_parser("curve")
     k.add_argument("model")
     k.add_argument("--max-k", type=int, default=16)
