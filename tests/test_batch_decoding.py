@@ -364,6 +364,33 @@ def test_expected_tokens_and_the_policy_fall_back_to_plain_under_load():
     assert not draft_pays(costs, 0.3, 4, 0.5, 16)
 
 
+def test_a_sequences_acceptance_is_the_per_token_chance_the_policy_prices():
+    """``expected_tokens`` reads acceptance as the chance of each drafted token after the ones before it; a
+    sequence's running estimate must be that chance, not accepted over drafted (which reads 0.85 as about 0.5
+    from drafts of 8, and prices long drafts at a fraction of what they bring)."""
+    from speccompile.runtime.decoding.batch import Sequence
+
+    rng = np.random.default_rng(0)
+    s = Sequence(request=None, drafter=None, stats=None, view=None, rng=rng)
+    estimates, tokens = [], []
+    for _ in range(3000):
+        depth = 8
+        accepted = 0
+        while accepted < depth and rng.random() < 0.85:
+            accepted += 1
+        s.observe_acceptance(accepted, depth)
+        estimates.append(s.acceptance)
+        tokens.append(accepted + 1)
+    assert np.mean(estimates[500:]) == pytest.approx(0.85, abs=0.03)
+    # and so the policy's tokens per round for a draft of 8 match what the rounds committed
+    assert expected_tokens(np.mean(estimates[500:]), 8) == pytest.approx(np.mean(tokens), rel=0.1)
+    # a tree's depth, not its node count, is what a round judges: all of a 3-deep path accepted is no rejection
+    t = Sequence(request=None, drafter=None, stats=None, view=None, rng=rng)
+    for _ in range(50):
+        t.observe_acceptance(3, 3)
+    assert t.acceptance > 0.99
+
+
 def test_sequences_in_their_prompt_chunks_count_as_load(tiny_decoder):
     """A sequence that finished its prompt while others are still in their prompt chunks drafts as if they were in
     the round: with costs where drafting pays alone and not in a batch of eight, it steps plainly until they join

@@ -42,12 +42,13 @@ from ..drafting.drafter import Draft, RoundContext
 from ..drafting.plan import ReadPlan, read_plan
 from ..errors import InputError
 from ..segments import Row, full_model
-from ..tree import kv_moves
+from ..tree import depths, kv_moves
 from .load import PRIOR_ACCEPTANCE, CallCosts, Choice, best_draft_length, choose_lengths, draft_pays
 from .prompt_cache import PromptCache
 from .request import DecodeRequest, Stats, backend_drafter, cache_length
 
 ACCEPTANCE_MEMORY = 0.8  # weight of a sequence's earlier rounds in its running acceptance
+PRIOR_WEIGHT = 2.0  # the prior acceptance counts as this many judged tokens
 
 
 @dataclass
@@ -64,10 +65,24 @@ class Sequence:
     prefilled: int = 0  # prompt tokens whose KV is written
     reused: int = 0  # of them, copied from an earlier prompt's KV (a shared prefix)
     finished: bool = False
-    acceptance: float = PRIOR_ACCEPTANCE
+    acceptance: float = PRIOR_ACCEPTANCE  # the chance that a drafted token is accepted after the ones before it
+    tested: float = PRIOR_WEIGHT  # drafted tokens the verifier judged, earlier rounds discounted
+    passed: float = PRIOR_WEIGHT * PRIOR_ACCEPTANCE  # of those, the accepted ones
     longest_draft: int = 0  # the most tokens its plan drafts in a round (what the load policy prices)
     device_round: object | None = None
     started: float = field(default_factory=time.perf_counter)
+
+    def observe_acceptance(self, accepted: int, depth: int) -> None:
+        """A round that accepted ``accepted`` of a draft ``depth`` tokens deep. The load policy reads
+        ``acceptance`` as a per-token chance (``expected_tokens``: a draft of k brings 1 + a + .. + a^k), so it
+        is estimated as one: the tokens accepted over the tokens judged, a round judging its accepted tokens
+        and the first rejected one, none after it. (Accepted over drafted, a rate, reads a sequence that accepts
+        each token with chance 0.85 from drafts of 8 as 0.5, and the policy then prices the 8th token at 0.5^8
+        of a token where it brings 0.85^8.)"""
+        tested = accepted + (1 if accepted < depth else 0)
+        self.tested = ACCEPTANCE_MEMORY * self.tested + tested
+        self.passed = ACCEPTANCE_MEMORY * self.passed + accepted
+        self.acceptance = self.passed / self.tested
 
     @property
     def slot(self) -> int:
@@ -388,8 +403,7 @@ class BatchDecoder:
             ctx = RoundContext(s.history, s.pos, len(draft.tokens), s.request.params, s.rng)
             s.drafter.observe(draft, logits, committed, ctx)
         if draft.tokens:
-            rate = accepted / len(draft.tokens)
-            s.acceptance = ACCEPTANCE_MEMORY * s.acceptance + (1.0 - ACCEPTANCE_MEMORY) * rate
+            s.observe_acceptance(accepted, max(depths(draft.tree_parents)))
 
     def _commit(self, s: Sequence, new: list[int]) -> list[int]:
         s.pos += len(new)
