@@ -126,6 +126,16 @@ class BackendStep:
         return [(t, float(weights[t]) / self._total) for t in top]
 
 
+# Far into a long context a drafted token that the draft itself doubts is not worth its price: a verify row's
+# attention reads the whole past while a windowed draft step does not (runtime/backends/window_shape.py), and the
+# plan's threshold was tuned on short calibration prompts, where a verify of k tokens costs about one plain step.
+# So from LONG_CONTEXT positions on, drafting stops below at least LONG_CONTEXT_THRESHOLD. SmolLM2's ONNX build,
+# two inputs each, tokens/s with the plan's threshold (0) against 0.3, in turns: questions about a 7K-token
+# document 26.3 / 29.1, about a 2K one 36.6 / 42.9; continuing 7K tokens of code 39.9 / 39.0, 2K 57.8 / 58.9
+# (docs/long_inputs.md; drafts of at most 4 did better on questions and worse on code).
+LONG_CONTEXT = 1024
+LONG_CONTEXT_THRESHOLD = 0.3
+
 # A runner-up less likely than this under the draft is not worth a verify row: a leaf pays where it is the model's
 # token often enough that one more token per hit outweighs a row's cost in the verify; leaves above this probability
 # were, leaves above much lower ones were not (measured: docs/history.md, 'Figures behind the code's constants').
@@ -168,6 +178,9 @@ class ModelDrafter(Drafter):
         current = ctx.history[-1]
         most = min(self.policy.max_draft, ctx.limit, ctx.model_steps if ctx.model_steps is not None else ctx.limit)
         branches = self.options.branches - 1 if ctx.params.greedy else 0
+        threshold = self.policy.threshold
+        if ctx.pos >= LONG_CONTEXT:
+            threshold = max(threshold, LONG_CONTEXT_THRESHOLD)
         for j in range(most):
             current, confidence, q = yield current, ctx.pos + j
             draft.tokens.append(current)
@@ -175,7 +188,7 @@ class ModelDrafter(Drafter):
             draft.sources.append(self.name)
             if branches and 1.0 - confidence >= BRANCH_MIN_PROBABILITY:  # else no runner-up can reach the floor
                 leaves += [(j - 1, t) for t, p in self.step.runner_ups(branches) if p >= BRANCH_MIN_PROBABILITY]
-            if confidence < self.policy.threshold:
+            if confidence < threshold:
                 break
         draft.reuse = self.kind.reuse(len(draft.tokens))
         room = ctx.limit - len(draft.tokens)
@@ -198,4 +211,13 @@ class ModelDrafter(Drafter):
         self.policy.update(drafted, min(accepted, drafted))
 
 
-__all__ = ["BRANCH_MIN_PROBABILITY", "BackendStep", "DraftPolicy", "DraftStep", "ModelDrafter", "ModelOptions"]
+__all__ = [
+    "BRANCH_MIN_PROBABILITY",
+    "LONG_CONTEXT",
+    "LONG_CONTEXT_THRESHOLD",
+    "BackendStep",
+    "DraftPolicy",
+    "DraftStep",
+    "ModelDrafter",
+    "ModelOptions",
+]
