@@ -3,7 +3,9 @@
 
 - a draft whose third token has confidence 0.2 runs to the plan's length before ``LONG_CONTEXT`` positions and
   stops after that token from there on; a plan whose own threshold is higher keeps it;
-- greedy output stays plain output on torch and ONNX Runtime with the threshold in force, and drafts get shorter.
+- greedy output stays plain output on torch and ONNX Runtime with the threshold in force, and drafts get shorter;
+- the device round (``runtime/backends/torch/device_round.py``) cuts its drafts by the same rule: its round log
+  equals the host round's.
 """
 
 from __future__ import annotations
@@ -76,3 +78,23 @@ def test_the_long_context_threshold_keeps_output_plain(backend_kind, tiny_decode
     monkeypatch.setattr(model_draft, "LONG_CONTEXT_THRESHOLD", 0.9)  # random weights: a doubtful draft throughout
     assert_speculative_is_plain(backend, probe, prompts, int8_plans(), 30)
     assert any(cut)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen2"])
+def test_the_device_round_cuts_like_the_host_round_at_long_context(family, tiny_decoder, monkeypatch):
+    from lossless import run
+
+    from speccompile.runtime.backends.torch.backend import TorchBackend
+
+    _, decoder = tiny_decoder(family)
+    host = TorchBackend(decoder, round_on_device=False)
+    device = TorchBackend(decoder, round_on_device=True)
+    monkeypatch.setattr(model_draft, "LONG_CONTEXT", 24)
+    monkeypatch.setattr(model_draft, "LONG_CONTEXT_THRESHOLD", 0.9)
+    plan = int8_plans()["int8"]
+    for n in (20, 33):
+        tokens = prompt(decoder.config.vocab_size, n, seed=n)
+        host_out, host_stats = run(host, tokens, 30, plan)
+        device_out, device_stats = run(device, tokens, 30, plan)
+        assert device_out == host_out
+        assert device_stats.round_log == host_stats.round_log

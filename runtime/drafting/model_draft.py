@@ -52,6 +52,17 @@ class DraftStep(Protocol):
         first (at most ``most``): a model-draft tree's leaves (``ModelDrafter``)."""
 
 
+# Far into a long context a drafted token that the draft itself doubts is not worth its price: a verify row's
+# attention reads the whole past while a windowed draft step does not (runtime/backends/window_shape.py), and the
+# plan's threshold was tuned on short calibration prompts, where a verify of k tokens costs about one plain step.
+# So from LONG_CONTEXT positions on, drafting stops below at least LONG_CONTEXT_THRESHOLD. SmolLM2's ONNX build,
+# two inputs each, tokens/s with the plan's threshold (0) against 0.3, in turns: questions about a 7K-token
+# document 26.3 / 29.1, about a 2K one 36.6 / 42.9; continuing 7K tokens of code 39.9 / 39.0, 2K 57.8 / 58.9
+# (docs/long_inputs.md; drafts of at most 4 did better on questions and worse on code).
+LONG_CONTEXT = 1024
+LONG_CONTEXT_THRESHOLD = 0.3
+
+
 @dataclass
 class DraftPolicy:
     """Adaptive draft length (Draft & Verify): stop drafting when the draft's top-1 probability falls
@@ -76,6 +87,11 @@ class DraftPolicy:
             adaptive=options.adaptive,
             target_acceptance=options.target_acceptance,
         )
+
+    def threshold_at(self, pos: int) -> float:
+        """The threshold a draft from ``pos`` stops below: this policy's, and from ``LONG_CONTEXT`` positions on at
+        least ``LONG_CONTEXT_THRESHOLD`` (one rule for the host round and the device round)."""
+        return max(self.threshold, LONG_CONTEXT_THRESHOLD) if pos >= LONG_CONTEXT else self.threshold
 
     def update(self, drafted: int, accepted: int) -> None:
         if not self.adaptive or drafted == 0:
@@ -126,16 +142,6 @@ class BackendStep:
         return [(t, float(weights[t]) / self._total) for t in top]
 
 
-# Far into a long context a drafted token that the draft itself doubts is not worth its price: a verify row's
-# attention reads the whole past while a windowed draft step does not (runtime/backends/window_shape.py), and the
-# plan's threshold was tuned on short calibration prompts, where a verify of k tokens costs about one plain step.
-# So from LONG_CONTEXT positions on, drafting stops below at least LONG_CONTEXT_THRESHOLD. SmolLM2's ONNX build,
-# two inputs each, tokens/s with the plan's threshold (0) against 0.3, in turns: questions about a 7K-token
-# document 26.3 / 29.1, about a 2K one 36.6 / 42.9; continuing 7K tokens of code 39.9 / 39.0, 2K 57.8 / 58.9
-# (docs/long_inputs.md; drafts of at most 4 did better on questions and worse on code).
-LONG_CONTEXT = 1024
-LONG_CONTEXT_THRESHOLD = 0.3
-
 # A runner-up less likely than this under the draft is not worth a verify row: a leaf pays where it is the model's
 # token often enough that one more token per hit outweighs a row's cost in the verify; leaves above this probability
 # were, leaves above much lower ones were not (measured: docs/history.md, 'Figures behind the code's constants').
@@ -178,9 +184,7 @@ class ModelDrafter(Drafter):
         current = ctx.history[-1]
         most = min(self.policy.max_draft, ctx.limit, ctx.model_steps if ctx.model_steps is not None else ctx.limit)
         branches = self.options.branches - 1 if ctx.params.greedy else 0
-        threshold = self.policy.threshold
-        if ctx.pos >= LONG_CONTEXT:
-            threshold = max(threshold, LONG_CONTEXT_THRESHOLD)
+        threshold = self.policy.threshold_at(ctx.pos)
         for j in range(most):
             current, confidence, q = yield current, ctx.pos + j
             draft.tokens.append(current)

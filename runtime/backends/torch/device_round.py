@@ -160,7 +160,7 @@ class DeviceRound:
         if mode == "lookup" and not lookup.on_device:
             self.draft[:n].copy_(torch.tensor(lookup.tokens, dtype=torch.long), non_blocking=True)  # waits for nothing
         if mode == "model":
-            self.threshold.fill_(self.model.policy.threshold)
+            self.threshold.fill_(self.model.policy.threshold_at(ctx.pos))
         if not params.greedy:
             torch.rand(
                 2 * n + 1, generator=self.generator, dtype=torch.float64, device=self.device, out=self.u[: 2 * n + 1]
